@@ -1,0 +1,100 @@
+"""Engine configuration: what the user set, checked once; derived values live on the engine."""
+import os
+from dataclasses import dataclass, field, fields
+
+DEVICES = ("auto", "cuda", "cpu")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "flash-attn", "triton", "torch")
+
+
+def _check_int(name: str, value, low: int, high: int | None = None, extra: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"Config.{name} must be an int, got {value!r} ({type(value).__name__})")
+    if value < low or (high is not None and value > high):
+        allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"Config.{name} must be {allowed}{extra}, got {value}")
+
+
+def _check_choice(name: str, value, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"Config.{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+
+
+@dataclass
+class Config:
+    """Every keyword of ``LLM(model, **kwargs)``; an unknown keyword is a TypeError."""
+
+    model: str
+    max_num_batched_tokens: int = 16384
+    max_num_seqs: int = 512
+    max_model_len: int = 4096
+    gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False
+    kvcache_block_size: int = 256
+    num_kvcache_blocks: int = -1
+    device: str = "auto"
+    dtype: str = "auto"
+    attention_backend: str = "auto"
+    hf_config: object = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, (str, os.PathLike)):
+            raise TypeError(f"Config.model must be a path to a local model folder, got {self.model!r}")
+        self.model = os.fspath(self.model)
+        if not os.path.isfile(os.path.join(self.model, "config.json")):
+            raise ValueError(
+                f"Config.model must be a local folder holding config.json and *.safetensors, got {self.model!r}"
+            )
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _check_int("max_num_seqs", self.max_num_seqs, 1)
+        _check_int("max_model_len", self.max_model_len, 2)
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, 1, 8)
+        _check_int("kvcache_block_size", self.kvcache_block_size, 1)
+        if self.kvcache_block_size & (self.kvcache_block_size - 1):
+            raise ValueError(f"Config.kvcache_block_size must be a power of two, got {self.kvcache_block_size}")
+        _check_int("num_kvcache_blocks", self.num_kvcache_blocks, -1)
+        if self.num_kvcache_blocks == 0:
+            raise ValueError("Config.num_kvcache_blocks must be -1 (size from free memory) or >= 1, got 0")
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float)):
+            raise TypeError(f"Config.gpu_memory_utilization must be a number, got {u!r}")
+        if not 0 < u <= 1:
+            raise ValueError(f"Config.gpu_memory_utilization must be in (0, 1], got {u}")
+        if not isinstance(self.enforce_eager, bool):
+            raise TypeError(f"Config.enforce_eager must be a bool, got {self.enforce_eager!r}")
+        _check_choice("device", self.device, DEVICES)
+        _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+
+        from transformers import AutoConfig
+
+        self.hf_config = AutoConfig.from_pretrained(self.model)
+        self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls) if f.init]
+
+    def resolved_device(self) -> str:
+        """The one place that picks the device: "cuda" when asked for or available, else "cpu"."""
+        import torch
+
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("Config.device is 'cuda' but no CUDA GPU is available; use 'cpu' or 'auto'")
+        return self.device
+
+    def resolved_dtype(self, device: str):
+        """The run dtype: the checkpoint's on GPU, float32 on CPU, unless ``dtype`` forces one."""
+        import torch
+
+        if self.dtype != "auto":
+            return getattr(torch, self.dtype)
+        if device == "cpu":
+            return torch.float32
+        dtype = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        return dtype if dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.bfloat16

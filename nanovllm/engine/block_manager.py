@@ -1,0 +1,147 @@
+"""Paged KV-cache blocks with reference counts and a hash-chained prefix cache (pure Python)."""
+from collections import OrderedDict
+
+import numpy as np
+import xxhash
+
+from nanovllm.engine.sequence import Sequence
+
+
+class Block:
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash = -1  # -1: not a full, hashed block
+        self.token_ids: list[int] = []
+
+    def update(self, h: int, token_ids: list[int]) -> None:
+        self.hash = h
+        self.token_ids = token_ids
+
+    def reset(self) -> None:
+        self.ref_count = 1
+        self.hash = -1
+        self.token_ids = []
+
+
+class BlockManager:
+    """A fixed pool of KV blocks shared by all sequences.
+
+    Blocks that are freed keep their hash and tokens at the back of the free queue, so a later
+    request with the same prefix can take them back; a block handed out for new content forgets
+    its old hash. Invariants (checked by the tests after every step): each used block's
+    ``ref_count`` equals the number of block tables holding it, and free + used = all blocks.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks} and {block_size}")
+        self.block_size = block_size
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.hash_to_block_id: dict[int, int] = {}
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.used_block_ids: set[int] = set()
+
+    @staticmethod
+    def compute_hash(token_ids: list[int], prefix: int = -1) -> int:
+        """xxh64 over the previous block's hash (8 bytes LE, absent for the first block), then the
+        token ids as int64 LE: the hash stands for the whole prefix ending with this block."""
+        h = xxhash.xxh64()
+        if prefix != -1:
+            h.update(prefix.to_bytes(8, "little"))
+        h.update(np.asarray(token_ids, dtype="<i8").tobytes())
+        return h.intdigest()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self.free_block_ids.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash != -1 and self.hash_to_block_id.get(block.hash) == block_id:
+            del self.hash_to_block_id[block.hash]
+        block.reset()
+        self.used_block_ids.add(block_id)
+        return block_id
+
+    def _release_block(self, block_id: int) -> None:
+        self.used_block_ids.remove(block_id)
+        self.free_block_ids[block_id] = None
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids of the longest cached prefix of ``seq``. The last block of the sequence is
+        never a hit, so a prefill always has at least one token to compute."""
+        hits = []
+        h = -1
+        for i in range(seq.num_blocks - 1):
+            token_ids = seq.block(i)
+            h = self.compute_hash(token_ids, h)
+            block_id = self.hash_to_block_id.get(h, -1)
+            if block_id == -1 or self.blocks[block_id].token_ids != token_ids:
+                break
+            hits.append(block_id)
+        return hits
+
+    def num_cached_tokens(self, seq: Sequence) -> int:
+        """How many of ``seq``'s tokens ``allocate`` would serve from the prefix cache."""
+        return len(self._cached_prefix(seq)) * self.block_size
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        """True when the free queue holds every block ``seq`` needs beyond its cached prefix
+        (a hit on a freed-but-remembered block also comes out of the free queue)."""
+        hits = self._cached_prefix(seq)
+        needed = seq.num_blocks - sum(self.blocks[b].ref_count > 0 for b in hits)
+        return needed <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give ``seq`` a block table for all its tokens, reusing its cached prefix."""
+        assert not seq.block_table, f"sequence {seq.seq_id} already holds blocks"
+        hits = self._cached_prefix(seq)
+        for block_id in hits:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_block_ids[block_id]
+                self.used_block_ids.add(block_id)
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+        for _ in range(seq.num_blocks - len(hits)):
+            seq.block_table.append(self._take_free_block())
+        seq.num_cached_tokens = len(hits) * self.block_size
+        if seq.num_prefix_hit_tokens < 0:
+            seq.num_prefix_hit_tokens = seq.num_cached_tokens
+
+    def deallocate(self, seq: Sequence) -> None:
+        """Drop ``seq``'s references, newest block first; blocks nobody holds become free (their
+        hash is kept, so a later request can still hit them)."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._release_block(block_id)
+        seq.num_cached_tokens = 0
+        seq.block_table.clear()
+
+    def can_append(self, seq: Sequence) -> bool:
+        """True when the next decode step of ``seq`` has a slot: it needs a new block exactly
+        when its length is one past a block boundary (its newest token starts a block)."""
+        return self.num_free_blocks >= (seq.num_blocks > len(seq.block_table))
+
+    def may_append(self, seq: Sequence) -> None:
+        """Before a decode step: add the block the newest token's KV will be written to."""
+        if len(seq.block_table) < seq.num_blocks:
+            seq.block_table.append(self._take_free_block())
+
+    def hash_blocks(self, seq: Sequence) -> None:
+        """After a step: hash and register every block of ``seq`` that its computed tokens fill."""
+        num_full = seq.num_cached_tokens // self.block_size
+        start = num_full
+        while start > 0 and self.blocks[seq.block_table[start - 1]].hash == -1:
+            start -= 1
+        h = self.blocks[seq.block_table[start - 1]].hash if start > 0 else -1
+        for i in range(start, num_full):
+            token_ids = seq.block(i)
+            h = self.compute_hash(token_ids, h)
+            block_id = seq.block_table[i]
+            self.blocks[block_id].update(h, token_ids)
+            self.hash_to_block_id[h] = block_id

@@ -1,0 +1,293 @@
+"""One tensor-parallel rank: the model, its KV cache, per-step inputs and (on GPU) CUDA graphs."""
+import os
+import pickle
+from multiprocessing.shared_memory import SharedMemory
+from multiprocessing.synchronize import Event
+
+import torch
+import torch.distributed as dist
+
+from nanovllm.config import Config
+from nanovllm.engine.sequence import Sequence
+from nanovllm.layers.attention import Attention, get_attention_backend, resolve_backend_name
+from nanovllm.layers.sampler import Sampler
+from nanovllm.models.qwen3 import Qwen3ForCausalLM
+from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.context import Context, step_context
+from nanovllm.utils.loader import load_model
+
+SHM_SIZE = 1 << 20  # control-channel segment: 4-byte length, then the pickled call
+CPU_KV_CACHE_SHARE = 0.25  # on CPU, num_kvcache_blocks=-1 takes this share of available memory
+
+
+class ModelRunner:
+    def __init__(self, config: Config, rank: int, dist_port: int, shm_name: str, events: list[Event] | Event):
+        self.config = config
+        hf_config = config.hf_config
+        self.block_size = config.kvcache_block_size
+        self.world_size = config.tensor_parallel_size
+        self.rank = rank
+        self.events = events
+        self.device = torch.device(config.resolved_device())
+        self.enforce_eager = config.enforce_eager or self.device.type == "cpu"
+        if self.device.type == "cuda":
+            torch.cuda.set_device(rank)
+            self.device = torch.device("cuda", rank)
+        if self.world_size > 1:
+            dist.init_process_group(
+                "nccl" if self.device.type == "cuda" else "gloo",
+                init_method=f"tcp://127.0.0.1:{dist_port}",
+                world_size=self.world_size,
+                rank=rank,
+                device_id=self.device if self.device.type == "cuda" else None,
+            )
+        self.dtype = config.resolved_dtype(self.device.type)
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with self.device:
+                self.model = Qwen3ForCausalLM(hf_config)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        load_model(self.model, config.model)
+        self.backend = get_attention_backend(
+            resolve_backend_name(config.attention_backend, self.device.type, self.block_size)
+        )
+        self.sampler = Sampler()
+        self.num_kvcache_blocks = self.allocate_kv_cache()
+        self.graphs = {}
+        if not self.enforce_eager:
+            self.capture_cudagraph()
+
+        self.shm = None
+        if self.world_size > 1:
+            if rank == 0:
+                self.shm = SharedMemory(name=shm_name, create=True, size=SHM_SIZE)
+                dist.barrier()
+            else:
+                dist.barrier()
+                self.shm = SharedMemory(name=shm_name)
+                self.loop()
+
+    # ---- control channel (rank 0 -> workers) -------------------------------------------------
+
+    def exit(self) -> None:
+        if self.shm is not None:
+            self.shm.close()
+            dist.barrier()
+            if self.rank == 0:
+                self.shm.unlink()
+            self.shm = None
+        self.graphs.clear()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        if self.world_size > 1:
+            dist.destroy_process_group()
+
+    def loop(self) -> None:
+        while True:
+            method_name, args = self.read_shm()
+            self.call(method_name, *args)
+            if method_name == "exit":
+                break
+
+    def read_shm(self) -> tuple[str, list]:
+        self.events.wait()
+        n = int.from_bytes(self.shm.buf[0:4], "little")
+        method_name, *args = pickle.loads(self.shm.buf[4 : n + 4])
+        self.events.clear()
+        return method_name, args
+
+    def write_shm(self, method_name: str, *args) -> None:
+        data = pickle.dumps([method_name, *args])
+        n = len(data)
+        if n + 4 > self.shm.size:
+            raise ValueError(
+                f"control message for {method_name!r} is {n} bytes, more than the {self.shm.size - 4}-byte channel"
+            )
+        self.shm.buf[0:4] = n.to_bytes(4, "little")
+        self.shm.buf[4 : n + 4] = data
+        for event in self.events:
+            event.set()
+
+    def call(self, method_name: str, *args):
+        if self.world_size > 1 and self.rank == 0:
+            self.write_shm(method_name, *args)
+        return getattr(self, method_name)(*args)
+
+    # ---- start-up ----------------------------------------------------------------------------
+
+    def warmup_model(self) -> None:
+        """One prefill of the largest batch, so the KV cache is sized from the true peak."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        max_tokens = self.config.max_num_batched_tokens
+        seq_len = min(self.config.max_model_len, max_tokens)
+        num_seqs = max(1, min(max_tokens // seq_len, self.config.max_num_seqs))
+        seqs = []
+        for _ in range(num_seqs):
+            seq = Sequence([0] * seq_len, SamplingParams(), self.block_size)
+            seq.num_scheduled_tokens = len(seq)
+            seqs.append(seq)
+        self.run(seqs, True)
+        torch.cuda.empty_cache()
+
+    def allocate_kv_cache(self) -> int:
+        """Size the cache (all ranks agree on the minimum), allocate it as one tensor
+        [2, layers, blocks, block_size, kv_heads, head_dim] and hand each layer its views."""
+        hf_config = self.config.hf_config
+        num_kv_heads = hf_config.num_key_value_heads // self.world_size
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        num_layers = hf_config.num_hidden_layers
+        block_bytes = 2 * num_layers * self.block_size * num_kv_heads * head_dim * self.dtype.itemsize
+        num_blocks = self.config.num_kvcache_blocks
+        if num_blocks == -1:
+            if self.device.type == "cuda":
+                self.warmup_model()
+                free, total = torch.cuda.mem_get_info()
+                stats = torch.cuda.memory_stats()
+                peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
+                budget = int(total * self.config.gpu_memory_utilization) - (total - free) - peak + current
+            else:
+                available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+                blocks_per_seq = -(-self.config.max_model_len // self.block_size)
+                budget = min(int(available * CPU_KV_CACHE_SHARE), self.config.max_num_seqs * blocks_per_seq * block_bytes)
+            num_blocks = budget // block_bytes
+        if self.world_size > 1:
+            t = torch.tensor([num_blocks], device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+            num_blocks = int(t.item())
+        if num_blocks <= 0:
+            raise RuntimeError(
+                f"no KV-cache block fits in memory (one block takes {block_bytes / 2**20:.1f} MiB); "
+                "raise gpu_memory_utilization, or lower max_num_batched_tokens / max_model_len"
+            )
+        self.kv_cache = torch.empty(
+            2, num_layers, num_blocks, self.block_size, num_kv_heads, head_dim, dtype=self.dtype, device=self.device
+        )
+        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        for i, module in enumerate(layers):
+            module.k_cache = self.kv_cache[0, i]
+            module.v_cache = self.kv_cache[1, i]
+            module.backend = self.backend
+        return num_blocks
+
+    # ---- per-step inputs ---------------------------------------------------------------------
+
+    def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return torch.tensor(data, dtype=dtype)
+        return torch.tensor(data, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
+
+    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
+        width = max(len(seq.block_table) for seq in seqs)
+        return self._tensor([seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs], torch.int32)
+
+    def prepare_prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, Context]:
+        """The ``num_scheduled_tokens`` tokens after each sequence's cached prefix."""
+        input_ids, positions, slot_mapping = [], [], []
+        cu_q, cu_k = [0], [0]
+        bs = self.block_size
+        for seq in seqs:
+            start = seq.num_cached_tokens
+            end = start + seq.num_scheduled_tokens
+            input_ids.extend(seq.token_ids[start:end] if seq.token_ids else [seq.last_token])
+            positions.extend(range(start, end))
+            cu_q.append(cu_q[-1] + end - start)
+            cu_k.append(cu_k[-1] + end)
+            for i in range(start // bs, (end + bs - 1) // bs) if seq.block_table else ():
+                offset = seq.block_table[i] * bs - i * bs  # slot of position p in block i: offset + p
+                slot_mapping.extend(range(offset + max(start, i * bs), offset + min(end, (i + 1) * bs)))
+        has_prefix = cu_k[-1] > cu_q[-1]
+        context = Context(
+            is_prefill=True,
+            cu_seqlens_q=self._tensor(cu_q, torch.int32),
+            cu_seqlens_k=self._tensor(cu_k, torch.int32),
+            max_seqlen_q=max(b - a for a, b in zip(cu_q, cu_q[1:])),
+            max_seqlen_k=max(b - a for a, b in zip(cu_k, cu_k[1:])),
+            slot_mapping=self._tensor(slot_mapping, torch.int32),
+            block_tables=self._block_tables(seqs) if has_prefix else None,
+        )
+        return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), context
+
+    def prepare_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, Context]:
+        """Each sequence's newest token, whose KV goes to the slot after its cached tokens."""
+        bs = self.block_size
+        positions = [len(seq) - 1 for seq in seqs]
+        slot_mapping = [seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, positions)]
+        context = Context(
+            is_prefill=False,
+            slot_mapping=self._tensor(slot_mapping, torch.int32),
+            context_lens=self._tensor([len(seq) for seq in seqs], torch.int32),
+            block_tables=self._block_tables(seqs),
+        )
+        input_ids = self._tensor([seq.last_token for seq in seqs], torch.int64)
+        return input_ids, self._tensor(positions, torch.int64), context
+
+    # ---- running a step ----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context) -> torch.Tensor:
+        batch = input_ids.size(0)
+        if context.is_prefill or self.enforce_eager or batch > self.graph_bs[-1]:
+            with step_context(context):
+                return self.model.compute_logits(self.model(input_ids, positions))
+        graph_bs = next(b for b in self.graph_bs if b >= batch)
+        v = self.graph_vars
+        v["input_ids"][:batch] = input_ids
+        v["positions"][:batch] = positions
+        v["slot_mapping"].fill_(-1)
+        v["slot_mapping"][:batch] = context.slot_mapping
+        v["context_lens"].zero_()
+        v["context_lens"][:batch] = context.context_lens
+        v["block_tables"][:batch, : context.block_tables.size(1)] = context.block_tables
+        self.graphs[graph_bs].replay()
+        with step_context(context):
+            return self.model.compute_logits(v["outputs"][:batch])
+
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int] | None:
+        """Compute one step; rank 0 returns one sampled token id per sequence."""
+        input_ids, positions, context = (self.prepare_prefill if is_prefill else self.prepare_decode)(seqs)
+        logits = self.run_model(input_ids, positions, context)
+        if self.rank != 0:
+            return None
+        temperatures = self._tensor([seq.temperature for seq in seqs], torch.float32)
+        with torch.inference_mode():
+            return self.sampler(logits, temperatures).tolist()
+
+    @torch.inference_mode()
+    def capture_cudagraph(self) -> None:
+        """Capture decode graphs for batch sizes 1, 2, 4, 8, 16, 32, ... up to
+        min(max_num_seqs, 512), largest first, in one shared memory pool."""
+        max_bs = min(self.config.max_num_seqs, 512)
+        max_blocks = -(-self.config.max_model_len // self.block_size)
+        hidden = self.config.hf_config.hidden_size
+        with self.device:
+            v = dict(
+                input_ids=torch.zeros(max_bs, dtype=torch.int64),
+                positions=torch.zeros(max_bs, dtype=torch.int64),
+                slot_mapping=torch.full((max_bs,), -1, dtype=torch.int32),
+                context_lens=torch.zeros(max_bs, dtype=torch.int32),
+                block_tables=torch.zeros(max_bs, max_blocks, dtype=torch.int32),
+                outputs=torch.zeros(max_bs, hidden, dtype=self.dtype),
+            )
+        sizes = [b for b in (1, 2, 4, 8) if b < max_bs] + list(range(16, max_bs, 16)) + [max_bs]
+        self.graph_bs = sorted(set(sizes))
+        pool = None
+        for batch in reversed(self.graph_bs):
+            graph = torch.cuda.CUDAGraph()
+            context = Context(
+                is_prefill=False,
+                slot_mapping=v["slot_mapping"][:batch],
+                context_lens=v["context_lens"][:batch],
+                block_tables=v["block_tables"][:batch],
+            )
+            with step_context(context):
+                v["outputs"][:batch] = self.model(v["input_ids"][:batch], v["positions"][:batch])  # warm-up
+                with torch.cuda.graph(graph, pool):
+                    v["outputs"][:batch] = self.model(v["input_ids"][:batch], v["positions"][:batch])
+            if pool is None:
+                pool = graph.pool()
+            self.graphs[batch] = graph
+            torch.cuda.synchronize()
+        self.graph_vars = v

@@ -1,0 +1,116 @@
+"""Decides what each step computes: prefill first, FIFO, chunked prompts and preemption (pure Python)."""
+from collections import deque
+
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.sequence import Sequence, SequenceStatus
+
+
+class Scheduler:
+    """Two FIFO queues. ``waiting`` holds sequences whose prompt is not fully computed (only its
+    head may already hold blocks, part-way through a chunked prefill); ``running`` holds
+    sequences in decode."""
+
+    def __init__(
+        self,
+        *,
+        num_blocks: int,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        eos_token_id: int | list[int] | None,
+    ):
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        if eos_token_id is None:
+            eos_token_id = []
+        self.eos_token_ids = frozenset([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
+        self.block_manager = BlockManager(num_blocks, block_size)
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()
+
+    def is_finished(self) -> bool:
+        return not self.waiting and not self.running
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def schedule(self) -> tuple[list[Sequence], bool]:
+        """Pick this step's sequences and set their ``num_scheduled_tokens``.
+
+        Returns ``(seqs, is_prefill)``. Prefill takes waiting sequences in order while the
+        sequence limit, the token budget (uncached tokens only) and free blocks allow; only the
+        first sequence of a step may be chunked. Without prefill work, every running sequence
+        decodes one token, preempting the newest ones when blocks run out.
+        """
+        scheduled: list[Sequence] = []
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+        num_seqs = len(self.running)  # a chunked prefill in progress counts from its admission
+        while self.waiting and budget > 0 and num_seqs < self.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.block_table:  # a chunked prefill in progress
+                num_uncached = len(seq) - seq.num_cached_tokens
+            else:
+                num_uncached = len(seq) - bm.num_cached_tokens(seq)
+                if (scheduled and num_uncached > budget) or not bm.can_allocate(seq):
+                    break
+                bm.allocate(seq)
+            seq.num_scheduled_tokens = min(num_uncached, budget)
+            budget -= seq.num_scheduled_tokens
+            num_seqs += 1
+            scheduled.append(seq)
+            if seq.num_scheduled_tokens < num_uncached:
+                break  # chunked: the rest of its prompt waits for the next step
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+        if scheduled:
+            return scheduled, True
+
+        while self.running and len(scheduled) < self.max_num_seqs:
+            seq = self.running.popleft()
+            while not bm.can_append(seq):
+                if self.running:
+                    self.preempt(self.running.pop())
+                else:
+                    self.preempt(seq)
+                    break
+            else:
+                bm.may_append(seq)
+                seq.num_scheduled_tokens = 1
+                scheduled.append(seq)
+        self.running.extendleft(reversed(scheduled))
+        return scheduled, False
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free ``seq``'s blocks and put it back at the head of ``waiting`` for recomputation."""
+        seq.status = SequenceStatus.WAITING
+        seq.num_scheduled_tokens = 0
+        self.block_manager.deallocate(seq)
+        self.waiting.appendleft(seq)
+
+    def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
+        """Record a step's results; returns the sequences that finished in it.
+
+        A sequence whose prompt is still part-way through a chunked prefill gets no token.
+        """
+        finished = []
+        for seq, token_id in zip(seqs, token_ids):
+            seq.num_cached_tokens += seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = 0
+            self.block_manager.hash_blocks(seq)
+            if seq.num_cached_tokens < len(seq):
+                continue
+            seq.append_token(token_id)
+            if (
+                (not seq.ignore_eos and token_id in self.eos_token_ids)
+                or seq.num_completion_tokens >= seq.max_tokens
+                or len(seq) >= self.max_model_len
+            ):
+                seq.status = SequenceStatus.FINISHED
+                self.block_manager.deallocate(seq)
+                self.running.remove(seq)
+                finished.append(seq)
+        return finished

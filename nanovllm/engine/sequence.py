@@ -1,0 +1,91 @@
+"""One request: its tokens, where its KV lives, and how far it has been computed (pure Python)."""
+from copy import copy
+from enum import Enum, auto
+from itertools import count
+
+from nanovllm.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    """A request's token ids plus its paged-KV bookkeeping.
+
+    Invariant: the KV of ``token_ids[:num_cached_tokens]`` is stored in the cache blocks of
+    ``block_table``; a step computes the next ``num_scheduled_tokens`` of them.
+    """
+
+    _ids = count()
+
+    def __init__(self, token_ids: list[int], sampling_params: SamplingParams, block_size: int):
+        self.seq_id = next(Sequence._ids)
+        self.status = SequenceStatus.WAITING
+        self.block_size = block_size
+        self.token_ids = list(token_ids)
+        self.last_token = self.token_ids[-1]
+        self.num_tokens = len(self.token_ids)
+        self.num_prompt_tokens = self.num_tokens
+        self.num_cached_tokens = 0
+        self.num_scheduled_tokens = 0
+        self.num_prefix_hit_tokens = -1  # prompt tokens served by the prefix cache at first admission
+        self.block_table: list[int] = []
+        self.temperature = sampling_params.temperature
+        self.max_tokens = sampling_params.max_tokens
+        self.ignore_eos = sampling_params.ignore_eos
+
+    def __len__(self) -> int:
+        return self.num_tokens
+
+    def __getitem__(self, key):
+        return self.token_ids[key]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_blocks(self) -> int:
+        return (self.num_tokens + self.block_size - 1) // self.block_size
+
+    @property
+    def last_block_num_tokens(self) -> int:
+        return self.num_tokens - (self.num_blocks - 1) * self.block_size
+
+    def block(self, i: int) -> list[int]:
+        if not 0 <= i < self.num_blocks:
+            raise IndexError(f"block index {i} out of range for {self.num_blocks} blocks")
+        return self.token_ids[i * self.block_size : (i + 1) * self.block_size]
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        self.last_token = token_id
+        self.num_tokens += 1
+
+    # Worker processes need only what a step reads: the token ids still to be computed go along
+    # while there are several; in decode only the last token travels.
+    def __getstate__(self):
+        state = copy(self.__dict__)
+        if self.num_tokens - self.num_cached_tokens <= 1:
+            del state["token_ids"]
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        if "token_ids" not in state:
+            self.token_ids = []

@@ -1,0 +1,18 @@
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanovllm.utils.compile import compile_on_gpu
+
+
+@compile_on_gpu
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, -1)
+    return F.silu(gate) * up
+
+
+class SiluAndMul(nn.Module):
+    """SwiGLU: the input is [gate | up] on the last dim; returns SiLU(gate) * up."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul(x)

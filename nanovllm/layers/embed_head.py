@@ -1,0 +1,51 @@
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from nanovllm.utils.context import get_context
+from nanovllm.utils.distributed import get_tp_rank, get_tp_size
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank holds a contiguous slice of the vocabulary; ids outside it embed to zero and one
+    all-reduce sums the slices."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        super().__init__()
+        self.tp_rank = get_tp_rank()
+        self.tp_size = get_tp_size()
+        assert num_embeddings % self.tp_size == 0, "vocab size must divide by tensor_parallel_size"
+        self.num_embeddings_per_rank = num_embeddings // self.tp_size
+        self.vocab_start = self.tp_rank * self.num_embeddings_per_rank
+        self.vocab_end = self.vocab_start + self.num_embeddings_per_rank
+        self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_rank, embedding_dim))
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        param.data.copy_(loaded.narrow(0, self.vocab_start, self.num_embeddings_per_rank))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(x, self.weight)
+        mask = (x >= self.vocab_start) & (x < self.vocab_end)
+        y = F.embedding((x - self.vocab_start) * mask, self.weight) * mask.unsqueeze(-1)
+        dist.all_reduce(y)
+        return y
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits for each sequence's last position (prefill) or its single token (decode); with
+    several ranks the vocabulary slices are gathered on rank 0, the only rank that samples.
+    Returns None on the other ranks."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        context = get_context()
+        if context.is_prefill:
+            x = x[context.cu_seqlens_q[1:] - 1].contiguous()
+        logits = F.linear(x, self.weight)
+        if self.tp_size == 1:
+            return logits
+        parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
+        dist.gather(logits, parts, dst=0)
+        return torch.cat(parts, dim=-1) if self.tp_rank == 0 else None

@@ -1,0 +1,38 @@
+import torch
+from torch import nn
+
+from nanovllm.utils.compile import compile_on_gpu
+
+
+@compile_on_gpu
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # out of place throughout: x.float() is x itself when x is already float32
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+@compile_on_gpu
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    x = x + residual
+    return rms_norm.__wrapped__(x, weight, eps), x
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32. With ``residual`` it first adds it (fused residual add) and
+    returns ``(normed, x + residual)``. Nothing is updated in place, so the caller's tensors stay
+    intact in every dtype."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return add_rms_norm(x, residual, self.weight, self.eps)

@@ -1,0 +1,10 @@
+"""Tensor-parallel rank and size: the default process group, or a single rank without one."""
+import torch.distributed as dist
+
+
+def get_tp_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def get_tp_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
