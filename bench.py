@@ -1,0 +1,70 @@
+"""Offline throughput benchmark: the original nano-vllm workload.
+
+256 requests (random.seed(0)); each prompt has randint(100, 1024) tokens drawn as randint(0, 10000);
+each request's max_tokens is randint(100, 1024), drawn after all prompts; temperature 0.6,
+ignore_eos. One short warm-up generate comes first. 133,966 output tokens in all.
+
+    python bench.py                                  # ~/huggingface/Qwen3-0.6B
+    python bench.py --random qwen3-0.6b              # a random checkpoint of that shape (no weights needed)
+    python bench.py --random qwen3-4b --tp 2 --backend triton --enforce-eager
+"""
+import argparse
+import os
+import tempfile
+import time
+from random import randint, seed
+
+from nanovllm import LLM, SamplingParams
+
+
+def workload(num_seqs: int, max_input_len: int = 1024, max_output_len: int = 1024):
+    seed(0)
+    prompts = [[randint(0, 10000) for _ in range(randint(100, max_input_len))] for _ in range(num_seqs)]
+    params = [
+        SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=randint(100, max_output_len))
+        for _ in range(num_seqs)
+    ]
+    return prompts, params
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=os.path.expanduser("~/huggingface/Qwen3-0.6B"))
+    parser.add_argument("--random", metavar="SHAPE", default=None,
+                        help="benchmark a randomly initialised checkpoint of this shape (qwen3-0.6b, qwen3-4b)")
+    parser.add_argument("--backend", default="auto", help="attention backend: auto, flash-attn, triton, torch")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
+    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    args = parser.parse_args()
+
+    tmp = None
+    path = args.model
+    if args.random:
+        import torch
+
+        from nanovllm.utils.checkpoint import make_random_checkpoint
+
+        tmp = tempfile.TemporaryDirectory(prefix="nanovllm-bench-")
+        path = make_random_checkpoint(tmp.name, args.random, dtype=torch.bfloat16)
+    elif not os.path.isdir(path):
+        parser.error(f"no model at {path}; pass --model PATH or --random qwen3-0.6b")
+
+    prompts, params = workload(args.num_seqs)
+    with LLM(path, enforce_eager=args.enforce_eager, max_model_len=args.max_model_len,
+             tensor_parallel_size=args.tp, attention_backend=args.backend) as llm:
+        llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
+        t = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        t = time.perf_counter() - t
+        backend = llm.model_runner.backend.name
+    total = sum(p.max_tokens for p in params)
+    print(f"backend={backend} eager={args.enforce_eager} tp={args.tp} requests={args.num_seqs}")
+    print(f"Total: {total}tok, Time: {t:.2f}s, Throughput: {total / t:.2f}tok/s")
+    if tmp is not None:
+        tmp.cleanup()
+
+
+if __name__ == "__main__":
+    main()
