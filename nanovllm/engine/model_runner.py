@@ -29,7 +29,6 @@ class ModelRunner:
         self.rank = rank
         self.events = events
         self.device = torch.device(config.resolved_device())
-        self.enforce_eager = config.enforce_eager or self.device.type == "cpu"
         if self.device.type == "cuda":
             torch.cuda.set_device(rank)
             self.device = torch.device("cuda", rank)
@@ -53,9 +52,11 @@ class ModelRunner:
         self.backend = get_attention_backend(
             resolve_backend_name(config.attention_backend, self.device.type, self.block_size)
         )
+        # CUDA graphs need a capturable backend on a GPU; the torch backend syncs on the host
+        self.enforce_eager = config.enforce_eager or self.device.type == "cpu" or self.backend.name == "torch"
         self.sampler = Sampler()
         self.num_kvcache_blocks = self.allocate_kv_cache()
-        self.graphs = {}
+        self.graphs, self.graph_vars = {}, None
         if not self.enforce_eager:
             self.capture_cudagraph()
 
@@ -79,8 +80,12 @@ class ModelRunner:
                 self.shm.unlink()
             self.shm = None
         self.graphs.clear()
+        self.graph_vars = None
         if self.device.type == "cuda":
             torch.cuda.synchronize()
+        del self.model, self.kv_cache  # the layers' cache views go with the model
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
         if self.world_size > 1:
             dist.destroy_process_group()
 
@@ -130,6 +135,11 @@ class ModelRunner:
             seq.num_scheduled_tokens = len(seq)
             seqs.append(seq)
         self.run(seqs, True)
+        if self.rank == 0:  # a full decode batch's sampling can peak above the prefill
+            batch = min(self.config.max_num_seqs, 512)
+            logits = torch.zeros(batch, self.config.hf_config.vocab_size, dtype=self.dtype, device=self.device)
+            self.sampler(logits, torch.ones(batch, device=self.device))
+            del logits
         torch.cuda.empty_cache()
 
     def allocate_kv_cache(self) -> int:

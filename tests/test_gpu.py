@@ -1,0 +1,129 @@
+"""End-to-end checks on a CUDA GPU (skipped without one): every backend, with CUDA graphs on and
+off, agrees with the torch reference path under greedy decoding; memory stays within
+gpu_memory_utilization and is released by exit()."""
+import gc
+import importlib.util
+import random
+
+import pytest
+import torch
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.utils.checkpoint import make_random_checkpoint
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
+NEAR_TIE = 0.05  # bf16 logits: a top-2 gap below this may flip between kernels
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    # head_dim 128 (the only one the flash-attn build covers), real vocabulary, bf16
+    return make_random_checkpoint(
+        str(tmp_path_factory.mktemp("gpu-qwen3")), "tiny", dtype=torch.bfloat16, seed=1, std=0.1,
+        hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+        num_hidden_layers=3, vocab_size=4096,
+    )
+
+
+def make_prompts() -> list[list[int]]:
+    rng = random.Random(0)
+    shared = [rng.randrange(4096) for _ in range(600)]
+    prompts = [[rng.randrange(4096) for _ in range(n)] for n in (1, 7, 130, 255, 256, 257, 700)]
+    prompts += [shared[:300], shared[:520] + [5, 6, 7], shared]  # prefix-cache hits across 256-token blocks
+    return prompts
+
+
+def run(model_dir, prompts, max_tokens=24, **kwargs) -> list[list[int]]:
+    with LLM(model_dir, max_model_len=2048, **kwargs) as llm:
+        first = [o["token_ids"] for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)]
+        again = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
+        # the second pass is served partly from the prefix cache and must give the same tokens
+        assert [o["token_ids"] for o in again] == first
+        bs = llm.config.kvcache_block_size
+        assert [o["num_cached_tokens"] for o in again] == [bs * ((len(p) - 1) // bs) for p in prompts]
+    return first
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    return run(model_dir, make_prompts(), attention_backend="torch", enforce_eager=True, kvcache_block_size=256)
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
+
+
+def assert_agree(hf_model, prompts, expected, got):
+    """Token-for-token equality, except that a sequence may diverge once where the fp32 model's
+    two candidate tokens are within NEAR_TIE of each other; the rest of it is then not compared."""
+    for prompt, exp, out in zip(prompts, expected, got):
+        if exp == out:
+            continue
+        j = next(i for i, (a, b) in enumerate(zip(exp, out)) if a != b)
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([prompt + exp[:j]], device="cuda")).logits[0, -1]
+        gap = (logits[exp[j]] - logits[out[j]]).abs().item()
+        assert gap < NEAR_TIE, f"prompt of {len(prompt)} tokens diverges at {j} with logit gap {gap:.4f}"
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
+@pytest.mark.parametrize(
+    "backend,block_size",
+    [("triton", 16), ("triton", 256), pytest.param("flash-attn", 256, marks=pytest.mark.skipif(not HAS_FLASH_ATTN, reason="flash-attn not installed"))],
+)
+def test_backend_matches_torch_reference(model_dir, reference, hf_model, backend, block_size, enforce_eager):
+    prompts = make_prompts()
+    got = run(model_dir, prompts, attention_backend=backend, kvcache_block_size=block_size, enforce_eager=enforce_eager)
+    assert_agree(hf_model, prompts, reference, got)
+
+
+@pytest.mark.parametrize("backend", ["triton", pytest.param("flash-attn", marks=pytest.mark.skipif(not HAS_FLASH_ATTN, reason="flash-attn not installed"))])
+def test_chunked_prefill_and_preemption(model_dir, reference, hf_model, backend):
+    """A 300-token budget chunks the long prompts; 8 blocks force preemption in decode."""
+    prompts = make_prompts()
+    with LLM(model_dir, max_model_len=1024, attention_backend=backend, kvcache_block_size=256,
+             max_num_batched_tokens=300, num_kvcache_blocks=8) as llm:
+        preempted = []
+        original = llm.scheduler.preempt
+        llm.scheduler.preempt = lambda seq: (preempted.append(seq.seq_id), original(seq))
+        got = [o["token_ids"] for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)]
+    assert preempted, "the small cache should have forced a preemption"
+    assert_agree(hf_model, prompts, reference, got)
+
+
+def test_odd_max_num_seqs_graphs(model_dir, reference, hf_model):
+    """Decode graphs for a max_num_seqs that is not a multiple of 16: batches are padded."""
+    prompts = make_prompts()
+    got = run(model_dir, prompts, attention_backend="triton", kvcache_block_size=256, max_num_seqs=5)
+    assert_agree(hf_model, prompts, reference, got)
+
+
+def test_memory_within_utilization_and_released(model_dir):
+    torch.cuda.empty_cache()
+    free0, total = torch.cuda.mem_get_info()
+    baseline_allocated = torch.cuda.memory_allocated()
+    util = 0.3
+    llm = LLM(model_dir, max_model_len=2048, gpu_memory_utilization=util, kvcache_block_size=256)
+    llm.generate(make_prompts(), SamplingParams(temperature=0.6, max_tokens=64), use_tqdm=False)
+    free1, _ = torch.cuda.mem_get_info()
+    peak_reserved = torch.cuda.max_memory_reserved()
+    # everything on the device (this process and others) stays under the budget
+    assert total - free1 <= util * total, (total - free1) / total
+    assert peak_reserved <= util * total
+    llm.exit()
+    llm.exit()  # idempotent
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_allocated() - baseline_allocated < 64 << 20
+    free2, _ = torch.cuda.mem_get_info()
+    assert free2 >= free0 - (256 << 20)
+    # a second engine in the same process works
+    with LLM(model_dir, max_model_len=2048, gpu_memory_utilization=util, kvcache_block_size=256) as llm2:
+        out = llm2.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+        assert len(out[0]["token_ids"]) == 4
