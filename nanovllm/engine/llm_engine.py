@@ -33,6 +33,7 @@ class LLMEngine:
                 raise TypeError(f"LLM() got an unexpected keyword argument {key!r}; accepted: {', '.join(accepted)}")
         config = Config(model, **kwargs)
         self.config = config
+        self._check_parallel(config)
         self._exited = False
         self.ps = []
         self.events = []
@@ -61,6 +62,26 @@ class LLMEngine:
             eos_token_id=self.eos_token_ids,
         )
         self._unclaimed: list[tuple[int, list[int]]] = []  # finished during generate(), not its own
+
+    @staticmethod
+    def _check_parallel(config: Config) -> None:
+        """Reject a tensor_parallel_size the device or the model cannot split over, before any
+        process starts."""
+        tp = config.tensor_parallel_size
+        if config.resolved_device() == "cuda":
+            import torch
+
+            if tp > torch.cuda.device_count():
+                raise ValueError(
+                    f"Config.tensor_parallel_size={tp} but only {torch.cuda.device_count()} GPU(s) are visible"
+                )
+        hf = config.hf_config
+        for name in ("num_attention_heads", "num_key_value_heads", "vocab_size", "intermediate_size"):
+            value = getattr(hf, name)
+            if value % tp:
+                raise ValueError(
+                    f"Config.tensor_parallel_size={tp} must divide the model's {name} ({value})"
+                )
 
     @staticmethod
     def _as_list(x) -> list:
@@ -98,10 +119,12 @@ class LLMEngine:
             for i, t in enumerate(token_ids):
                 if isinstance(t, bool) or not isinstance(t, int):
                     raise TypeError(f"{where}: token {i} must be an int, got {t!r} ({type(t).__name__})")
-                if not 0 <= t < self.vocab_size:
-                    raise ValueError(f"{where}: token {i} is {t}, outside the vocabulary [0, {self.vocab_size})")
         else:
             raise TypeError(f"{where}: a prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+        # also for text: the tokenizer may know more tokens than the model (e.g. a small random model)
+        for i, t in enumerate(token_ids):
+            if not 0 <= t < self.vocab_size:
+                raise ValueError(f"{where}: token {i} is {t}, outside the vocabulary [0, {self.vocab_size})")
         max_len = self.config.max_model_len
         if not token_ids:
             raise ValueError(f"{where}: the prompt is empty")

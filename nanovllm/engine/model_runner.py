@@ -41,6 +41,9 @@ class ModelRunner:
                 device_id=self.device if self.device.type == "cuda" else None,
             )
         self.dtype = config.resolved_dtype(self.device.type)
+        self.backend = get_attention_backend(
+            resolve_backend_name(config.attention_backend, self.device.type, self.block_size)
+        )
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
@@ -49,9 +52,9 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(default_dtype)
         load_model(self.model, config.model)
-        self.backend = get_attention_backend(
-            resolve_backend_name(config.attention_backend, self.device.type, self.block_size)
-        )
+        for module in self.model.modules():
+            if isinstance(module, Attention):
+                module.backend = self.backend
         # CUDA graphs need a capturable backend on a GPU; the torch backend syncs on the host
         self.enforce_eager = config.enforce_eager or self.device.type == "cpu" or self.backend.name == "torch"
         self.sampler = Sampler()
@@ -179,7 +182,6 @@ class ModelRunner:
         for i, module in enumerate(layers):
             module.k_cache = self.kv_cache[0, i]
             module.v_cache = self.kv_cache[1, i]
-            module.backend = self.backend
         return num_blocks
 
     # ---- per-step inputs ---------------------------------------------------------------------

@@ -16,7 +16,50 @@ from nanovllm.layers.kv_store import store_kvcache
 from nanovllm.utils.context import Context
 
 LOG2E = 1.4426950408889634
-MASKED = -1.0e30  # running max before any key is seen: finite, so exp2(MASKED - MASKED) is 1, not NaN
+MASKED = tl.constexpr(-1.0e30)  # running max before any key is seen: finite, so exp2(MASKED - MASKED) is 1, not NaN
+
+
+@triton.jit
+def _prefill_tiles(
+    q, m_i, l_i, acc, lo, hi, k_len, q_pos, q_start, seq, kv_head,
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ct, stride_ch, stride_bt, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASK: tl.constexpr,
+):
+    """Online-softmax accumulation over the key tiles [lo, hi); MASK applies the causal mask and
+    the k_len bound (without it every key in the range must be visible to every query)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + offs_n
+        kv_mask = pos < k_len
+        if PAGED:
+            block = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=kv_mask, other=0)
+            row = block.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
+            k_ptrs = k_cache_ptr + row[None, :] + offs_d[:, None]  # [HEAD_DIM, BLOCK_N]
+            v_ptrs = v_cache_ptr + row[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_DIM]
+        else:
+            k_rows = (q_start + pos).to(tl.int64)
+            k_ptrs = k_ptr + k_rows[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None]
+            v_ptrs = v_ptr + k_rows[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :]
+        if MASK:
+            k = tl.load(k_ptrs, mask=kv_mask[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=kv_mask[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        qk = tl.dot(q, k) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        if MASK:
+            visible = kv_mask[None, :] & (pos[None, :] <= q_pos[:, None])
+            qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -44,7 +87,6 @@ def _prefill_kernel(
         k_len = q_len
 
     offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     q_mask = offs_m < q_len
     q_rows = (q_start + offs_m).to(tl.int64)
@@ -54,35 +96,22 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_M], MASKED, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    # the last query of this tile sees keys 0 .. k_len - q_len + (m_block + 1) * BLOCK_M - 1
+    # key tiles below this tile's first query position need no mask; the rest (the diagonal and
+    # the tail past k_len) do. The last query of the tile sees keys up to k_len - q_len + (m_block + 1) * BLOCK_M - 1.
+    full_end = tl.minimum(k_len, k_len - q_len + m_block * BLOCK_M + 1) // BLOCK_N * BLOCK_N
     end = tl.minimum(k_len, k_len - q_len + (m_block + 1) * BLOCK_M)
-    for start in range(0, end, BLOCK_N):
-        pos = start + offs_n
-        kv_mask = pos < k_len
-        if PAGED:
-            block = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=kv_mask, other=0)
-            row = block.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
-            k = tl.load(k_cache_ptr + row[None, :] + offs_d[:, None], mask=kv_mask[None, :], other=0.0)
-            v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask[:, None], other=0.0)
-        else:
-            k_rows = (q_start + pos).to(tl.int64)
-            k = tl.load(
-                k_ptr + k_rows[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
-                mask=kv_mask[None, :], other=0.0,
-            )  # [HEAD_DIM, BLOCK_N]
-            v = tl.load(
-                v_ptr + k_rows[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
-                mask=kv_mask[:, None], other=0.0,
-            )  # [BLOCK_N, HEAD_DIM]
-        qk = tl.dot(q, k) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
-        visible = kv_mask[None, :] & (pos[None, :] <= q_pos[:, None])
-        qk = tl.where(visible, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.exp2(qk - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    m_i, l_i, acc = _prefill_tiles(
+        q, m_i, l_i, acc, 0, full_end, k_len, q_pos, q_start, seq, kv_head,
+        k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
+        stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ct, stride_ch, stride_bt, qk_scale,
+        HEAD_DIM, BLOCK_SIZE, PAGED, BLOCK_N, False,
+    )
+    m_i, l_i, acc = _prefill_tiles(
+        q, m_i, l_i, acc, full_end, end, k_len, q_pos, q_start, seq, kv_head,
+        k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
+        stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ct, stride_ch, stride_bt, qk_scale,
+        HEAD_DIM, BLOCK_SIZE, PAGED, BLOCK_N, True,
+    )
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
@@ -196,7 +225,8 @@ def _check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor)
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
 
-    BLOCK_N = 64
+    PREFILL_TILES = (128, 64, 8, 3)  # BLOCK_M, BLOCK_N, num_warps, num_stages for long query runs
+    SHORT_PREFILL_TILES = (64, 64, 4, 3)  # where no sequence has more than 64 new tokens, or head_dim > 128
     DECODE_BLOCK_N = 64
     MIN_TILES_PER_SPLIT = 4  # split-K only where each split still has this many key tiles to read
 
@@ -223,7 +253,8 @@ class TritonAttentionBackend(AttentionBackend):
         num_seqs = context.cu_seqlens_q.numel() - 1
         if num_tokens == 0 or num_seqs == 0:
             return out
-        block_m = 64 if context.max_seqlen_q <= 64 or head_dim > 128 else 128
+        short = context.max_seqlen_q <= 64 or head_dim > 128
+        block_m, block_n, num_warps, num_stages = self.SHORT_PREFILL_TILES if short else self.PREFILL_TILES
         # without a paged cache these arguments are unused; pass q so every pointer is valid
         k_cache_arg, v_cache_arg, tables = (k_cache, v_cache, context.block_tables) if paged else (q, q, q)
         cache_strides = k_cache.stride()[:3] if paged else (0, 0, 0)
@@ -234,8 +265,7 @@ class TritonAttentionBackend(AttentionBackend):
             *cache_strides, tables.stride(0) if paged else 0,
             scale * LOG2E,
             GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1] if paged else 1,
-            PAGED=paged, BLOCK_M=block_m, BLOCK_N=self.BLOCK_N,
-            num_warps=8 if block_m == 128 else 4, num_stages=2 if head_dim > 128 else 3,
+            PAGED=paged, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,
         )
         return out
 

@@ -1,0 +1,43 @@
+"""flash-attn backend: ``flash_attn_varlen_func`` for prefill, ``flash_attn_with_kvcache`` for decode.
+Its paged KV cache needs the block size to be a multiple of 256."""
+import torch
+
+from nanovllm.layers.attention import AttentionBackend
+from nanovllm.layers.kv_store import store_kvcache
+from nanovllm.utils.context import Context
+
+
+class FlashAttentionBackend(AttentionBackend):
+    name = "flash-attn"
+
+    def __init__(self):
+        try:
+            from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+        except ImportError as e:
+            raise ImportError(
+                "attention_backend 'flash-attn' needs the flash-attn package (pip install flash-attn); "
+                "use attention_backend='triton' or 'auto' without it"
+            ) from e
+        self._varlen = flash_attn_varlen_func
+        self._with_kvcache = flash_attn_with_kvcache
+
+    def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping):
+        store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+
+    def prefill(self, q, k, v, k_cache, v_cache, context: Context, scale):
+        if context.block_tables is not None:  # keys (cached prefix and new tokens) come from the cache
+            k, v = k_cache, v_cache
+        return self._varlen(
+            q, k, v,
+            max_seqlen_q=context.max_seqlen_q, cu_seqlens_q=context.cu_seqlens_q,
+            max_seqlen_k=context.max_seqlen_k, cu_seqlens_k=context.cu_seqlens_k,
+            softmax_scale=scale, causal=True, block_table=context.block_tables,
+        )
+
+    def decode(self, q, k_cache, v_cache, context: Context, scale):
+        out = self._with_kvcache(
+            q.unsqueeze(1), k_cache, v_cache,
+            cache_seqlens=context.context_lens, block_table=context.block_tables,
+            softmax_scale=scale, causal=True,
+        )  # [num_seqs, 1, num_heads, head_dim]
+        return out.squeeze(1)
