@@ -27,6 +27,17 @@ def workload(num_seqs: int, max_input_len: int = 1024, max_output_len: int = 102
     return prompts, params
 
 
+def gpu_memory_report() -> str:
+    """Device memory in use (all processes, from the driver) and this process's peak reserve."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return ""
+    free, total = torch.cuda.mem_get_info()
+    return (f"GPU memory in use: {(total - free) / 2**30:.1f} of {total / 2**30:.1f} GiB "
+            f"({(total - free) / total:.1%}); torch peak reserved {torch.cuda.max_memory_reserved() / 2**30:.1f} GiB")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=os.path.expanduser("~/huggingface/Qwen3-0.6B"))
@@ -59,9 +70,12 @@ def main() -> None:
         llm.generate(prompts, params, use_tqdm=False)
         t = time.perf_counter() - t
         backend = llm.model_runner.backend.name
+        memory = gpu_memory_report()
     total = sum(p.max_tokens for p in params)
     print(f"backend={backend} eager={args.enforce_eager} tp={args.tp} requests={args.num_seqs}")
     print(f"Total: {total}tok, Time: {t:.2f}s, Throughput: {total / t:.2f}tok/s")
+    if memory:
+        print(memory)
     if tmp is not None:
         tmp.cleanup()
 

@@ -35,20 +35,23 @@ def make_prompts() -> list[list[int]]:
     return prompts
 
 
-def run(model_dir, prompts, max_tokens=24, **kwargs) -> list[list[int]]:
+def run(model_dir, prompts, max_tokens=24, **kwargs) -> tuple[list[list[int]], list[list[int]]]:
+    """Greedy tokens of two passes over the same prompts; the second is served partly from the
+    prefix cache."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
     with LLM(model_dir, max_model_len=2048, **kwargs) as llm:
-        first = [o["token_ids"] for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)]
-        again = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
-        # the second pass is served partly from the prefix cache and must give the same tokens
-        assert [o["token_ids"] for o in again] == first
+        first = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+        again = llm.generate(prompts, params, use_tqdm=False)
         bs = llm.config.kvcache_block_size
         assert [o["num_cached_tokens"] for o in again] == [bs * ((len(p) - 1) // bs) for p in prompts]
-    return first
+    return first, [o["token_ids"] for o in again]
 
 
 @pytest.fixture(scope="module")
 def reference(model_dir):
-    return run(model_dir, make_prompts(), attention_backend="torch", enforce_eager=True, kvcache_block_size=256)
+    first, again = run(model_dir, make_prompts(), attention_backend="torch", enforce_eager=True, kvcache_block_size=256)
+    assert again == first
+    return first
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +81,9 @@ def assert_agree(hf_model, prompts, expected, got):
 )
 def test_backend_matches_torch_reference(model_dir, reference, hf_model, backend, block_size, enforce_eager):
     prompts = make_prompts()
-    got = run(model_dir, prompts, attention_backend=backend, kvcache_block_size=block_size, enforce_eager=enforce_eager)
+    got, again = run(model_dir, prompts, attention_backend=backend, kvcache_block_size=block_size, enforce_eager=enforce_eager)
     assert_agree(hf_model, prompts, reference, got)
+    assert_agree(hf_model, prompts, got, again)
 
 
 @pytest.mark.parametrize("backend", ["triton", pytest.param("flash-attn", marks=pytest.mark.skipif(not HAS_FLASH_ATTN, reason="flash-attn not installed"))])
@@ -99,8 +103,9 @@ def test_chunked_prefill_and_preemption(model_dir, reference, hf_model, backend)
 def test_odd_max_num_seqs_graphs(model_dir, reference, hf_model):
     """Decode graphs for a max_num_seqs that is not a multiple of 16: batches are padded."""
     prompts = make_prompts()
-    got = run(model_dir, prompts, attention_backend="triton", kvcache_block_size=256, max_num_seqs=5)
+    got, again = run(model_dir, prompts, attention_backend="triton", kvcache_block_size=256, max_num_seqs=5)
     assert_agree(hf_model, prompts, reference, got)
+    assert_agree(hf_model, prompts, got, again)
 
 
 def test_memory_within_utilization_and_released(model_dir):
