@@ -28,6 +28,7 @@ class ModelRunner:
         self.world_size = config.tensor_parallel_size
         self.rank = rank
         self.events = events
+        self.head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
         self.device = torch.device(config.resolved_device())
         if self.device.type == "cuda":
             torch.cuda.set_device(rank)
@@ -125,8 +126,9 @@ class ModelRunner:
 
     # ---- start-up ----------------------------------------------------------------------------
 
-    def warmup_model(self) -> None:
-        """One prefill of the largest batch, so the KV cache is sized from the true peak."""
+    def warmup_model(self) -> int:
+        """One prefill of the largest batch (and one sampling of the largest decode batch), so the
+        KV cache is sized from the true peak. Returns the peak bytes reserved above what stays."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         max_tokens = self.config.max_num_batched_tokens
@@ -138,29 +140,44 @@ class ModelRunner:
             seq.num_scheduled_tokens = len(seq)
             seqs.append(seq)
         self.run(seqs, True)
-        if self.rank == 0:  # a full decode batch's sampling can peak above the prefill
+        if self.rank == 0:
             batch = min(self.config.max_num_seqs, 512)
             logits = torch.zeros(batch, self.config.hf_config.vocab_size, dtype=self.dtype, device=self.device)
             self.sampler(logits, torch.ones(batch, device=self.device))
             del logits
+        peak = torch.cuda.max_memory_reserved() - torch.cuda.memory_allocated()
         torch.cuda.empty_cache()
+        return peak
+
+    def measure_graph_memory(self) -> int:
+        """Bytes the CUDA-graph pool will hold: capture the largest decode graph over a one-block
+        cache, then release it. (All graphs share one pool, which the largest one sizes.) This also
+        loads the decode kernels, whose code takes device memory outside torch."""
+        self.bind_kv_cache(1)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_reserved()
+        self.capture_cudagraph(largest_only=True)
+        torch.cuda.synchronize()
+        graph_bytes = torch.cuda.memory_reserved() - before
+        self.graphs, self.graph_vars = {}, None
+        del self.kv_cache
+        torch.cuda.empty_cache()
+        return graph_bytes
 
     def allocate_kv_cache(self) -> int:
-        """Size the cache (all ranks agree on the minimum), allocate it as one tensor
-        [2, layers, blocks, block_size, kv_heads, head_dim] and hand each layer its views."""
-        hf_config = self.config.hf_config
-        num_kv_heads = hf_config.num_key_value_heads // self.world_size
-        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-        num_layers = hf_config.num_hidden_layers
-        block_bytes = 2 * num_layers * self.block_size * num_kv_heads * head_dim * self.dtype.itemsize
+        """Size the cache (all ranks agree on the minimum) and allocate it.
+
+        On GPU with ``num_kvcache_blocks=-1``: blocks = (total * gpu_memory_utilization - in use -
+        activation peak - graph pool) // block_bytes, where "in use" counts every process's memory
+        on the device."""
         num_blocks = self.config.num_kvcache_blocks
+        block_bytes = self.kv_cache_block_bytes()
         if num_blocks == -1:
             if self.device.type == "cuda":
-                self.warmup_model()
+                peak = self.warmup_model()
+                graph_bytes = 0 if self.enforce_eager else self.measure_graph_memory()
                 free, total = torch.cuda.mem_get_info()
-                stats = torch.cuda.memory_stats()
-                peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
-                budget = int(total * self.config.gpu_memory_utilization) - (total - free) - peak + current
+                budget = int(total * self.config.gpu_memory_utilization) - (total - free) - peak - graph_bytes
             else:
                 available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
                 blocks_per_seq = -(-self.config.max_model_len // self.block_size)
@@ -175,14 +192,27 @@ class ModelRunner:
                 f"no KV-cache block fits in memory (one block takes {block_bytes / 2**20:.1f} MiB); "
                 "raise gpu_memory_utilization, or lower max_num_batched_tokens / max_model_len"
             )
+        self.bind_kv_cache(num_blocks)
+        return num_blocks
+
+    def kv_cache_block_bytes(self) -> int:
+        hf_config = self.config.hf_config
+        num_kv_heads = hf_config.num_key_value_heads // self.world_size
+        return 2 * hf_config.num_hidden_layers * self.block_size * num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    def bind_kv_cache(self, num_blocks: int) -> None:
+        """The one place that knows the cache layout: one tensor
+        [2, layers, blocks, block_size, kv_heads, head_dim]; each layer gets its K and V views."""
+        hf_config = self.config.hf_config
+        num_kv_heads = hf_config.num_key_value_heads // self.world_size
         self.kv_cache = torch.empty(
-            2, num_layers, num_blocks, self.block_size, num_kv_heads, head_dim, dtype=self.dtype, device=self.device
+            2, hf_config.num_hidden_layers, num_blocks, self.block_size, num_kv_heads, self.head_dim,
+            dtype=self.dtype, device=self.device,
         )
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for i, module in enumerate(layers):
             module.k_cache = self.kv_cache[0, i]
             module.v_cache = self.kv_cache[1, i]
-        return num_blocks
 
     # ---- per-step inputs ---------------------------------------------------------------------
 
@@ -268,7 +298,7 @@ class ModelRunner:
             return self.sampler(logits, temperatures).tolist()
 
     @torch.inference_mode()
-    def capture_cudagraph(self) -> None:
+    def capture_cudagraph(self, largest_only: bool = False) -> None:
         """Capture decode graphs for batch sizes 1, 2, 4, 8, 16, 32, ... up to
         min(max_num_seqs, 512), largest first, in one shared memory pool."""
         max_bs = min(self.config.max_num_seqs, 512)
@@ -286,7 +316,7 @@ class ModelRunner:
         sizes = [b for b in (1, 2, 4, 8) if b < max_bs] + list(range(16, max_bs, 16)) + [max_bs]
         self.graph_bs = sorted(set(sizes))
         pool = None
-        for batch in reversed(self.graph_bs):
+        for batch in self.graph_bs[-1:] if largest_only else reversed(self.graph_bs):
             graph = torch.cuda.CUDAGraph()
             context = Context(
                 is_prefill=False,
