@@ -59,8 +59,8 @@ class ModelRunner:
         # CUDA graphs need a capturable backend on a GPU; the torch backend syncs on the host
         self.enforce_eager = config.enforce_eager or self.device.type == "cpu" or self.backend.name == "torch"
         self.sampler = Sampler()
-        self.num_kvcache_blocks = self.allocate_kv_cache()
         self.graphs, self.graph_vars = {}, None
+        self.num_kvcache_blocks = self.allocate_kv_cache()
         if not self.enforce_eager:
             self.capture_cudagraph()
 
