@@ -132,3 +132,12 @@ def test_memory_within_utilization_and_released(model_dir):
     with LLM(model_dir, max_model_len=2048, gpu_memory_utilization=util, kvcache_block_size=256) as llm2:
         out = llm2.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
         assert len(out[0]["token_ids"]) == 4
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_tp2_matches_tp1(model_dir, reference, hf_model):
+    """NCCL tensor parallelism over two GPUs, with graphs, prefix-cache hits and chunked prefill."""
+    prompts = make_prompts()
+    got, again = run(model_dir, prompts, tensor_parallel_size=2, kvcache_block_size=256, max_num_batched_tokens=512)
+    assert_agree(hf_model, prompts, reference, got)
+    assert_agree(hf_model, prompts, got, again)

@@ -375,15 +375,22 @@ def test_sequence_blocks_and_derived_fields():
     assert make_seq([1, 2, 3]).seq_id < make_seq([1, 2, 3]).seq_id
 
 
-def test_sequence_pickles_only_the_last_token_in_decode():
+def test_sequence_pickles_only_the_scheduled_tokens():
     seq = make_seq(list(range(10)), block_size=4)
     seq.block_table = [3, 1, 2]
+    seq.num_cached_tokens, seq.num_scheduled_tokens = 4, 5  # a chunk: tokens 4..8
+    chunk = pickle.loads(pickle.dumps(seq))
+    assert chunk.scheduled_token_ids() == [4, 5, 6, 7, 8] and chunk.block_table == [3, 1, 2]
+    assert (chunk.num_tokens, chunk.num_cached_tokens) == (10, 4)
+    seq.num_cached_tokens, seq.num_scheduled_tokens = 9, 1  # the last prompt token
+    assert pickle.loads(pickle.dumps(seq)).scheduled_token_ids() == [9]
+    seq.num_cached_tokens, seq.num_scheduled_tokens = 0, 10
     prefill = pickle.loads(pickle.dumps(seq))
-    assert prefill.token_ids == list(range(10)) and prefill.block_table == [3, 1, 2]
-    seq.num_cached_tokens = 10
+    assert prefill.scheduled_token_ids() == list(range(10))
+    seq.num_cached_tokens, seq.num_scheduled_tokens = 10, 1
     seq.append_token(42)
     decode = pickle.loads(pickle.dumps(seq))
-    assert decode.token_ids == [] and decode.last_token == 42
+    assert decode.token_ids == [] and decode.last_token == 42 and decode.scheduled_token_ids() == [42]
     assert (decode.num_tokens, decode.num_cached_tokens, decode.block_table) == (11, 10, [3, 1, 2])
     assert len(pickle.dumps(seq)) < len(pickle.dumps(prefill))
 

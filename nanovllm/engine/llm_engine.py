@@ -6,7 +6,7 @@ import uuid
 from dataclasses import fields
 from time import perf_counter
 
-import torch.multiprocessing as mp
+import torch.distributed as dist
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
@@ -14,6 +14,7 @@ from nanovllm.config import Config
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.workers import WorkerGroup, abort_collectives
 from nanovllm.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -35,18 +36,25 @@ class LLMEngine:
         self.config = config
         self._check_parallel(config)
         self._exited = False
-        self.ps = []
-        self.events = []
+        self._failure: str | None = None
+        self.model_runner = None
+        self.workers = None
         port = _free_port()
         shm_name = f"nanovllm-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        ctx = mp.get_context("spawn")
-        for rank in range(1, config.tensor_parallel_size):
-            event = ctx.Event()
-            process = ctx.Process(target=ModelRunner, args=(config, rank, port, shm_name, event))
-            process.start()
-            self.ps.append(process)
-            self.events.append(event)
-        self.model_runner = ModelRunner(config, 0, port, shm_name, self.events)
+        if config.tensor_parallel_size > 1:
+            self.workers = WorkerGroup(config, port, shm_name)
+        try:
+            self.model_runner = ModelRunner(config, 0, port, shm_name, self.workers.events if self.workers else [])
+        except BaseException as e:
+            failure = self.workers.wait_failure(2.0) if self.workers else None
+            if self.workers:
+                self.workers.close(timeout=1.0)
+            abort_collectives()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            if failure:
+                raise RuntimeError(f"{failure} while the engine was starting") from e
+            raise
         atexit.register(self.exit)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
         self.vocab_size = config.hf_config.vocab_size
@@ -93,12 +101,41 @@ class LLMEngine:
             return
         self._exited = True
         atexit.unregister(self.exit)
-        runner = getattr(self, "model_runner", None)
-        if runner is not None:
-            runner.call("exit")
-            del self.model_runner
-        for p in self.ps:
-            p.join()
+        healthy = self._failure is None and not (self.workers and self.workers.failure())
+        if self.workers:
+            self.workers.closing = True
+        if self.model_runner is not None:
+            try:
+                if not healthy:
+                    raise RuntimeError("a rank is gone")
+                self.model_runner.call("exit")  # every rank leaves its loop and the group
+            except Exception:
+                abort_collectives()
+                self.model_runner.release()
+            self.model_runner = None
+        if self.workers:
+            self.workers.close(timeout=30.0 if healthy else 1.0)
+
+    def _call(self, method_name: str, *args):
+        """Run a method on every rank; a dead worker turns into a clear error, after which the
+        engine is released and refuses further work."""
+        if self._failure:
+            raise RuntimeError(self._failure)
+        try:
+            result = self.model_runner.call(method_name, *args)
+        except Exception as e:
+            failure = self.workers.wait_failure(2.0) if self.workers else None
+            if failure:
+                self._fail(failure, e)
+            raise
+        if self.workers and (failure := self.workers.failure()):
+            self._fail(failure, None)
+        return result
+
+    def _fail(self, failure: str, cause: BaseException | None):
+        self._failure = f"{failure}; the engine has stopped, create a new LLM to continue"
+        self.exit()
+        raise RuntimeError(self._failure) from cause
 
     def __enter__(self):
         return self
@@ -160,7 +197,7 @@ class LLMEngine:
                 raise RuntimeError("no queued request can be scheduled (the KV cache cannot hold the next one)")
             return outputs, 0
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else -len(seqs)
-        token_ids = self.model_runner.call("run", seqs, is_prefill)
+        token_ids = self._call("run", seqs, is_prefill)
         finished = self.scheduler.postprocess(seqs, token_ids)
         outputs += [(seq.seq_id, seq.completion_token_ids) for seq in finished]
         return outputs, num_tokens

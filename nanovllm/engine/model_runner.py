@@ -1,4 +1,5 @@
 """One tensor-parallel rank: the model, its KV cache, per-step inputs and (on GPU) CUDA graphs."""
+import multiprocessing as mp
 import os
 import pickle
 from multiprocessing.shared_memory import SharedMemory
@@ -16,7 +17,6 @@ from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.context import Context, step_context
 from nanovllm.utils.loader import load_model
 
-SHM_SIZE = 1 << 20  # control-channel segment: 4-byte length, then the pickled call
 CPU_KV_CACHE_SHARE = 0.25  # on CPU, num_kvcache_blocks=-1 takes this share of available memory
 
 
@@ -67,8 +67,13 @@ class ModelRunner:
         self.shm = None
         if self.world_size > 1:
             if rank == 0:
-                self.shm = SharedMemory(name=shm_name, create=True, size=SHM_SIZE)
-                dist.barrier()
+                self.shm = SharedMemory(name=shm_name, create=True, size=self.control_channel_bytes())
+                try:
+                    dist.barrier()
+                except BaseException:
+                    self.shm.close()
+                    self.shm.unlink()
+                    raise
             else:
                 dist.barrier()
                 self.shm = SharedMemory(name=shm_name)
@@ -76,22 +81,38 @@ class ModelRunner:
 
     # ---- control channel (rank 0 -> workers) -------------------------------------------------
 
+    def control_channel_bytes(self) -> int:
+        """Room for the largest step message: every scheduled token and block-table entry at
+        their pickled worst case (5 bytes), plus per-sequence overhead; at least 1 MiB."""
+        cfg = self.config
+        max_blocks = -(-cfg.max_model_len // self.block_size)
+        worst = cfg.max_num_batched_tokens * 5 + cfg.max_num_seqs * (max_blocks * 5 + 512)
+        return max(1 << 20, worst + (64 << 10))
+
     def exit(self) -> None:
+        """Leave the group together (every rank runs this through the control channel)."""
+        if self.world_size > 1:
+            dist.barrier()
+        self.release()
+
+    def release(self) -> None:
+        """Free this rank's resources without talking to the other ranks (also after a failure)."""
         if self.shm is not None:
             self.shm.close()
-            dist.barrier()
             if self.rank == 0:
                 self.shm.unlink()
             self.shm = None
-        self.graphs.clear()
-        self.graph_vars = None
+        self.graphs, self.graph_vars = {}, None
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        del self.model, self.kv_cache  # the layers' cache views go with the model
+        self.model = self.kv_cache = None  # the layers' cache views go with the model
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        if self.world_size > 1:
-            dist.destroy_process_group()
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # an aborted group may refuse a clean teardown
+                pass
 
     def loop(self) -> None:
         while True:
@@ -101,7 +122,10 @@ class ModelRunner:
                 break
 
     def read_shm(self) -> tuple[str, list]:
-        self.events.wait()
+        parent = mp.parent_process()
+        while not self.events.wait(1.0):
+            if parent is not None and not parent.is_alive():  # the engine is gone: nobody will call
+                raise SystemExit(1)
         n = int.from_bytes(self.shm.buf[0:4], "little")
         method_name, *args = pickle.loads(self.shm.buf[4 : n + 4])
         self.events.clear()
@@ -233,7 +257,7 @@ class ModelRunner:
         for seq in seqs:
             start = seq.num_cached_tokens
             end = start + seq.num_scheduled_tokens
-            input_ids.extend(seq.token_ids[start:end] if seq.token_ids else [seq.last_token])
+            input_ids.extend(seq.scheduled_token_ids())
             positions.extend(range(start, end))
             cu_q.append(cu_q[-1] + end - start)
             cu_k.append(cu_k[-1] + end)

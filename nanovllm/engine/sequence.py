@@ -77,15 +77,24 @@ class Sequence:
         self.last_token = token_id
         self.num_tokens += 1
 
-    # Worker processes need only what a step reads: the token ids still to be computed go along
-    # while there are several; in decode only the last token travels.
+    def scheduled_token_ids(self) -> list[int]:
+        """The tokens this step computes (after the cached prefix)."""
+        if self.token_ids:
+            start = self.num_cached_tokens
+            return self.token_ids[start : start + self.num_scheduled_tokens]
+        return self._scheduled_token_ids
+
+    # Worker processes read only what a step computes: the scheduled tokens travel, not the whole
+    # list, and in decode just the last token.
     def __getstate__(self):
         state = copy(self.__dict__)
-        if self.num_tokens - self.num_cached_tokens <= 1:
-            del state["token_ids"]
+        del state["token_ids"]
+        if self.num_scheduled_tokens > 1 or self.num_cached_tokens < self.num_tokens - 1:
+            state["_scheduled_token_ids"] = self.scheduled_token_ids()
         return state
 
     def __setstate__(self, state):
         self.__dict__.update(state)
-        if "token_ids" not in state:
-            self.token_ids = []
+        self.token_ids = []
+        if "_scheduled_token_ids" not in state:
+            self._scheduled_token_ids = [self.last_token]

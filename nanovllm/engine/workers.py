@@ -1,0 +1,83 @@
+"""The worker processes of tensor parallelism: ranks 1..N-1, each running a ModelRunner loop."""
+import os
+import threading
+from multiprocessing.connection import wait
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from nanovllm.config import Config
+from nanovllm.engine.model_runner import ModelRunner
+
+
+def _worker_main(config: Config, rank: int, dist_port: int, shm_name: str, event) -> None:
+    event.set()  # started: the engine may now join the process group
+    ModelRunner(config, rank, dist_port, shm_name, event)
+
+
+def abort_collectives() -> None:
+    """Make collectives that wait on a dead rank fail instead of hanging. NCCL needs an explicit
+    abort; gloo already fails when a peer's connection drops."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        dist.distributed_c10d._abort_process_group()
+
+
+class WorkerGroup:
+    """Spawns ranks 1..N-1 and watches them: a worker that dies makes ``failure()`` say so, and a
+    watchdog thread aborts collectives that would otherwise wait on it forever."""
+
+    def __init__(self, config: Config, dist_port: int, shm_name: str):
+        # NCCL's own error handling would tear the process down on the abort that turns a dead
+        # worker into an exception (see abort_collectives); the user's choice wins if set
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
+        ctx = mp.get_context("spawn")
+        self.processes = []
+        self.events = []
+        self.closing = False
+        for rank in range(1, config.tensor_parallel_size):
+            event = ctx.Event()
+            process = ctx.Process(
+                target=_worker_main, args=(config, rank, dist_port, shm_name, event),
+                name=f"nanovllm-rank{rank}", daemon=True,
+            )
+            process.start()
+            self.processes.append(process)
+            self.events.append(event)
+        try:
+            for event in self.events:  # each worker signals once it runs, before joining the group
+                while not event.wait(0.2):
+                    if failure := self.failure():
+                        raise RuntimeError(f"{failure} while starting")
+                event.clear()
+        except BaseException:
+            self.close()
+            raise
+        self._watchdog = threading.Thread(target=self._watch, name="nanovllm-watchdog", daemon=True)
+        self._watchdog.start()
+
+    def failure(self) -> str | None:
+        """Which worker has exited, if any."""
+        for rank, p in enumerate(self.processes, 1):
+            if p.exitcode is not None:
+                return f"tensor-parallel worker rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
+        return None
+
+    def wait_failure(self, timeout: float) -> str | None:
+        """After a collective failed: wait briefly for a worker's death to become visible."""
+        wait([p.sentinel for p in self.processes], timeout)
+        return self.failure()
+
+    def _watch(self) -> None:
+        wait([p.sentinel for p in self.processes])
+        if not self.closing:
+            abort_collectives()
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Wait for the workers to leave (after an ``exit`` call), killing any that do not."""
+        self.closing = True
+        for p in self.processes:
+            p.join(timeout)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        self.events = []  # their named semaphores in /dev/shm go with them

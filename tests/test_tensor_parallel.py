@@ -1,0 +1,169 @@
+"""Tensor parallelism on 2 CPU ranks (gloo): same greedy tokens as one rank and as transformers,
+and the fault cases: a worker killed mid-generate or at start, clean exit, engines that do not
+collide, and bad parallel sizes rejected before any process starts."""
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from hf_reference import BLOCK_SIZE, assert_greedy_match, mixed_prompts
+from nanovllm import LLM, SamplingParams
+
+MAX_TOKENS = 16
+
+
+def make_llm(path: str, tp: int, **kwargs) -> LLM:
+    kwargs = dict(kvcache_block_size=BLOCK_SIZE, num_kvcache_blocks=256, max_model_len=256) | kwargs
+    return LLM(path, tensor_parallel_size=tp, **kwargs)
+
+
+def shm_entries() -> set[str]:
+    return set(os.listdir("/dev/shm"))
+
+
+def check_against_reference(outputs, prompts, path, hf_ref, what):
+    for i, (out, prompt) in enumerate(zip(outputs, prompts)):
+        assert_greedy_match(out["token_ids"], hf_ref.greedy(path, prompt, MAX_TOKENS), f"{what}, prompt {i}")
+
+
+@pytest.mark.parametrize("ckpt_name", ["ckpt_tied", "ckpt_untied"])
+def test_tp2_matches_tp1_and_transformers(ckpt_name, request, hf_ref):
+    """Chunked prefill (64-token budget) with preemption (14 blocks); then, with a roomy cache,
+    a second pass served from the prefix cache."""
+    path = request.getfixturevalue(ckpt_name).path
+    prompts = mixed_prompts()
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    results = {}
+    for tp in (1, 2):
+        with make_llm(path, tp, max_num_batched_tokens=64, num_kvcache_blocks=14) as llm:
+            preempted = []
+            preempt = llm.scheduler.preempt
+            llm.scheduler.preempt = lambda seq: (preempted.append(seq.seq_id), preempt(seq))
+            tight = llm.generate(prompts, params, use_tqdm=False)
+        assert preempted, "14 blocks should force preemption"
+        check_against_reference(tight, prompts, path, hf_ref, f"tp={tp}, chunked and preempted")
+        with make_llm(path, tp) as llm:
+            first = llm.generate(prompts, params, use_tqdm=False)
+            again = llm.generate(prompts, params, use_tqdm=False)
+        assert [o["num_cached_tokens"] for o in again] == [BLOCK_SIZE * ((len(p) - 1) // BLOCK_SIZE) for p in prompts]
+        check_against_reference(first, prompts, path, hf_ref, f"tp={tp}")
+        check_against_reference(again, prompts, path, hf_ref, f"tp={tp}, prefix cached")
+        results[tp] = [[o["token_ids"] for o in outs] for outs in (tight, first, again)]
+    assert results[2] == results[1]
+
+
+def test_worker_killed_mid_generate(ckpt_tied):
+    before = shm_entries()
+    llm = make_llm(ckpt_tied.path, 2)
+    worker = llm.workers.processes[0]
+    prompts = [[1, 2, 3] * 10] * 4
+    threading.Timer(0.5, os.kill, (worker.pid, signal.SIGKILL)).start()
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"worker rank 1 \(pid \d+\) exited with code -9"):
+        for _ in range(1000):
+            llm.generate(prompts, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True), use_tqdm=False)
+    assert time.monotonic() - start < 30
+    with pytest.raises(RuntimeError, match="the engine has stopped"):
+        llm.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False)
+    llm.exit()
+    assert not multiprocessing.active_children()
+    assert shm_entries() <= before
+
+
+def test_worker_dies_while_starting(ckpt_tied):
+    """A worker that dies before the engine is up makes LLM() raise, not hang."""
+    before = shm_entries()
+    stop = threading.Event()
+
+    def kill_first_child():
+        while not stop.is_set():
+            for child in multiprocessing.active_children():
+                os.kill(child.pid, signal.SIGKILL)
+                return
+            time.sleep(0.01)
+
+    killer = threading.Thread(target=kill_first_child)
+    killer.start()
+    try:
+        with pytest.raises(RuntimeError, match=r"worker rank 1 .* exited with code -9"):
+            make_llm(ckpt_tied.path, 2)
+    finally:
+        stop.set()
+        killer.join()
+    assert not multiprocessing.active_children()
+    assert shm_entries() <= before
+    # the process is still fit to start an engine
+    with make_llm(ckpt_tied.path, 2) as llm:
+        assert len(llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0]["token_ids"]) == 3
+
+
+def test_exit_releases_everything_and_engines_follow_each_other(ckpt_tied):
+    before = shm_entries()
+    prompt = [[9, 8, 7, 6]]
+    params = SamplingParams(temperature=0, max_tokens=5)
+    outputs = []
+    for _ in range(2):
+        llm = make_llm(ckpt_tied.path, 2)
+        assert len(shm_entries() - before) >= 1  # the control channel exists while it runs
+        outputs.append(llm.generate(prompt, params, use_tqdm=False)[0]["token_ids"])
+        llm.exit()
+        llm.exit()  # idempotent
+        assert not multiprocessing.active_children()
+        assert shm_entries() <= before
+    assert outputs[0] == outputs[1]
+
+
+def test_exit_after_an_exception_inside_with(ckpt_tied):
+    before = shm_entries()
+    with pytest.raises(KeyError):
+        with make_llm(ckpt_tied.path, 2):
+            raise KeyError("user code failed")
+    assert not multiprocessing.active_children()
+    assert shm_entries() <= before
+
+
+SCRIPT = """
+import sys
+from nanovllm import LLM, SamplingParams
+if __name__ == "__main__":
+    llm = LLM(sys.argv[1], tensor_parallel_size=2, kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=128)
+    print(llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]["token_ids"])
+    # no exit(): interpreter exit must release the workers and the shared memory
+"""
+
+
+def test_two_processes_at_once_and_interpreter_exit(ckpt_tied, tmp_path):
+    before = shm_entries()
+    script = tmp_path / "engine.py"
+    script.write_text(SCRIPT)
+    procs = [
+        subprocess.Popen([sys.executable, str(script), ckpt_tied.path], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    results = [p.communicate(timeout=120) for p in procs]
+    for p, (out, err) in zip(procs, results):
+        assert p.returncode == 0, err[-2000:]
+    assert results[0][0] == results[1][0] and results[0][0].strip().startswith("[")
+    assert shm_entries() <= before
+
+
+def test_control_message_too_large_is_a_clear_error(ckpt_tied):
+    with make_llm(ckpt_tied.path, 2) as llm:
+        runner = llm.model_runner
+        with pytest.raises(ValueError, match="more than the .*-byte channel"):
+            runner.write_shm("run", list(range(runner.shm.size)))
+        # nothing was sent: the engine keeps serving
+        out = llm.generate([[4, 5, 6]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+        assert len(out[0]["token_ids"]) == 3
+
+
+@pytest.mark.parametrize("tp,name", [(3, "num_attention_heads"), (8, "num_attention_heads")])
+def test_bad_tensor_parallel_size_rejected_before_start(ckpt_tied, tp, name):
+    with pytest.raises(ValueError, match=f"tensor_parallel_size={tp} must divide the model's {name}"):
+        make_llm(ckpt_tied.path, tp)
+    assert not multiprocessing.active_children()
