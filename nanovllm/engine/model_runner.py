@@ -96,18 +96,19 @@ class ModelRunner:
         """Leave the group together (every rank runs this through the control channel)."""
         if self.world_size > 1:
             dist.barrier()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
         self.release()
 
     def release(self) -> None:
-        """Free this rank's resources without talking to the other ranks (also after a failure)."""
+        """Free this rank's resources without talking to the other ranks (also after a failure,
+        so nothing here waits on the device)."""
         if self.shm is not None:
             self.shm.close()
             if self.rank == 0:
                 self.shm.unlink()
             self.shm = None
         self.graphs, self.graph_vars = {}, None
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
         self.model = self.kv_cache = None  # the layers' cache views go with the model
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
