@@ -35,6 +35,7 @@ class LLMEngine:
         config = Config(model, **kwargs)
         self.config = config
         self._check_parallel(config)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model)  # before any process starts
         self._exited = False
         self._failure: str | None = None
         self.model_runner = None
@@ -56,7 +57,6 @@ class LLMEngine:
                 raise RuntimeError(f"{failure} while the engine was starting") from e
             raise
         atexit.register(self.exit)
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model)
         self.vocab_size = config.hf_config.vocab_size
         eos = {self.tokenizer.eos_token_id, *self._as_list(getattr(config.hf_config, "eos_token_id", None))}
         self.eos_token_ids = sorted(e for e in eos if e is not None)
