@@ -117,7 +117,7 @@ def test_shared_full_blocks_are_hits_and_ref_counts_go_up():
     bm.allocate(a)
     compute(bm, a)
     b = make_seq(PREFIX + [3, 4, 5])
-    assert bm.num_cached_tokens(b) == 8
+    assert bm.cached_prefix(b) == [0, 1]
     assert bm.can_allocate(b)
     bm.allocate(b)
     assert b.block_table == [0, 1, 3]
@@ -148,13 +148,13 @@ def test_last_block_of_prompt_is_never_a_hit():
     assert len(bm.hash_to_block_id) == 2
 
     b = make_seq(PREFIX)  # the same prompt: only block 0 is served from the cache
-    assert bm.num_cached_tokens(b) == 4
+    assert bm.cached_prefix(b) == [0]
     bm.allocate(b)
     assert b.block_table == [0, 2]
     assert b.num_cached_tokens == 4
 
     c = make_seq(PREFIX[:4])  # a one-block prompt is never a hit
-    assert bm.num_cached_tokens(c) == 0
+    assert bm.cached_prefix(c) == []
     bm.allocate(c)
     assert c.block_table == [3]
     assert [bm.blocks[i].ref_count for i in range(4)] == [2, 1, 1, 1]
@@ -167,7 +167,7 @@ def test_hash_match_with_different_stored_tokens_is_a_miss():
     compute(bm, a)
     bm.blocks[0].token_ids = [0, 0, 0, 0]  # same hash, different content
     b = make_seq(PREFIX + [2])
-    assert bm.num_cached_tokens(b) == 0
+    assert bm.cached_prefix(b) == []
     bm.allocate(b)
     assert b.block_table == [3, 4, 5]  # the miss on block 0 ends the walk; block 1 is not tried
     assert [bm.blocks[i].ref_count for i in range(6)] == [1, 1, 1, 1, 1, 1]
@@ -255,7 +255,7 @@ def test_block_handed_out_for_new_content_forgets_its_hash():
     assert bm.hash_to_block_id == {h[0]: 0}  # block 1's entry is gone, block 0 still remembered
 
     d = make_seq(PREFIX + [2])
-    assert bm.num_cached_tokens(d) == 4  # block 0 hits, block 1 was overwritten
+    assert bm.cached_prefix(d) == [0]  # block 0 hits, block 1 was overwritten
     assert not bm.can_allocate(d)  # needs block 0 plus 2 fresh ones; only block 0 is free
     bm.deallocate(c)
     assert free_queue(bm) == [0, 1, 2, 3]

@@ -69,7 +69,7 @@ class BlockManager:
         self.used_block_ids.remove(block_id)
         self.free_block_ids[block_id] = None
 
-    def _cached_prefix(self, seq: Sequence) -> list[int]:
+    def cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids of the longest cached prefix of ``seq``. The last block of the sequence is
         never a hit, so a prefill always has at least one token to compute."""
         hits = []
@@ -83,21 +83,19 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
-    def num_cached_tokens(self, seq: Sequence) -> int:
-        """How many of ``seq``'s tokens ``allocate`` would serve from the prefix cache."""
-        return len(self._cached_prefix(seq)) * self.block_size
-
-    def can_allocate(self, seq: Sequence) -> bool:
+    def can_allocate(self, seq: Sequence, hits: list[int] | None = None) -> bool:
         """True when the free queue holds every block ``seq`` needs beyond its cached prefix
-        (a hit on a freed-but-remembered block also comes out of the free queue)."""
-        hits = self._cached_prefix(seq)
+        (a hit on a freed-but-remembered block also comes out of the free queue). ``hits`` is
+        ``cached_prefix(seq)`` when the caller already has it."""
+        hits = self.cached_prefix(seq) if hits is None else hits
         needed = seq.num_blocks - sum(self.blocks[b].ref_count > 0 for b in hits)
         return needed <= self.num_free_blocks
 
-    def allocate(self, seq: Sequence) -> None:
-        """Give ``seq`` a block table for all its tokens, reusing its cached prefix."""
+    def allocate(self, seq: Sequence, hits: list[int] | None = None) -> None:
+        """Give ``seq`` a block table for all its tokens, reusing its cached prefix ``hits``
+        (``cached_prefix(seq)``, computed here when not given)."""
         assert not seq.block_table, f"sequence {seq.seq_id} already holds blocks"
-        hits = self._cached_prefix(seq)
+        hits = self.cached_prefix(seq) if hits is None else hits
         for block_id in hits:
             block = self.blocks[block_id]
             if block.ref_count == 0:

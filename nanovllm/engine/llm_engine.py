@@ -3,7 +3,6 @@ import atexit
 import os
 import socket
 import uuid
-from dataclasses import fields
 from time import perf_counter
 
 import torch.distributed as dist
@@ -28,7 +27,7 @@ def _free_port() -> int:
 
 class LLMEngine:
     def __init__(self, model: str, **kwargs):
-        accepted = [f.name for f in fields(Config) if f.init and f.name != "model"]
+        accepted = [name for name in Config.field_names() if name != "model"]
         for key in kwargs:
             if key not in accepted:
                 raise TypeError(f"LLM() got an unexpected keyword argument {key!r}; accepted: {', '.join(accepted)}")

@@ -12,7 +12,7 @@ from nanovllm.config import Config
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention, get_attention_backend, resolve_backend_name
 from nanovllm.layers.sampler import Sampler
-from nanovllm.models.qwen3 import Qwen3ForCausalLM
+from nanovllm.models.qwen3 import Qwen3ForCausalLM, head_dim
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.context import Context, step_context
 from nanovllm.utils.loader import load_model
@@ -31,7 +31,8 @@ class ModelRunner:
         self.world_size = config.tensor_parallel_size
         self.rank = rank
         self.events = events
-        self.head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        self.head_dim = head_dim(hf_config)
+        self.num_kv_heads = hf_config.num_key_value_heads // self.world_size  # per rank
         self.device = torch.device(config.resolved_device())
         if self.device.type == "cuda":
             torch.cuda.set_device(rank)
@@ -225,17 +226,14 @@ class ModelRunner:
         return num_blocks
 
     def kv_cache_block_bytes(self) -> int:
-        hf_config = self.config.hf_config
-        num_kv_heads = hf_config.num_key_value_heads // self.world_size
-        return 2 * hf_config.num_hidden_layers * self.block_size * num_kv_heads * self.head_dim * self.dtype.itemsize
+        layers = self.config.hf_config.num_hidden_layers
+        return 2 * layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
     def bind_kv_cache(self, num_blocks: int) -> None:
         """The one place that knows the cache layout: one tensor
         [2, layers, blocks, block_size, kv_heads, head_dim]; each layer gets its K and V views."""
-        hf_config = self.config.hf_config
-        num_kv_heads = hf_config.num_key_value_heads // self.world_size
         self.kv_cache = torch.empty(
-            2, hf_config.num_hidden_layers, num_blocks, self.block_size, num_kv_heads, self.head_dim,
+            2, self.config.hf_config.num_hidden_layers, num_blocks, self.block_size, self.num_kv_heads, self.head_dim,
             dtype=self.dtype, device=self.device,
         )
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]

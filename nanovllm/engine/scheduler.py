@@ -53,10 +53,11 @@ class Scheduler:
             if seq.block_table:  # a chunked prefill in progress
                 num_uncached = len(seq) - seq.num_cached_tokens
             else:
-                num_uncached = len(seq) - bm.num_cached_tokens(seq)
-                if (scheduled and num_uncached > budget) or not bm.can_allocate(seq):
+                hits = bm.cached_prefix(seq)  # one prefix walk serves the three questions
+                num_uncached = len(seq) - len(hits) * bm.block_size
+                if (scheduled and num_uncached > budget) or not bm.can_allocate(seq, hits):
                     break
-                bm.allocate(seq)
+                bm.allocate(seq, hits)
             seq.num_scheduled_tokens = min(num_uncached, budget)
             budget -= seq.num_scheduled_tokens
             num_seqs += 1

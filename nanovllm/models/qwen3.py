@@ -26,11 +26,16 @@ def rope_theta(config) -> float:
     return float(theta)
 
 
+def head_dim(config) -> int:
+    """``head_dim`` from the config when present (Qwen3 sets it explicitly), else hidden / heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 class Qwen3Attention(nn.Module):
     def __init__(self, config):
         super().__init__()
         tp_size = get_tp_size()
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.head_dim = head_dim(config)
         self.num_heads = config.num_attention_heads // tp_size
         self.num_kv_heads = config.num_key_value_heads // tp_size
         self.q_size = self.num_heads * self.head_dim
