@@ -76,6 +76,24 @@ def test_worker_killed_mid_generate(ckpt_tied):
     assert shm_entries() <= before
 
 
+def test_worker_killed_while_waiting_for_a_step(ckpt_tied):
+    """A worker killed inside Event.wait() still counts as a sleeper of its event, so a plain
+    Event.set() would wait for it to wake forever; signalling it must return all the same."""
+    llm = make_llm(ckpt_tied.path, 2)
+    worker = llm.workers.processes[0]
+    time.sleep(0.5)  # the idle worker waits on its event
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.join()
+    signal_it = threading.Thread(target=llm.model_runner.write_shm, args=("exit",), daemon=True)
+    signal_it.start()
+    signal_it.join(10)
+    assert not signal_it.is_alive(), "signalling the dead worker blocked"
+    with pytest.raises(RuntimeError, match=r"worker rank 1 \(pid \d+\) exited with code -9; the engine has stopped"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+    llm.exit()
+    assert not multiprocessing.active_children()
+
+
 def test_worker_dies_while_starting(ckpt_tied):
     """A worker that dies before the engine is up makes LLM() raise, not hang."""
     before = shm_entries()

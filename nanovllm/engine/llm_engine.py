@@ -2,10 +2,10 @@
 import atexit
 import os
 import socket
+import traceback
 import uuid
 from time import perf_counter
 
-import torch.distributed as dist
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
@@ -13,7 +13,7 @@ from nanovllm.config import Config
 from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.workers import WorkerGroup, abort_collectives
+from nanovllm.engine.workers import WorkerGroup
 from nanovllm.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -44,14 +44,14 @@ class LLMEngine:
         if config.tensor_parallel_size > 1:
             self.workers = WorkerGroup(config, port, shm_name)
         try:
-            self.model_runner = ModelRunner(config, 0, port, shm_name, self.workers.events if self.workers else [])
-        except BaseException as e:
+            if self.workers:
+                self.model_runner = ModelRunner(config, 0, port, shm_name, self.workers.events, self.workers.failure)
+            else:
+                self.model_runner = ModelRunner(config, 0, port, shm_name, [])
+        except BaseException as e:  # the runner has released what it held
             failure = self.workers.wait_failure(2.0) if self.workers else None
             if self.workers:
                 self.workers.close(timeout=1.0)
-            abort_collectives()
-            if dist.is_initialized():
-                dist.destroy_process_group()
             if failure:
                 raise RuntimeError(f"{failure} while the engine was starting") from e
             raise
@@ -109,8 +109,7 @@ class LLMEngine:
                     raise RuntimeError("a rank is gone")
                 self.model_runner.call("exit")  # every rank leaves its loop and the group
             except Exception:
-                abort_collectives()
-                self.model_runner.release()
+                self.model_runner.release(failed=True)
             self.model_runner = None
         if self.workers:
             self.workers.close(timeout=30.0 if healthy else 1.0)
@@ -120,11 +119,14 @@ class LLMEngine:
         engine is released and refuses further work."""
         if self._failure:
             raise RuntimeError(self._failure)
+        if self.workers and (failure := self.workers.failure()):
+            self._fail(failure, None)
         try:
             result = self.model_runner.call(method_name, *args)
         except Exception as e:
             failure = self.workers.wait_failure(2.0) if self.workers else None
             if failure:
+                traceback.clear_frames(e.__traceback__)  # their tensors can then be freed
                 self._fail(failure, e)
             raise
         if self.workers and (failure := self.workers.failure()):

@@ -1,7 +1,10 @@
 """One tensor-parallel rank: the model, its KV cache, per-step inputs and (on GPU) CUDA graphs."""
+import gc
 import multiprocessing as mp
 import os
 import pickle
+import time
+from collections.abc import Callable
 from multiprocessing.shared_memory import SharedMemory
 from multiprocessing.synchronize import Event
 
@@ -15,6 +18,7 @@ from nanovllm.layers.sampler import Sampler
 from nanovllm.models.qwen3 import Qwen3ForCausalLM, head_dim
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.context import Context, step_context
+from nanovllm.utils.distributed import abort_nccl
 from nanovllm.utils.loader import load_model
 
 # share of GPU memory kept out of the KV cache for what sizing cannot see: allocator fragmentation
@@ -24,13 +28,24 @@ CPU_KV_CACHE_SHARE = 0.25  # on CPU, num_kvcache_blocks=-1 takes this share of a
 
 
 class ModelRunner:
-    def __init__(self, config: Config, rank: int, dist_port: int, shm_name: str, events: list[Event] | Event):
+    def __init__(self, config: Config, rank: int, dist_port: int, shm_name: str, events: list[Event] | Event,
+                 watch: Callable[[], str | None] | None = None):
+        """``watch`` (rank 0 with workers) says which worker has died, if any; device waits check it."""
+        self.shm, self.model, self.kv_cache, self.graphs, self.graph_vars = None, None, None, {}, None
+        try:
+            self._start(config, rank, dist_port, shm_name, events, watch)
+        except BaseException:
+            self.release(failed=True)
+            raise
+
+    def _start(self, config, rank, dist_port, shm_name, events, watch) -> None:
         self.config = config
         hf_config = config.hf_config
         self.block_size = config.kvcache_block_size
         self.world_size = config.tensor_parallel_size
         self.rank = rank
         self.events = events
+        self.watch = watch
         self.head_dim = head_dim(hf_config)
         self.num_kv_heads = hf_config.num_key_value_heads // self.world_size  # per rank
         self.device = torch.device(config.resolved_device())
@@ -63,23 +78,16 @@ class ModelRunner:
         # CUDA graphs need a capturable backend on a GPU; the torch backend syncs on the host
         self.enforce_eager = config.enforce_eager or self.device.type == "cpu" or self.backend.name == "torch"
         self.sampler = Sampler()
-        self.graphs, self.graph_vars = {}, None
         self.num_kvcache_blocks = self.allocate_kv_cache()
         if not self.enforce_eager:
             self.capture_cudagraph()
 
-        self.shm = None
         if self.world_size > 1:
             if rank == 0:
                 self.shm = SharedMemory(name=shm_name, create=True, size=self.control_channel_bytes())
-                try:
-                    dist.barrier()
-                except BaseException:
-                    self.shm.close()
-                    self.shm.unlink()
-                    raise
+                self.barrier()
             else:
-                dist.barrier()
+                self.barrier()
                 self.shm = SharedMemory(name=shm_name)
                 self.loop()
 
@@ -96,28 +104,50 @@ class ModelRunner:
     def exit(self) -> None:
         """Leave the group together (every rank runs this through the control channel)."""
         if self.world_size > 1:
-            dist.barrier()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
+            self.barrier()
+        self.sync()
         self.release()
 
-    def release(self) -> None:
-        """Free this rank's resources without talking to the other ranks (also after a failure,
-        so nothing here waits on the device)."""
+    def release(self, failed: bool = False) -> None:
+        """Free this rank's resources. After a failure nothing here talks to the other ranks or
+        waits on the device: the graphs go first, since an NCCL abort waits until no graph holds
+        its kernels, and the abort then ends the kernels still waiting on a dead rank."""
         if self.shm is not None:
             self.shm.close()
             if self.rank == 0:
                 self.shm.unlink()
             self.shm = None
         self.graphs, self.graph_vars = {}, None
+        if failed:
+            abort_nccl()
         self.model = self.kv_cache = None  # the layers' cache views go with the model
-        if self.device.type == "cuda":
+        if torch.cuda.is_initialized():
             torch.cuda.empty_cache()
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
             except Exception:  # an aborted group may refuse a clean teardown
                 pass
+
+    def sync(self) -> None:
+        """Wait for the work queued on this rank's device. With ``watch``, poll instead of
+        blocking: a collective that waits on a dead worker would never end."""
+        if self.device.type != "cuda":
+            return
+        if self.watch is None:
+            torch.cuda.synchronize()
+            return
+        done = torch.cuda.Event()
+        done.record()
+        while not done.query():
+            if failure := self.watch():
+                raise RuntimeError(failure)
+            time.sleep(0)
+
+    def barrier(self) -> None:
+        """All ranks meet here (an all-reduce that rank 0 waits on through ``sync``)."""
+        dist.all_reduce(torch.zeros(1, device=self.device))
+        self.sync()
 
     def loop(self) -> None:
         while True:
@@ -158,6 +188,7 @@ class ModelRunner:
     def warmup_model(self) -> int:
         """One prefill of the largest batch (and one sampling of the largest decode batch), so the
         KV cache is sized from the true peak. Returns the peak bytes reserved above what stays."""
+        gc.collect()  # what an earlier engine left behind must not count as in use
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         max_tokens = self.config.max_num_batched_tokens
@@ -183,10 +214,9 @@ class ModelRunner:
         cache, then release it. (All graphs share one pool, which the largest one sizes.) This also
         loads the decode kernels, whose code takes device memory outside torch."""
         self.bind_kv_cache(1)
-        torch.cuda.synchronize()
+        self.sync()
         before = torch.cuda.memory_reserved()
         self.capture_cudagraph(largest_only=True)
-        torch.cuda.synchronize()
         graph_bytes = torch.cuda.memory_reserved() - before
         self.graphs, self.graph_vars = {}, None
         del self.kv_cache
@@ -216,6 +246,7 @@ class ModelRunner:
         if self.world_size > 1:
             t = torch.tensor([num_blocks], device=self.device)
             dist.all_reduce(t, op=dist.ReduceOp.MIN)
+            self.sync()
             num_blocks = int(t.item())
         if num_blocks <= 0:
             raise RuntimeError(
@@ -322,7 +353,9 @@ class ModelRunner:
             return None
         temperatures = self._tensor([seq.temperature for seq in seqs], torch.float32)
         with torch.inference_mode():
-            return self.sampler(logits, temperatures).tolist()
+            token_ids = self.sampler(logits, temperatures)
+        self.sync()
+        return token_ids.tolist()
 
     @torch.inference_mode()
     def capture_cudagraph(self, largest_only: bool = False) -> None:
@@ -358,5 +391,5 @@ class ModelRunner:
             if pool is None:
                 pool = graph.pool()
             self.graphs[batch] = graph
-            torch.cuda.synchronize()
+            self.sync()
         self.graph_vars = v

@@ -1,9 +1,9 @@
 """The worker processes of tensor parallelism: ranks 1..N-1, each running a ModelRunner loop."""
 import os
 import threading
+import time
 from multiprocessing.connection import wait
 
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nanovllm.config import Config
@@ -15,20 +15,13 @@ def _worker_main(config: Config, rank: int, dist_port: int, shm_name: str, event
     ModelRunner(config, rank, dist_port, shm_name, event)
 
 
-def abort_collectives() -> None:
-    """Make collectives that wait on a dead rank fail instead of hanging. NCCL needs an explicit
-    abort; gloo already fails when a peer's connection drops."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        dist.distributed_c10d._abort_process_group()
-
-
 class WorkerGroup:
     """Spawns ranks 1..N-1 and watches them: a worker that dies makes ``failure()`` say so, and a
-    watchdog thread aborts collectives that would otherwise wait on it forever."""
+    watchdog thread keeps signalling it from blocking (see ``_watch``)."""
 
     def __init__(self, config: Config, dist_port: int, shm_name: str):
         # NCCL's own error handling would tear the process down on the abort that turns a dead
-        # worker into an exception (see abort_collectives); the user's choice wins if set
+        # worker into an exception (see ModelRunner.release); the user's choice wins if set
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
         ctx = mp.get_context("spawn")
         self.processes = []
@@ -68,9 +61,20 @@ class WorkerGroup:
         return self.failure()
 
     def _watch(self) -> None:
+        """A worker killed while it waited on its event leaves ``Event.set()`` (in the engine)
+        waiting for it to wake up, forever: the event's condition counts it as a sleeper. Once
+        that wake-up is pending (its wait semaphore is up and nobody will take it), acknowledge
+        it on the dead worker's behalf; ``set()`` then returns and the engine sees the failure."""
         wait([p.sentinel for p in self.processes])
-        if not self.closing:
-            abort_collectives()
+        pending = [False] * len(self.processes)
+        while not self.closing:
+            for i, (p, event) in enumerate(zip(self.processes, self.events)):
+                cond = event._cond
+                woken = cond._wait_semaphore.get_value() > 0
+                if p.exitcode is not None and woken and not pending[i]:
+                    cond._woken_count.release()
+                pending[i] = woken  # acknowledged once until set() clears the semaphore
+            time.sleep(0.01)
 
     def close(self, timeout: float = 30.0) -> None:
         """Wait for the workers to leave (after an ``exit`` call), killing any that do not."""
