@@ -3,6 +3,7 @@ import gc
 import multiprocessing as mp
 import os
 import pickle
+import threading
 import time
 from collections.abc import Callable
 from multiprocessing.shared_memory import SharedMemory
@@ -109,17 +110,16 @@ class ModelRunner:
         self.release()
 
     def release(self, failed: bool = False) -> None:
-        """Free this rank's resources. After a failure nothing here talks to the other ranks or
-        waits on the device: the graphs go first, since an NCCL abort waits until no graph holds
-        its kernels, and the abort then ends the kernels still waiting on a dead rank."""
+        """Free this rank's resources. After a failure (a rank died) nothing here talks to the
+        other ranks, and NCCL is aborted first so that no device work waits on the dead rank."""
         if self.shm is not None:
             self.shm.close()
             if self.rank == 0:
                 self.shm.unlink()
             self.shm = None
+        if failed and dist.is_initialized() and dist.get_backend() == "nccl" and not self._abort_nccl():
+            return  # the device is stuck: freeing memory would wait on it forever
         self.graphs, self.graph_vars = {}, None
-        if failed:
-            abort_nccl()
         self.model = self.kv_cache = None  # the layers' cache views go with the model
         if torch.cuda.is_initialized():
             torch.cuda.empty_cache()
@@ -128,6 +128,22 @@ class ModelRunner:
                 dist.destroy_process_group()
             except Exception:  # an aborted group may refuse a clean teardown
                 pass
+
+    def _abort_nccl(self, timeout: float = 30.0) -> bool:
+        """NCCL's abort first tells kernels stuck on the dead rank to quit, then waits until no CUDA
+        graph holds its kernels, while destroying a graph waits until its launch has ended. So the
+        abort runs in a thread of its own while this one lets the device drain, then drops the
+        graphs. Returns whether the abort finished."""
+        aborting = threading.Thread(target=abort_nccl, name="nanovllm-abort", daemon=True)
+        aborting.start()
+        drained = torch.cuda.Event()
+        drained.record()
+        deadline = time.monotonic() + timeout
+        while not drained.query() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.graphs, self.graph_vars = {}, None
+        aborting.join(max(0.0, deadline - time.monotonic()))
+        return not aborting.is_alive()
 
     def sync(self) -> None:
         """Wait for the work queued on this rank's device. With ``watch``, poll instead of

@@ -27,6 +27,7 @@ class WorkerGroup:
         self.processes = []
         self.events = []
         self.closing = False
+        self._watchdog = None
         for rank in range(1, config.tensor_parallel_size):
             event = ctx.Event()
             process = ctx.Process(
@@ -57,7 +58,10 @@ class WorkerGroup:
 
     def wait_failure(self, timeout: float) -> str | None:
         """After a collective failed: wait briefly for a worker's death to become visible."""
-        wait([p.sentinel for p in self.processes], timeout)
+        ready = wait([p.sentinel for p in self.processes], timeout)
+        for p in self.processes:
+            if p.sentinel in ready:
+                p.join(1.0)  # the sentinel fires a moment before the exit status can be read
         return self.failure()
 
     def _watch(self) -> None:
@@ -65,13 +69,15 @@ class WorkerGroup:
         waiting for it to wake up, forever: the event's condition counts it as a sleeper. Once
         that wake-up is pending (its wait semaphore is up and nobody will take it), acknowledge
         it on the dead worker's behalf; ``set()`` then returns and the engine sees the failure."""
-        wait([p.sentinel for p in self.processes])
+        sentinels = [p.sentinel for p in self.processes]
+        wait(sentinels)
         pending = [False] * len(self.processes)
         while not self.closing:
-            for i, (p, event) in enumerate(zip(self.processes, self.events)):
+            dead = wait(sentinels, 0)  # not p.exitcode: reaping here would race failure()
+            for i, (sentinel, event) in enumerate(zip(sentinels, self.events)):
                 cond = event._cond
                 woken = cond._wait_semaphore.get_value() > 0
-                if p.exitcode is not None and woken and not pending[i]:
+                if sentinel in dead and woken and not pending[i]:
                     cond._woken_count.release()
                 pending[i] = woken  # acknowledged once until set() clears the semaphore
             time.sleep(0.01)
@@ -84,4 +90,6 @@ class WorkerGroup:
             if p.is_alive():
                 p.kill()
                 p.join()
+        if self._watchdog is not None:
+            self._watchdog.join()  # it holds the events too
         self.events = []  # their named semaphores in /dev/shm go with them
