@@ -3,8 +3,6 @@ import gc
 import multiprocessing as mp
 import os
 import pickle
-import threading
-import time
 from collections.abc import Callable
 from multiprocessing.shared_memory import SharedMemory
 from multiprocessing.synchronize import Event
@@ -19,7 +17,7 @@ from nanovllm.layers.sampler import Sampler
 from nanovllm.models.qwen3 import Qwen3ForCausalLM, head_dim
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.context import Context, step_context
-from nanovllm.utils.distributed import abort_nccl
+from nanovllm.utils.distributed import abort_nccl, wait_device
 from nanovllm.utils.loader import load_model
 
 # share of GPU memory kept out of the KV cache for what sizing cannot see: allocator fragmentation
@@ -117,9 +115,9 @@ class ModelRunner:
             if self.rank == 0:
                 self.shm.unlink()
             self.shm = None
-        if failed and dist.is_initialized() and dist.get_backend() == "nccl" and not self._abort_nccl():
+        if failed and not abort_nccl(self._drop_graphs):
             return  # the device is stuck: freeing memory would wait on it forever
-        self.graphs, self.graph_vars = {}, None
+        self._drop_graphs()
         self.model = self.kv_cache = None  # the layers' cache views go with the model
         if torch.cuda.is_initialized():
             torch.cuda.empty_cache()
@@ -129,22 +127,6 @@ class ModelRunner:
             except Exception:  # an aborted group may refuse a clean teardown
                 pass
 
-    def _abort_nccl(self, timeout: float = 30.0) -> bool:
-        """NCCL's abort first tells kernels stuck on the dead rank to quit, then waits until no CUDA
-        graph holds its kernels, while destroying a graph waits until its launch has ended. So the
-        abort runs in a thread of its own while this one lets the device drain, then drops the
-        graphs. Returns whether the abort finished."""
-        aborting = threading.Thread(target=abort_nccl, name="nanovllm-abort", daemon=True)
-        aborting.start()
-        drained = torch.cuda.Event()
-        drained.record()
-        deadline = time.monotonic() + timeout
-        while not drained.query() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        self.graphs, self.graph_vars = {}, None
-        aborting.join(max(0.0, deadline - time.monotonic()))
-        return not aborting.is_alive()
-
     def sync(self) -> None:
         """Wait for the work queued on this rank's device. With ``watch``, poll instead of
         blocking: a collective that waits on a dead worker would never end."""
@@ -152,13 +134,11 @@ class ModelRunner:
             return
         if self.watch is None:
             torch.cuda.synchronize()
-            return
-        done = torch.cuda.Event()
-        done.record()
-        while not done.query():
-            if failure := self.watch():
-                raise RuntimeError(failure)
-            time.sleep(0)
+        else:
+            wait_device(self.watch)
+
+    def _drop_graphs(self) -> None:
+        self.graphs, self.graph_vars = {}, None
 
     def barrier(self) -> None:
         """All ranks meet here (an all-reduce that rank 0 waits on through ``sync``)."""
@@ -234,7 +214,7 @@ class ModelRunner:
         before = torch.cuda.memory_reserved()
         self.capture_cudagraph(largest_only=True)
         graph_bytes = torch.cuda.memory_reserved() - before
-        self.graphs, self.graph_vars = {}, None
+        self._drop_graphs()
         del self.kv_cache
         torch.cuda.empty_cache()
         return graph_bytes

@@ -17,7 +17,7 @@ def _worker_main(config: Config, rank: int, dist_port: int, shm_name: str, event
 
 class WorkerGroup:
     """Spawns ranks 1..N-1 and watches them: a worker that dies makes ``failure()`` say so, and a
-    watchdog thread keeps signalling it from blocking (see ``_watch``)."""
+    watchdog thread keeps the engine's signal to a dead worker from blocking (see ``_watch``)."""
 
     def __init__(self, config: Config, dist_port: int, shm_name: str):
         # NCCL's own error handling would tear the process down on the abort that turns a dead

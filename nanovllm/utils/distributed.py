@@ -1,4 +1,10 @@
-"""Tensor-parallel rank and size: the default process group, or a single rank without one."""
+"""Tensor-parallel helpers: rank and size (the default process group, or a single rank without
+one), and the two device waits that must not hang on a dead rank."""
+import threading
+import time
+from collections.abc import Callable
+
+import torch
 import torch.distributed as dist
 
 
@@ -10,8 +16,33 @@ def get_tp_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def abort_nccl() -> None:
-    """Make NCCL kernels and calls that wait on a dead rank give up. (gloo needs nothing: its
-    collectives fail when a peer's connection drops.)"""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        dist.distributed_c10d._abort_process_group()
+def wait_device(failure: Callable[[], str | None]) -> None:
+    """Wait for the work queued on the current CUDA stream by polling, raising ``RuntimeError``
+    as soon as ``failure()`` names a dead rank: a collective that waits on it would never end."""
+    done = torch.cuda.Event()
+    done.record()
+    while not done.query():
+        if message := failure():
+            raise RuntimeError(message)
+        time.sleep(0)
+
+
+def abort_nccl(drop_graphs: Callable[[], None], timeout: float = 30.0) -> bool:
+    """After a rank died: abort NCCL so that kernels waiting on it quit. Returns whether the abort
+    finished (gloo needs none: its collectives fail when a peer's connection drops).
+
+    The abort first tells the kernels to quit, then waits until no CUDA graph holds NCCL kernels;
+    destroying a graph in turn waits until its launch has ended. So the abort runs in a thread of
+    its own while this one lets the device drain, then drops the graphs."""
+    if not (dist.is_initialized() and dist.get_backend() == "nccl"):
+        return True
+    aborting = threading.Thread(target=dist.distributed_c10d._abort_process_group, name="nanovllm-abort", daemon=True)
+    aborting.start()
+    drained = torch.cuda.Event()
+    drained.record()
+    deadline = time.monotonic() + timeout
+    while not drained.query() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    drop_graphs()
+    aborting.join(max(0.0, deadline - time.monotonic()))
+    return not aborting.is_alive()
