@@ -10,6 +10,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from hf_reference import BLOCK_SIZE, assert_greedy_match, mixed_prompts
 from nanovllm import LLM, SamplingParams
@@ -186,3 +187,21 @@ def test_bad_tensor_parallel_size_rejected_before_start(ckpt_tied, tp, name):
     with pytest.raises(ValueError, match=f"tensor_parallel_size={tp} must divide the model's {name}"):
         make_llm(ckpt_tied.path, tp)
     assert not multiprocessing.active_children()
+
+
+def test_one_all_reduce_per_attention_and_mlp_block(ckpt_tied, monkeypatch):
+    """Rank 0 of a one-step generate: the embedding's all-reduce, then exactly one per attention
+    block and one per MLP block (the logits are gathered, not reduced)."""
+    calls = []
+    real = torch.distributed.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        calls.append(tuple(tensor.shape))
+        return real(tensor, *args, **kwargs)
+
+    with make_llm(ckpt_tied.path, 2) as llm:
+        monkeypatch.setattr(torch.distributed, "all_reduce", counting)
+        llm.generate([[1, 2, 3, 4, 5]], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+        monkeypatch.undo()
+        hf = llm.config.hf_config
+    assert calls == [(5, hf.hidden_size)] * (1 + 2 * hf.num_hidden_layers)
