@@ -122,16 +122,13 @@ class LLMEngine:
         if self.workers and (failure := self.workers.failure()):
             self._fail(failure, None)
         try:
-            result = self.model_runner.call(method_name, *args)
+            return self.model_runner.call(method_name, *args)
         except Exception as e:
             failure = self.workers.wait_failure(2.0) if self.workers else None
             if failure:
                 traceback.clear_frames(e.__traceback__)  # their tensors can then be freed
                 self._fail(failure, e)
             raise
-        if self.workers and (failure := self.workers.failure()):
-            self._fail(failure, None)
-        return result
 
     def _fail(self, failure: str, cause: BaseException | None):
         self._failure = f"{failure}; the engine has stopped, create a new LLM to continue"

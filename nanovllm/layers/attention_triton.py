@@ -20,6 +20,17 @@ MASKED = tl.constexpr(-1.0e30)  # running max before any key is seen: finite, so
 
 
 @triton.jit
+def _online_softmax_step(qk, v, m_i, l_i, acc):
+    """Fold one tile of scores (log2 units) and values into the running max, sum and output."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    p = tl.exp2(qk - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _prefill_tiles(
     q, m_i, l_i, acc, lo, hi, k_len, q_pos, q_start, seq, kv_head,
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
@@ -53,12 +64,7 @@ def _prefill_tiles(
         if MASK:
             visible = kv_mask[None, :] & (pos[None, :] <= q_pos[:, None])
             qk = tl.where(visible, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.exp2(qk - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc)
     return m_i, l_i, acc
 
 
@@ -161,12 +167,7 @@ def _decode_kernel(
         v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask[:, None], other=0.0)
         qk = tl.dot(q, k) * qk_scale  # [GROUP_PAD, BLOCK_N], log2 units
         qk = tl.where(kv_mask[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.exp2(qk - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(qk, v, m_i, l_i, acc)
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # context_len 0 (a padded row): zeros
