@@ -1,31 +1,145 @@
-"""Per-request sampling settings (pure Python: imported by the engine core)."""
-from dataclasses import dataclass
+"""Per-request sampling settings, with vLLM's names, defaults and meaning (pure Python: imported
+by the engine core). Every field is checked here; a bad value is a TypeError or ValueError naming
+the field, the value and what is allowed."""
+from dataclasses import dataclass, fields, replace
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 @dataclass
 class SamplingParams:
-    """How one request is sampled.
+    """How one request is sampled and when it stops.
+
+    Order on the logits, as in vLLM: ``min_tokens`` suppression, penalties, temperature, min-p,
+    top-k, top-p; greedy (``temperature=0``) takes the argmax after the penalties.
 
     temperature: 0 means greedy (argmax); > 0 samples from softmax(logits / temperature).
-    max_tokens: most completion tokens to generate (the request also stops at EOS or max_model_len).
+    max_tokens: most completion tokens (the request also stops at EOS, a stop condition or max_model_len).
     ignore_eos: keep generating past the end-of-sequence token.
+    n: completions per prompt; they share the prompt's cached blocks. Completion ``i`` of a seeded
+        request uses ``seed + i``.
+    top_p: keep the smallest set of most likely tokens whose probability reaches ``top_p`` (the token
+        that crosses it included); 1 = off.
+    top_k: keep the ``top_k`` most likely tokens; 0 or -1 = off.
+    min_p: drop tokens whose probability is below ``min_p`` times the most likely one's; 0 = off.
+    seed: a seeded request draws the same tokens whatever else is in the batch (same device and dtype).
+    stop: strings that end the completion when they appear in its text (across token boundaries);
+        they are removed from ``text`` unless ``include_stop_str_in_output``.
+    stop_token_ids: token ids that end the completion; the id stays in ``token_ids``.
+    min_tokens: EOS and ``stop_token_ids`` are suppressed, and stop strings not checked, until this
+        many tokens have been generated.
+    repetition_penalty: over prompt and output tokens, positive logits are divided by it and
+        negative ones multiplied; 1 = off.
+    presence_penalty, frequency_penalty: over output tokens,
+        ``logits -= frequency_penalty * count + presence_penalty * (count > 0)``.
+    logprobs: None, or how many top tokens' log-probabilities to return per generated token (the
+        sampled token's is always included); from log_softmax of the raw logits.
+    skip_special_tokens: leave special tokens out of ``text``.
     """
 
     temperature: float = 1.0
     max_tokens: int = 64
     ignore_eos: bool = False
+    n: int = 1
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)):
-            raise TypeError(f"SamplingParams.temperature must be a number, got {t!r} ({type(t).__name__})")
-        if not t >= 0 or t == float("inf"):  # also rejects NaN
-            raise ValueError(f"SamplingParams.temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
-        self.temperature = float(t)
-        m = self.max_tokens
-        if isinstance(m, bool) or not isinstance(m, int):
-            raise TypeError(f"SamplingParams.max_tokens must be an int, got {m!r} ({type(m).__name__})")
-        if m < 1:
-            raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {m}")
-        if not isinstance(self.ignore_eos, bool):
-            raise TypeError(f"SamplingParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
+        self._check_number("temperature", lambda t: 0 <= t < float("inf"), "a finite number >= 0 (0 = greedy)")
+        self._check_int("max_tokens", 1)
+        self._check_int("n", 1)
+        self._check_number("top_p", lambda p: 0 < p <= 1, "in (0, 1] (1 = off)")
+        self._check_int("top_k", -1, extra=" (0 or -1 = off)")
+        self._check_number("min_p", lambda p: 0 <= p <= 1, "in [0, 1] (0 = off)")
+        self._check_int("min_tokens", 0)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"SamplingParams.min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
+        self._check_number("repetition_penalty", lambda r: 0 < r < float("inf"), "a finite number > 0 (1 = off)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            self._check_number(name, lambda x: -2 <= x <= 2, "in [-2, 2] (0 = off)")
+        if self.seed is not None and not _is_int(self.seed):
+            raise TypeError(f"SamplingParams.seed must be an int or None, got {self.seed!r} ({type(self.seed).__name__})")
+        if self.logprobs is not None:
+            self._check_int("logprobs", 0, extra=" or None")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"SamplingParams.{name} must be a bool, got {getattr(self, name)!r}")
+        self.stop = self._string_list(self.stop)
+        self.stop_token_ids = self._id_list(self.stop_token_ids)
+        if self.top_k == -1:
+            self.top_k = 0
+
+    def _check_number(self, name: str, ok, allowed: str) -> None:
+        value = getattr(self, name)
+        if not _is_number(value):
+            raise TypeError(f"SamplingParams.{name} must be a number, got {value!r} ({type(value).__name__})")
+        if not ok(value):  # NaN fails every comparison
+            raise ValueError(f"SamplingParams.{name} must be {allowed}, got {value!r}")
+        setattr(self, name, float(value))
+
+    def _check_int(self, name: str, low: int, extra: str = "") -> None:
+        value = getattr(self, name)
+        if not _is_int(value):
+            raise TypeError(f"SamplingParams.{name} must be an int{extra}, got {value!r} ({type(value).__name__})")
+        if value < low:
+            raise ValueError(f"SamplingParams.{name} must be >= {low}{extra}, got {value}")
+
+    @staticmethod
+    def _string_list(stop) -> list[str]:
+        if stop is None:
+            return []
+        items = [stop] if isinstance(stop, str) else stop
+        if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) for s in items):
+            raise TypeError(f"SamplingParams.stop must be a str, a list of str or None, got {stop!r}")
+        if any(not s for s in items):
+            raise ValueError(f"SamplingParams.stop must not contain an empty string, got {stop!r}")
+        return list(items)
+
+    @staticmethod
+    def _id_list(ids) -> list[int]:
+        if ids is None:
+            return []
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(i) for i in ids):
+            raise TypeError(f"SamplingParams.stop_token_ids must be a list of int or None, got {ids!r}")
+        if any(i < 0 for i in ids):
+            raise ValueError(f"SamplingParams.stop_token_ids must be token ids >= 0, got {ids!r}")
+        return list(ids)
+
+    # ---- derived, for the engine ---------------------------------------------------------------
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def has_filters(self) -> bool:
+        """top-k, top-p or min-p restrict the tokens a non-greedy draw may return."""
+        return self.temperature > 0 and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)
+
+    def for_completion(self, index: int) -> "SamplingParams":
+        """The settings of completion ``index`` of ``n``: one completion, seed + index when seeded."""
+        seed = None if self.seed is None else self.seed + index
+        return replace(self, n=1, seed=seed)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]

@@ -41,6 +41,8 @@ class BlockManager:
         self.hash_to_block_id: dict[int, int] = {}
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.used_block_ids: set[int] = set()
+        self.num_queried_tokens = 0  # tokens of admitted sequences, and how many the prefix cache served
+        self.num_hit_tokens = 0
 
     @staticmethod
     def compute_hash(token_ids: list[int], prefix: int = -1) -> int:
@@ -106,6 +108,8 @@ class BlockManager:
         for _ in range(seq.num_blocks - len(hits)):
             seq.block_table.append(self._take_free_block())
         seq.num_cached_tokens = len(hits) * self.block_size
+        self.num_queried_tokens += len(seq)
+        self.num_hit_tokens += seq.num_cached_tokens
         if seq.num_prefix_hit_tokens < 0:
             seq.num_prefix_hit_tokens = seq.num_cached_tokens
 

@@ -1,22 +1,27 @@
-"""The engine: tokenizer, request intake and checks, the generate loop, worker processes."""
+"""The engine: tokenizer, worker processes, request intake, and one step at a time
+(schedule -> run on every rank -> postprocess and stop strings). The offline calls built on it
+(generate, chat, stream) are in ``offline.py``."""
 import atexit
+import json
 import os
 import socket
 import traceback
 import uuid
-from time import perf_counter
 
-from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from nanovllm.config import Config
 from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.offline import OfflineCalls
+from nanovllm.engine.requests import Request, prompt_token_ids
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.workers import WorkerGroup
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.interrupts import deferred_interrupt
 
-Prompt = str | list[int]
+# generation_config.json keys that set a default SamplingParams field (as vLLM reads them)
+GENERATION_CONFIG_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def _free_port() -> int:
@@ -25,7 +30,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class LLMEngine:
+class LLMEngine(OfflineCalls):
     def __init__(self, model: str, **kwargs):
         accepted = [name for name in Config.field_names() if name != "model"]
         for key in kwargs:
@@ -57,7 +62,12 @@ class LLMEngine:
             raise
         atexit.register(self.exit)
         self.vocab_size = config.hf_config.vocab_size
-        eos = {self.tokenizer.eos_token_id, *self._as_list(getattr(config.hf_config, "eos_token_id", None))}
+        self.generation_config = self._read_generation_config(config.model)
+        eos = {
+            self.tokenizer.eos_token_id,
+            *self._as_list(getattr(config.hf_config, "eos_token_id", None)),
+            *self._as_list(self.generation_config.get("eos_token_id")),
+        }
         self.eos_token_ids = sorted(e for e in eos if e is not None)
         self.num_kvcache_blocks = self.model_runner.num_kvcache_blocks
         self.scheduler = Scheduler(
@@ -68,7 +78,12 @@ class LLMEngine:
             max_model_len=config.max_model_len,
             eos_token_id=self.eos_token_ids,
         )
-        self._unclaimed: list[tuple[int, list[int]]] = []  # finished during generate(), not its own
+        self._requests: dict[int, Request] = {}  # request id -> request, until all its completions end
+        self._collected: set[int] = set()  # sequence ids whose results a generate/stream call in flight takes
+        self._unclaimed: list[tuple[int, list[int]]] = []  # finished during such a call, for step()'s caller
+        self.num_prompt_tokens = 0  # computed in prefill (prefix-cache hits not counted)
+        self.num_generation_tokens = 0
+        self.last_throughput = {"prefill": 0.0, "decode": 0.0}  # tokens/s of the last generate/chat/stream
 
     @staticmethod
     def _check_parallel(config: Config) -> None:
@@ -89,6 +104,14 @@ class LLMEngine:
                 raise ValueError(
                     f"Config.tensor_parallel_size={tp} must divide the model's {name} ({value})"
                 )
+
+    @staticmethod
+    def _read_generation_config(model: str) -> dict:
+        path = os.path.join(model, "generation_config.json")
+        if not os.path.isfile(path):
+            return {}
+        with open(path) as f:
+            return json.load(f)
 
     @staticmethod
     def _as_list(x) -> list:
@@ -143,26 +166,22 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------------------------
 
-    def _make_sequence(self, prompt: Prompt, sampling_params: SamplingParams, where: str) -> Sequence:
-        """Check one request and build its Sequence; ``where`` names it in error messages."""
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What the model folder's ``generation_config.json`` recommends (temperature, top_p, top_k,
+        min_p, repetition_penalty), over ``SamplingParams()``'s defaults; used when a call passes
+        no sampling params."""
+        return SamplingParams(**{k: self.generation_config[k] for k in GENERATION_CONFIG_FIELDS if k in self.generation_config})
+
+    def _make_request(self, prompt, sampling_params: SamplingParams, where: str, stream: bool = False) -> Request:
+        """Check one request and build its sequences; ``where`` names it in error messages.
+        ``stream``: its completions keep their text token by token."""
         if not isinstance(sampling_params, SamplingParams):
             raise TypeError(f"{where}: sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
-        if isinstance(prompt, str):
-            token_ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)):
-            token_ids = list(prompt)
-            for i, t in enumerate(token_ids):
-                if isinstance(t, bool) or not isinstance(t, int):
-                    raise TypeError(f"{where}: token {i} must be an int, got {t!r} ({type(t).__name__})")
-        else:
-            raise TypeError(f"{where}: a prompt must be a str or a list of token ids, got {type(prompt).__name__}")
-        # also for text: the tokenizer may know more tokens than the model (e.g. a small random model)
-        for i, t in enumerate(token_ids):
-            if not 0 <= t < self.vocab_size:
-                raise ValueError(f"{where}: token {i} is {t}, outside the vocabulary [0, {self.vocab_size})")
+        token_ids = prompt_token_ids(prompt, self.tokenizer, self.vocab_size, where)
+        for t in sampling_params.stop_token_ids:
+            if t >= self.vocab_size:
+                raise ValueError(f"{where}: stop_token_ids holds {t}, outside the vocabulary [0, {self.vocab_size})")
         max_len = self.config.max_model_len
-        if not token_ids:
-            raise ValueError(f"{where}: the prompt is empty")
         if len(token_ids) >= max_len:
             raise ValueError(
                 f"{where}: the prompt has {len(token_ids)} tokens; max_model_len={max_len} leaves room for "
@@ -177,17 +196,41 @@ class LLMEngine:
                 f"to {blocks} KV-cache blocks of {block_size} tokens, but the whole cache holds "
                 f"{self.num_kvcache_blocks}"
             )
-        return Sequence(token_ids, sampling_params, block_size)
+        tokenizer = self.tokenizer if stream or sampling_params.stop else None
+        return Request(token_ids, sampling_params, block_size, self.eos_token_ids, tokenizer)
 
-    def add_request(self, prompt: Prompt, sampling_params: SamplingParams) -> int:
-        """Queue one request; returns its sequence id (as reported by ``step``)."""
-        seq = self._make_sequence(prompt, sampling_params, "prompt")
-        self.scheduler.add(seq)
-        return seq.seq_id
+    def _queue(self, request: Request) -> None:
+        self._requests[request.request_id] = request
+        for seq in request.seqs:
+            self.scheduler.add(seq)
+
+    def add_request(self, prompt, sampling_params: SamplingParams) -> int:
+        """Queue one request; returns its request id, which is the sequence id ``step`` reports
+        (with ``n > 1``, completion ``i`` is reported as ``request_id + i``)."""
+        request = self._make_request(prompt, sampling_params, "prompt")
+        self._queue(request)
+        return request.request_id
+
+    def abort_request(self, request_id: int) -> bool:
+        """End a waiting or running request and free its blocks; its completions are not reported.
+        Returns False when no such request is queued (unknown, or already finished)."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return False
+        for seq in request.seqs:
+            self.scheduler.finish(seq, "abort")
+        return True
+
+    # ---- stepping ----------------------------------------------------------------------------
 
     def step(self) -> tuple[list[tuple[int, list[int]]], int]:
         """Run one scheduled step. Returns the ``(seq_id, completion_token_ids)`` of the sequences
-        that finished, and the prefill tokens computed (> 0) or minus the sequences decoded (< 0)."""
+        that finished, and the prefill tokens computed (> 0) or minus the sequences decoded (< 0).
+        Ctrl-C during a step takes effect when the step is complete."""
+        with deferred_interrupt():
+            return self._step()
+
+    def _step(self) -> tuple[list[tuple[int, list[int]]], int]:
         seqs, is_prefill = self.scheduler.schedule()
         outputs, self._unclaimed = self._unclaimed, []
         if not seqs:
@@ -195,71 +238,57 @@ class LLMEngine:
                 raise RuntimeError("no queued request can be scheduled (the KV cache cannot hold the next one)")
             return outputs, 0
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else -len(seqs)
-        token_ids = self._call("run", seqs, is_prefill)
-        finished = self.scheduler.postprocess(seqs, token_ids)
+        token_ids, logprobs = self._call("run", seqs, is_prefill)
+        length = sum(map(len, seqs))
+        finished = self.scheduler.postprocess(seqs, token_ids, logprobs)
+        self.num_generation_tokens += sum(map(len, seqs)) - length
+        if is_prefill:
+            self.num_prompt_tokens += num_tokens
+        finished += self._update_text(seqs)
+        for seq in finished:
+            request = self._requests.get(seq.request_id)
+            if request is not None and request.is_finished:
+                del self._requests[seq.request_id]
         outputs += [(seq.seq_id, seq.completion_token_ids) for seq in finished]
         return outputs, num_tokens
+
+    def _update_text(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Feed new tokens to the detokenizers (streams, stop strings); returns the sequences a
+        stop string ended. One that ended by length in the same token ends by its stop string."""
+        stopped = []
+        for seq in seqs:
+            detokenizer = seq.detokenizer
+            if detokenizer is None:
+                continue
+            new = seq.token_ids[seq.num_prompt_tokens + len(detokenizer.token_ids) :]
+            if not new:
+                continue
+            check = seq.finish_reason in (None, "length") and seq.num_completion_tokens > seq.min_tokens
+            stop = detokenizer.add_tokens(new, check)
+            if stop is None:
+                continue
+            if seq.is_finished:
+                seq.finish_reason, seq.stop_reason = "stop", stop
+            else:
+                self.scheduler.finish(seq, "stop", stop)
+                stopped.append(seq)
+        return stopped
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished() and not self._unclaimed
 
-    # ---- batch generation --------------------------------------------------------------------
-
-    def generate(
-        self,
-        prompts: Prompt | list[Prompt],
-        sampling_params: SamplingParams | list[SamplingParams] | None = None,
-        use_tqdm: bool = True,
-    ) -> list[dict]:
-        """Generate completions for all prompts; returns one dict per prompt, in input order.
-
-        Every prompt is checked before any is queued: on a bad one nothing is queued.
-        """
-        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)):
-            raise TypeError(f"prompts must be a str, a list of str or a list of token-id lists, got {type(prompts).__name__}")
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, (list, tuple)):
-            if len(sampling_params) != len(prompts):
-                raise ValueError(
-                    f"sampling_params has {len(sampling_params)} entries but there are {len(prompts)} prompts"
-                )
-        else:
-            sampling_params = [sampling_params] * len(prompts)
-        seqs = [self._make_sequence(p, sp, f"prompts[{i}]") for i, (p, sp) in enumerate(zip(prompts, sampling_params))]
-        for seq in seqs:
-            self.scheduler.add(seq)
-        ours = {seq.seq_id for seq in seqs}
-        pbar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
-        prefill_tps = decode_tps = 0.0
-        remaining = len(seqs)
-        while remaining:
-            t = perf_counter()
-            outputs, num_tokens = self.step()
-            dt = perf_counter() - t
-            if num_tokens > 0:
-                prefill_tps = num_tokens / dt
-            elif num_tokens < 0:
-                decode_tps = -num_tokens / dt
-            pbar.set_postfix(prefill=f"{prefill_tps:.0f}tok/s", decode=f"{decode_tps:.0f}tok/s")
-            for seq_id, token_ids in outputs:
-                if seq_id in ours:
-                    remaining -= 1
-                    pbar.update(1)
-                else:
-                    self._unclaimed.append((seq_id, token_ids))
-        pbar.close()
-        return [self._output(seq) for seq in seqs]
-
-    def _output(self, seq: Sequence) -> dict:
-        token_ids = seq.completion_token_ids
-        stopped = not seq.ignore_eos and token_ids[-1] in self.scheduler.eos_token_ids
+    def get_stats(self) -> dict:
+        """Counts now (sequences: a request with ``n`` completions counts ``n``), cumulative
+        token counts, and the last generate/chat/stream call's prefill and decode tokens/s."""
+        bm = self.scheduler.block_manager
         return {
-            "text": self.tokenizer.decode(token_ids, skip_special_tokens=True),
-            "token_ids": token_ids,
-            "prompt_token_ids": seq.prompt_token_ids,
-            "finish_reason": "stop" if stopped else "length",
-            "num_cached_tokens": seq.num_prefix_hit_tokens,
+            "num_requests_running": len(self.scheduler.running),
+            "num_requests_waiting": len(self.scheduler.waiting),
+            "kv_cache_usage": len(bm.used_block_ids) / len(bm.blocks),
+            "prefix_cache_hit_rate": bm.num_hit_tokens / bm.num_queried_tokens if bm.num_queried_tokens else 0.0,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prompt_tokens": self.num_prompt_tokens,
+            "generation_tokens": self.num_generation_tokens,
+            "prefill_throughput": self.last_throughput["prefill"],
+            "decode_throughput": self.last_throughput["decode"],
         }

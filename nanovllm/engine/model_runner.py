@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
+from nanovllm.engine.sampling_batch import make_sampling_batch
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention, get_attention_backend, resolve_backend_name
 from nanovllm.layers.sampler import Sampler
@@ -46,6 +47,7 @@ class ModelRunner:
         self.events = events
         self.watch = watch
         self.head_dim = head_dim(hf_config)
+        self.vocab_size = hf_config.vocab_size
         self.num_kv_heads = hf_config.num_key_value_heads // self.world_size  # per rank
         self.device = torch.device(config.resolved_device())
         if self.device.type == "cuda":
@@ -196,10 +198,11 @@ class ModelRunner:
             seq.num_scheduled_tokens = len(seq)
             seqs.append(seq)
         self.run(seqs, True)
-        if self.rank == 0:
-            batch = min(self.config.max_num_seqs, 512)
-            logits = torch.zeros(batch, self.config.hf_config.vocab_size, dtype=self.dtype, device=self.device)
-            self.sampler(logits, torch.ones(batch, device=self.device))
+        if self.rank == 0:  # the sampler's heaviest path: penalties, top-p past its candidates, logprobs
+            params = SamplingParams(top_p=0.9, repetition_penalty=1.1, presence_penalty=0.5, logprobs=20, min_tokens=1)
+            seqs = [Sequence([0] * 8, params, self.block_size) for _ in range(min(self.config.max_num_seqs, 512))]
+            logits = torch.zeros(len(seqs), self.vocab_size, dtype=self.dtype, device=self.device)
+            self.sample(seqs, logits)
             del logits
         peak = torch.cuda.max_memory_reserved() - torch.cuda.memory_allocated()
         torch.cuda.empty_cache()
@@ -341,17 +344,31 @@ class ModelRunner:
         with step_context(context):
             return self.model.compute_logits(v["outputs"][:batch])
 
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int] | None:
-        """Compute one step; rank 0 returns one sampled token id per sequence."""
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> tuple[list[int], list | None] | None:
+        """Compute one step; rank 0 returns one sampled token id per sequence, and (when any
+        sequence asks for them) one ``(logprob, {token_id: logprob})`` or None per sequence."""
         input_ids, positions, context = (self.prepare_prefill if is_prefill else self.prepare_decode)(seqs)
         logits = self.run_model(input_ids, positions, context)
         if self.rank != 0:
             return None
-        temperatures = self._tensor([seq.temperature for seq in seqs], torch.float32)
-        with torch.inference_mode():
-            token_ids = self.sampler(logits, temperatures)
+        return self.sample(seqs, logits)
+
+    @torch.inference_mode()
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int], list | None]:
+        out = self.sampler(logits, make_sampling_batch(seqs, self.vocab_size, self.device, self._tensor))
         self.sync()
-        return token_ids.tolist()
+        token_ids = out.token_ids.tolist()
+        if out.logprobs is None:
+            return token_ids, None
+        logprobs = [None] * len(seqs)
+        sampled, top_values, top_ids = (t.tolist() for t in out.logprobs)
+        rows = (i for i, seq in enumerate(seqs) if seq.sampling_params.logprobs is not None)
+        for i, lp, values, ids in zip(rows, sampled, top_values, top_ids):
+            n = seqs[i].sampling_params.logprobs
+            entry = dict(zip(ids[:n], values[:n]))
+            entry[token_ids[i]] = lp
+            logprobs[i] = (lp, entry)
+        return token_ids, logprobs
 
     @torch.inference_mode()
     def capture_cudagraph(self, largest_only: bool = False) -> None:

@@ -29,6 +29,7 @@ class Scheduler:
         self.block_manager = BlockManager(num_blocks, block_size)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
+        self.num_preemptions = 0
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
@@ -50,6 +51,9 @@ class Scheduler:
         num_seqs = len(self.running)  # a chunked prefill in progress counts from its admission
         while self.waiting and budget > 0 and num_seqs < self.max_num_seqs:
             seq = self.waiting[0]
+            lead = seq.wait_for
+            if lead is not None and lead.status == SequenceStatus.RUNNING and lead.num_cached_tokens < lead.num_prompt_tokens:
+                break  # its prompt's blocks are computed this step by its first completion: hit them next step
             if seq.block_table:  # a chunked prefill in progress
                 num_uncached = len(seq) - seq.num_cached_tokens
             else:
@@ -91,27 +95,43 @@ class Scheduler:
         seq.num_scheduled_tokens = 0
         self.block_manager.deallocate(seq)
         self.waiting.appendleft(seq)
+        self.num_preemptions += 1
 
-    def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
+    def finish(self, seq: Sequence, finish_reason: str, stop_reason: int | str | None = None) -> None:
+        """End ``seq`` (waiting or running) and free its blocks: a stop condition, or an abort."""
+        if seq.is_finished:
+            return
+        (self.running if seq.status == SequenceStatus.RUNNING else self.waiting).remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason, seq.stop_reason = finish_reason, stop_reason
+        seq.num_scheduled_tokens = 0
+        seq.wait_for = None
+        self.block_manager.deallocate(seq)
+
+    def postprocess(self, seqs: list[Sequence], token_ids: list[int], logprobs: list | None = None) -> list[Sequence]:
         """Record a step's results; returns the sequences that finished in it.
 
         A sequence whose prompt is still part-way through a chunked prefill gets no token.
+        ``logprobs`` (when any sequence asked for them) has one ``(logprob, {id: logprob})`` or
+        None per sequence. EOS (unless ``ignore_eos``) and ``stop_token_ids`` end a sequence only
+        after ``min_tokens`` tokens; stop strings are the engine's to check (they need the text).
         """
         finished = []
-        for seq, token_id in zip(seqs, token_ids):
+        for i, (seq, token_id) in enumerate(zip(seqs, token_ids)):
             seq.num_cached_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
             self.block_manager.hash_blocks(seq)
             if seq.num_cached_tokens < len(seq):
                 continue
-            seq.append_token(token_id)
-            if (
-                (not seq.ignore_eos and token_id in self.eos_token_ids)
-                or seq.num_completion_tokens >= seq.max_tokens
-                or len(seq) >= self.max_model_len
-            ):
-                seq.status = SequenceStatus.FINISHED
-                self.block_manager.deallocate(seq)
-                self.running.remove(seq)
-                finished.append(seq)
+            seq.append_token(token_id, logprobs[i] if logprobs else None)
+            past_min = seq.num_completion_tokens > seq.min_tokens
+            if past_min and not seq.ignore_eos and token_id in self.eos_token_ids:
+                self.finish(seq, "stop")
+            elif past_min and token_id in seq.stop_token_ids:
+                self.finish(seq, "stop", token_id)
+            elif seq.num_completion_tokens >= seq.max_tokens or len(seq) >= self.max_model_len:
+                self.finish(seq, "length")
+            else:
+                continue
+            finished.append(seq)
         return finished

@@ -1,5 +1,5 @@
-"""One request: its tokens, where its KV lives, and how far it has been computed (pure Python)."""
-from copy import copy
+"""One completion: its tokens, where its KV lives, how far it has been computed, and (on the
+engine's side) why it finished and its log-probabilities (pure Python)."""
 from enum import Enum, auto
 from itertools import count
 
@@ -23,6 +23,7 @@ class Sequence:
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams, block_size: int):
         self.seq_id = next(Sequence._ids)
+        self.request_id = self.seq_id  # n > 1: the id of the request's first completion
         self.status = SequenceStatus.WAITING
         self.block_size = block_size
         self.token_ids = list(token_ids)
@@ -33,9 +34,21 @@ class Sequence:
         self.num_scheduled_tokens = 0
         self.num_prefix_hit_tokens = -1  # prompt tokens served by the prefix cache at first admission
         self.block_table: list[int] = []
+        self.sampling_params = sampling_params
         self.temperature = sampling_params.temperature
         self.max_tokens = sampling_params.max_tokens
         self.ignore_eos = sampling_params.ignore_eos
+        self.min_tokens = sampling_params.min_tokens
+        self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
+        self.min_tokens_ids = list(sampling_params.stop_token_ids)  # suppressed before min_tokens; the engine adds EOS
+        # n > 1: the first completion of the request; this one is admitted once that one's prompt
+        # is computed, so the prompt's full blocks come from the prefix cache
+        self.wait_for: Sequence | None = None
+        self.finish_reason: str | None = None  # "stop", "length" or "abort" once finished
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+        self.logprobs: list[dict[int, float]] | None = None if sampling_params.logprobs is None else []
+        self.cumulative_logprob: float | None = None if sampling_params.logprobs is None else 0.0
+        self.detokenizer = None  # the engine's IncrementalDetokenizer, for stop strings and streams
 
     def __len__(self) -> int:
         return self.num_tokens
@@ -72,10 +85,14 @@ class Sequence:
             raise IndexError(f"block index {i} out of range for {self.num_blocks} blocks")
         return self.token_ids[i * self.block_size : (i + 1) * self.block_size]
 
-    def append_token(self, token_id: int) -> None:
+    def append_token(self, token_id: int, logprobs: tuple[float, dict[int, float]] | None = None) -> None:
+        """``logprobs``: the new token's log-probability and its ``{token_id: logprob}`` entry."""
         self.token_ids.append(token_id)
         self.last_token = token_id
         self.num_tokens += 1
+        if self.logprobs is not None and logprobs is not None:
+            self.cumulative_logprob += logprobs[0]
+            self.logprobs.append(logprobs[1])
 
     def scheduled_token_ids(self) -> list[int]:
         """The tokens this step computes (after the cached prefix)."""
@@ -85,10 +102,12 @@ class Sequence:
         return self._scheduled_token_ids
 
     # Worker processes read only what a step computes: the scheduled tokens travel, not the whole
-    # list, and in decode just the last token.
+    # list (in decode just the last token), and nothing of sampling or results (rank 0 samples).
+    _WORKER_FIELDS = ("seq_id", "status", "block_size", "last_token", "num_tokens", "num_prompt_tokens",
+                      "num_cached_tokens", "num_scheduled_tokens", "block_table")
+
     def __getstate__(self):
-        state = copy(self.__dict__)
-        del state["token_ids"]
+        state = {name: getattr(self, name) for name in self._WORKER_FIELDS}
         if self.num_scheduled_tokens > 1 or self.num_cached_tokens < self.num_tokens - 1:
             state["_scheduled_token_ids"] = self.scheduled_token_ids()
         return state

@@ -1,21 +1,96 @@
+"""The sampler: one token per row from the logits, with each row's own settings as tensors.
+
+Order, as in vLLM: min_tokens suppression, penalties, then greedy argmax or temperature, min-p,
+top-k, top-p and the draw. Rows that use none of these pay nothing for them: the plain
+temperature draw is one fused pass on the GPU (``sampling_triton``); log-probabilities come from
+the raw logits, before any of it.
+"""
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
-from nanovllm.utils.compile import compile_on_gpu
+from nanovllm.layers import sampling_torch
 
 
-@compile_on_gpu
-def sample(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
-    logits = logits.float()
-    greedy = temperatures == 0
-    probs = torch.softmax(logits / torch.where(greedy, 1.0, temperatures).unsqueeze(1), dim=-1)
-    noise = torch.empty_like(probs).exponential_(1).clamp_min_(1e-10)
-    return torch.where(greedy, logits.argmax(dim=-1), (probs / noise).argmax(dim=-1))
+@dataclass
+class Penalties:
+    rows: torch.Tensor  # [P] int64: the penalised rows
+    repetition: torch.Tensor  # [P] float32
+    presence: torch.Tensor
+    frequency: torch.Tensor
+    prompt_tokens: tuple[torch.Tensor, torch.Tensor]  # (index into rows, token id) per prompt token
+    output_tokens: tuple[torch.Tensor, torch.Tensor]  # the same per output token
+
+
+@dataclass
+class Filters:
+    rows: torch.Tensor  # [R] int64: the rows that sample with top-k, top-p or min-p
+    top_k: torch.Tensor  # [R] int64, 0 = off
+    top_p: torch.Tensor  # [R] float32, 1 = off
+    min_p: torch.Tensor | None  # [R] float32, or None when no row uses min-p
+    num_candidates: int  # tokens considered per row before the vocabulary is needed
+    all_top_k: bool  # every row has top-k: the candidates always suffice
+
+
+@dataclass
+class SamplingBatch:
+    """One step's sampling settings, one row per sequence (built by ``engine.sampling_batch``)."""
+
+    temperatures: torch.Tensor  # [B] float32, 0 = greedy
+    seeds: torch.Tensor | None  # [B] int64 draw seeds in [0, 2**32); None when every row is greedy
+    all_greedy: bool
+    suppress: tuple[torch.Tensor, torch.Tensor] | None = None  # (row, token id) pairs masked to -inf
+    penalties: Penalties | None = None
+    filters: Filters | None = None
+    logprob_rows: torch.Tensor | None = None  # [L] int64: rows that return log-probabilities
+    num_logprobs: int = 0  # top tokens returned for each of them
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [B] int64
+    # for ``logprob_rows``: the sampled token's logprob [L], the top ones [L, num] and their ids
+    logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+
+def _gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
+    if logits.is_cuda:
+        from nanovllm.layers.sampling_triton import gumbel_argmax
+
+        return gumbel_argmax(logits, temperatures, seeds)
+    return sampling_torch.gumbel_argmax(logits, temperatures, seeds)
 
 
 class Sampler(nn.Module):
-    """Gumbel-max sampling: argmax(softmax(logits / T) / E) with E ~ Exponential(1) draws a token
-    with probability softmax(logits / T). Rows with temperature 0 take the argmax (greedy)."""
-
-    def forward(self, logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
-        return sample(logits, temperatures)
+    def forward(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        raw = logits
+        if batch.suppress is not None or batch.penalties is not None:
+            logits = logits.to(torch.float32, copy=True)  # never modify the raw logits in place
+            if batch.suppress is not None:
+                logits[batch.suppress] = float("-inf")
+            if (p := batch.penalties) is not None:
+                sampling_torch.apply_penalties(
+                    logits, p.rows, p.repetition, p.presence, p.frequency, p.prompt_tokens, p.output_tokens
+                )
+        if batch.all_greedy:
+            token_ids = logits.argmax(dim=-1)
+        else:
+            f = batch.filters
+            if f is None:
+                token_ids = _gumbel_argmax(logits, batch.temperatures, batch.seeds)
+            elif f.rows.numel() == logits.size(0):  # every row filters: no pass over the full vocabulary
+                token_ids = sampling_torch.sample_filtered(
+                    logits, batch.temperatures, batch.seeds, f.top_k, f.top_p, f.min_p, f.num_candidates, f.all_top_k
+                )
+            else:
+                token_ids = _gumbel_argmax(logits, batch.temperatures, batch.seeds)
+                token_ids[f.rows] = sampling_torch.sample_filtered(
+                    logits[f.rows], batch.temperatures[f.rows], batch.seeds[f.rows], f.top_k, f.top_p, f.min_p,
+                    f.num_candidates, f.all_top_k,
+                )
+        logprobs = None
+        if batch.logprob_rows is not None:
+            rows = batch.logprob_rows
+            logprobs = sampling_torch.top_logprobs(raw[rows], token_ids[rows], batch.num_logprobs)
+        return SamplerOutput(token_ids, logprobs)

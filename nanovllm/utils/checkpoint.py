@@ -72,7 +72,8 @@ def random_weights(config: dict, dtype: torch.dtype, seed: int = 0, std: float =
 def make_random_checkpoint(
     path: str, shape: str = "tiny", dtype: torch.dtype = torch.bfloat16, seed: int = 0, std: float = 0.02, **overrides
 ) -> str:
-    """Write ``config.json``, ``model.safetensors`` and the Qwen3 tokenizer files into ``path``."""
+    """Write ``config.json``, ``model.safetensors``, the Qwen3 tokenizer files and Qwen3's
+    ``generation_config.json`` (its recommended sampling settings) into ``path``."""
     if shape not in SHAPES:
         raise ValueError(f"shape must be one of {', '.join(SHAPES)}, got {shape!r}")
     config = qwen3_config(**SHAPES[shape], torch_dtype=str(dtype).removeprefix("torch."))
@@ -81,6 +82,6 @@ def make_random_checkpoint(
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     save_file(random_weights(config, dtype, seed, std), os.path.join(path, "model.safetensors"))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copy(os.path.join(TOKENIZER_DIR, name), os.path.join(path, name))
     return path

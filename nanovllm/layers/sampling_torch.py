@@ -1,0 +1,130 @@
+"""The sampling math in plain torch: the CPU path, and on the GPU everything but the plain
+temperature draw (which ``sampling_triton`` fuses into one pass).
+
+Randomness is counter-based: the noise of token ``v`` in a row is a hash of ``(draw seed, v)``, where
+the draw seed is per row and per step (``sampling_batch.draw_seed``). A row's draw therefore does not
+depend on the other rows of the batch, and the Triton kernel reproduces the same noise bit for bit.
+"""
+import torch
+
+_MASK32 = 0xFFFFFFFF
+_MIX = 0x45D9F3B  # < 2**31: the int64 products below never overflow
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xor-shift-multiply), on int64 tensors holding values in [0, 2**32)."""
+    x = ((x ^ (x >> 16)) * _MIX) & _MASK32
+    x = ((x ^ (x >> 16)) * _MIX) & _MASK32
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seeds: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Uniform draws in (0, 1), 24-bit, one per (row seed, token id): ``seeds`` [rows] int64 in
+    [0, 2**32); ``token_ids`` [vocab] (the same ids for every row) or [rows, k]."""
+    ids = token_ids if token_ids.dim() == 2 else token_ids.unsqueeze(0)
+    x = _mix32(_mix32(ids.long()) ^ seeds.unsqueeze(1))
+    return ((x >> 8).float() + 0.5) * 2.0**-24
+
+
+def gumbel(seeds: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Standard Gumbel noise ``-log(-log(u))``: argmax(logits / T + gumbel) draws a token with
+    probability softmax(logits / T) (the Gumbel-max trick; no softmax needed)."""
+    return -torch.log(-torch.log(uniform_noise(seeds, token_ids)))
+
+
+def gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
+    """One token per row: argmax(logits / T + gumbel); rows with T = 0 take the plain argmax.
+    logits [rows, vocab] (any float dtype), temperatures [rows] float32, seeds [rows] int64."""
+    logits = logits.float()
+    greedy = (temperatures == 0).unsqueeze(1)
+    noise = gumbel(seeds, torch.arange(logits.size(1), device=logits.device))
+    scores = logits / torch.where(greedy, 1.0, temperatures.unsqueeze(1)) + noise
+    return torch.where(greedy, logits, scores).argmax(dim=-1)
+
+
+def apply_penalties(
+    logits: torch.Tensor, rows: torch.Tensor, repetition: torch.Tensor, presence: torch.Tensor,
+    frequency: torch.Tensor, prompt_tokens: tuple[torch.Tensor, torch.Tensor],
+    output_tokens: tuple[torch.Tensor, torch.Tensor],
+) -> None:
+    """In place on float32 ``logits`` [batch, vocab], for the penalised ``rows`` only. Over prompt and
+    output tokens, positive logits are divided by the repetition penalty and negative ones multiplied;
+    over output tokens, ``logits -= frequency * count + presence * (count > 0)``. ``prompt_tokens`` and
+    ``output_tokens`` are (index into ``rows``, token id) pairs, one per token occurrence."""
+    shape = (rows.numel(), logits.size(1))
+    counts = torch.zeros(shape, device=logits.device).index_put_(
+        output_tokens, torch.ones(output_tokens[0].numel(), device=logits.device), accumulate=True
+    )
+    in_prompt = torch.zeros(shape, dtype=torch.bool, device=logits.device)
+    in_prompt[prompt_tokens] = True
+    x = logits[rows]
+    r = repetition.unsqueeze(1)
+    x = torch.where(in_prompt | (counts > 0), torch.where(x > 0, x / r, x * r), x)
+    x -= frequency.unsqueeze(1) * counts + presence.unsqueeze(1) * (counts > 0)
+    logits[rows] = x
+
+
+def _candidates(logits, temperatures, top_k, top_p, min_p, num_candidates, all_top_k):
+    """The ``num_candidates`` most likely tokens of each row (scaled by its temperature), and which of
+    them top-k, top-p and min-p keep. ``complete`` is False for a row whose kept set may reach past
+    the candidates (no top-k, and top-p did not cut inside them)."""
+    vocab = logits.size(1)
+    vals, ids = logits.topk(num_candidates, dim=-1)  # sorted, most likely first
+    t = temperatures.unsqueeze(1)
+    vals = vals.float() / t
+    keep = torch.isfinite(vals)
+    min_threshold = None
+    if min_p is not None:  # prob < min_p * max prob  <=>  logit / T < max logit / T + log(min_p)
+        min_threshold = vals[:, :1] + torch.log(min_p).unsqueeze(1)
+        keep &= vals >= min_threshold
+    has_top_k = top_k > 0
+    rank = torch.arange(num_candidates, device=logits.device)
+    keep &= rank < torch.where(has_top_k, top_k, vocab).unsqueeze(1)
+    # top-p normalises over what top-k and min-p left: the kept candidates, or the whole row
+    masked = vals.masked_fill(~keep, float("-inf"))
+    norm = torch.logsumexp(masked, dim=-1)
+    if num_candidates < vocab and not all_top_k:
+        full = logits.float() / t
+        if min_threshold is not None:
+            full = full.masked_fill(full < min_threshold, float("-inf"))
+        norm = torch.where(has_top_k, norm, torch.logsumexp(full, dim=-1))
+    probs = torch.exp(masked - norm.unsqueeze(1))
+    mass_before = probs.cumsum(dim=-1) - probs
+    keep &= (mass_before < top_p.unsqueeze(1)) | (top_p.unsqueeze(1) >= 1.0)
+    complete = has_top_k | ~keep[:, -1] | (num_candidates == vocab)
+    return vals, ids, keep, complete
+
+
+def sample_filtered(
+    logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, top_k: torch.Tensor,
+    top_p: torch.Tensor, min_p: torch.Tensor | None, num_candidates: int, all_top_k: bool,
+) -> torch.Tensor:
+    """Draw one token per row among those min-p, top-k and top-p keep (in that order), with the same
+    noise as ``gumbel_argmax``. Works on the ``num_candidates`` most likely tokens (no sort of the
+    vocabulary); a row without top-k whose top-p mass they do not reach is redone over the whole
+    vocabulary. logits [rows, vocab]; top_k [rows] int64 (0 = off); top_p [rows] (1 = off);
+    min_p [rows] or None; every row has temperature > 0. ``all_top_k``: every row has top-k (then
+    ``num_candidates`` >= each top_k and no row needs the vocabulary, nor a device sync)."""
+    vocab = logits.size(1)
+    num_candidates = min(num_candidates, vocab)
+    vals, ids, keep, complete = _candidates(logits, temperatures, top_k, top_p, min_p, num_candidates, all_top_k)
+    scores = (vals + gumbel(seeds, ids)).masked_fill(~keep, float("-inf"))
+    tokens = ids.gather(1, scores.argmax(dim=-1, keepdim=True)).squeeze(1)
+    if num_candidates < vocab and not all_top_k and not bool(complete.all()):
+        redo = (~complete).nonzero().squeeze(1)
+        tokens[redo] = sample_filtered(
+            logits[redo], temperatures[redo], seeds[redo], top_k[redo], top_p[redo],
+            None if min_p is None else min_p[redo], vocab, all_top_k,
+        )
+    return tokens
+
+
+def top_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, num: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """log_softmax of the raw ``logits`` [rows, vocab]: the sampled ``tokens``' log-probabilities
+    [rows], and the ``num`` largest ones [rows, num] with their token ids."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    sampled = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    top_vals, top_ids = logprobs.topk(num, dim=-1)
+    return sampled, top_vals, top_ids
