@@ -7,6 +7,8 @@ ignore_eos. One short warm-up generate comes first. 133,966 output tokens in all
     python bench.py                                  # ~/huggingface/Qwen3-0.6B
     python bench.py --random qwen3-0.6b              # a random checkpoint of that shape (no weights needed)
     python bench.py --random qwen3-4b --tp 2 --backend triton --enforce-eager
+    python bench.py --random qwen3-0.6b --top-p 0.95 --top-k 20     # Qwen3's recommended sampling
+    python bench.py --sampler --top-p 0.95 --top-k 20               # the sampler alone, GPU time per step
 """
 import argparse
 import os
@@ -17,14 +19,39 @@ from random import randint, seed
 from nanovllm import LLM, SamplingParams
 
 
-def workload(num_seqs: int, max_input_len: int = 1024, max_output_len: int = 1024):
+def workload(num_seqs: int, max_input_len: int = 1024, max_output_len: int = 1024, **sampling):
     seed(0)
     prompts = [[randint(0, 10000) for _ in range(randint(100, max_input_len))] for _ in range(num_seqs)]
     params = [
-        SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=randint(100, max_output_len))
+        SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=randint(100, max_output_len), **sampling)
         for _ in range(num_seqs)
     ]
     return prompts, params
+
+
+def time_sampler(sampling: dict, num_seqs: int, vocab_size: int = 151936, iters: int = 100) -> None:
+    """GPU time of one sampling step at this batch size (random bf16 logits; CUDA events)."""
+    import torch
+
+    from nanovllm.engine.sampling_batch import make_sampling_batch
+    from nanovllm.engine.sequence import Sequence
+    from nanovllm.layers.sampler import Sampler
+
+    params = SamplingParams(temperature=0.6, **sampling)
+    seqs = [Sequence([1] * 8, params, 256) for _ in range(num_seqs)]
+    logits = (torch.randn(num_seqs, vocab_size, device="cuda") * 3).to(torch.bfloat16)
+    batch = make_sampling_batch(seqs, vocab_size, logits.device, lambda v, dtype: torch.tensor(v, dtype=dtype, device="cuda"))
+    sampler = Sampler()
+    for _ in range(10):
+        sampler(logits, batch)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        sampler(logits, batch)
+    end.record()
+    torch.cuda.synchronize()
+    print(f"sampler {sampling or 'temperature only'}: batch {num_seqs} x {vocab_size}: "
+          f"{start.elapsed_time(end) / iters * 1000:.0f} us per step")
 
 
 def gpu_memory_report() -> str:
@@ -48,7 +75,14 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--top-p", type=float, default=None, help="SamplingParams.top_p of every request")
+    parser.add_argument("--top-k", type=int, default=None, help="SamplingParams.top_k of every request")
+    parser.add_argument("--min-p", type=float, default=None, help="SamplingParams.min_p of every request")
+    parser.add_argument("--sampler", action="store_true", help="time the sampler alone (GPU), at --num-seqs rows")
     args = parser.parse_args()
+    sampling = {k: v for k, v in (("top_p", args.top_p), ("top_k", args.top_k), ("min_p", args.min_p)) if v is not None}
+    if args.sampler:
+        return time_sampler(sampling, args.num_seqs)
 
     tmp = None
     path = args.model
@@ -62,7 +96,7 @@ def main() -> None:
     elif not os.path.isdir(path):
         parser.error(f"no model at {path}; pass --model PATH or --random qwen3-0.6b")
 
-    prompts, params = workload(args.num_seqs)
+    prompts, params = workload(args.num_seqs, **sampling)
     with LLM(path, enforce_eager=args.enforce_eager, max_model_len=args.max_model_len,
              tensor_parallel_size=args.tp, attention_backend=args.backend) as llm:
         llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
@@ -72,7 +106,7 @@ def main() -> None:
         backend = llm.model_runner.backend.name
         memory = gpu_memory_report()
     total = sum(p.max_tokens for p in params)
-    print(f"backend={backend} eager={args.enforce_eager} tp={args.tp} requests={args.num_seqs}")
+    print(f"backend={backend} eager={args.enforce_eager} tp={args.tp} requests={args.num_seqs} sampling={sampling or 'temperature 0.6'}")
     print(f"Total: {total}tok, Time: {t:.2f}s, Throughput: {total / t:.2f}tok/s")
     if memory:
         print(memory)

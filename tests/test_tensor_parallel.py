@@ -205,3 +205,36 @@ def test_one_all_reduce_per_attention_and_mlp_block(ckpt_tied, monkeypatch):
         monkeypatch.undo()
         hf = llm.config.hf_config
     assert calls == [(5, hf.hidden_size)] * (1 + 2 * hf.num_hidden_layers)
+
+
+def test_sampling_controls_match_one_rank(ckpt_tied):
+    """Seeded top-k/top-p/min-p draws, penalties, logprobs, stop ids and strings, min_tokens and n
+    on two ranks: only rank 0 samples, from logits gathered over the vocabulary slices, so every
+    token, finish reason and log-probability equals the one-rank run's (float32; the ranks' partial
+    sums differ only in rounding)."""
+    prompts = mixed_prompts()[6:14]
+    params = [
+        SamplingParams(temperature=0.8, top_k=12, top_p=0.9, seed=1, max_tokens=12, logprobs=3),
+        SamplingParams(temperature=0, repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.3, max_tokens=12),
+        SamplingParams(temperature=1.0, min_p=0.05, seed=2, max_tokens=12, min_tokens=4, stop_token_ids=[7, 9, 11]),
+        SamplingParams(temperature=0.7, seed=3, n=3, max_tokens=10, logprobs=0),
+        SamplingParams(temperature=0.9, top_p=0.8, seed=4, max_tokens=12, stop=["a", "e"]),
+        SamplingParams(temperature=0.6, top_k=20, top_p=0.95, seed=5, max_tokens=12, frequency_penalty=0.5),
+        SamplingParams(temperature=0, max_tokens=12, logprobs=2),
+        SamplingParams(temperature=1.2, seed=6, max_tokens=12),
+    ]
+    results = {}
+    for tp in (1, 2):
+        with make_llm(ckpt_tied.path, tp) as llm:
+            results[tp] = llm.generate(prompts, params, use_tqdm=False)
+    for i, (one, two) in enumerate(zip(results[1], results[2])):
+        assert len(one["outputs"]) == len(two["outputs"]) == params[i].n
+        for a, b in zip(one["outputs"], two["outputs"]):
+            for key in ("token_ids", "text", "finish_reason", "stop_reason"):
+                assert a[key] == b[key], (i, key, a[key], b[key])
+            if a["logprobs"] is not None:
+                for x, y in zip(a["logprobs"], b["logprobs"]):
+                    assert x.keys() == y.keys()
+                    assert all(abs(x[t] - y[t]) < 1e-4 for t in x), (i, x, y)
+    stopped = [o["stop_reason"] for o in results[1]]
+    assert {type(r) for r in stopped} >= {int, str}, f"the batch should end on a stop id and a stop string: {stopped}"
