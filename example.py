@@ -29,19 +29,25 @@ def main() -> None:
         print(f"{DEFAULT_MODEL} not found: using a tiny Qwen3 with RANDOM weights at {path}.\n"
               "Its text is gibberish; the pipeline (chat template, batching, decoding) is the real one.\n")
 
-    # a small block size lets the tiny model run on the CPU too; flash-attn needs multiples of 256
-    with LLM(path, enforce_eager=args.enforce_eager, max_model_len=1024, kvcache_block_size=256) as llm:
-        sampling_params = SamplingParams(temperature=0.6, max_tokens=args.max_tokens)
-        prompts = ["introduce yourself", "list all prime numbers within 100"]
-        prompts = [
-            llm.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-            )
-            for prompt in prompts
+    with LLM(path, enforce_eager=args.enforce_eager, max_model_len=1024) as llm:
+        # the model folder's generation_config.json (Qwen3: temperature 0.6, top_p 0.95, top_k 20)
+        sampling_params = llm.get_default_sampling_params()
+        sampling_params.max_tokens = args.max_tokens
+        conversations = [
+            [{"role": "user", "content": "introduce yourself"}],
+            [{"role": "user", "content": "list all prime numbers within 100"}],
         ]
-        outputs = llm.generate(prompts, sampling_params)
-        for prompt, output in zip(prompts, outputs):
-            print(f"\nPrompt: {prompt!r}\nCompletion: {output['text']!r}")
+        outputs = llm.chat(conversations, sampling_params, chat_template_kwargs={"enable_thinking": False})
+        for conversation, output in zip(conversations, outputs):
+            print(f"\nUser: {conversation[0]['content']!r}\nAssistant: {output['text']!r} ({output['finish_reason']})")
+
+        # the same as a stream: text arrives token by token, never half a character
+        print("\nUser: 'what is a paged KV cache?'\nAssistant (streamed): ", end="", flush=True)
+        question = [{"role": "user", "content": "what is a paged KV cache?"}]
+        prompt = llm.tokenizer.apply_chat_template(question, add_generation_prompt=True, enable_thinking=False, tokenize=False)
+        for increment in llm.stream([prompt], sampling_params):
+            print(increment["text"], end="", flush=True)
+        print()
     if tmp is not None:
         tmp.cleanup()
 
