@@ -11,8 +11,10 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
+from nanovllm.engine.cuda_graphs import DecodeGraphs
 from nanovllm.engine.sampling_batch import make_sampling_batch
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.step_inputs import prepare_decode, prepare_prefill
 from nanovllm.layers.attention import Attention, get_attention_backend, resolve_backend_name
 from nanovllm.layers.sampler import Sampler
 from nanovllm.models.qwen3 import Qwen3ForCausalLM, head_dim
@@ -31,7 +33,7 @@ class ModelRunner:
     def __init__(self, config: Config, rank: int, dist_port: int, shm_name: str, events: list[Event] | Event,
                  watch: Callable[[], str | None] | None = None):
         """``watch`` (rank 0 with workers) says which worker has died, if any; device waits check it."""
-        self.shm, self.model, self.kv_cache, self.graphs, self.graph_vars = None, None, None, {}, None
+        self.shm, self.model, self.kv_cache, self.graphs = None, None, None, None
         try:
             self._start(config, rank, dist_port, shm_name, events, watch)
         except BaseException:
@@ -140,7 +142,7 @@ class ModelRunner:
             wait_device(self.watch)
 
     def _drop_graphs(self) -> None:
-        self.graphs, self.graph_vars = {}, None
+        self.graphs = None
 
     def barrier(self) -> None:
         """All ranks meet here (an all-reduce that rank 0 waits on through ``sync``)."""
@@ -274,80 +276,29 @@ class ModelRunner:
     # ---- per-step inputs ---------------------------------------------------------------------
 
     def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
+        """A host list on this rank's device (pinned and non-blocking on a GPU)."""
         if self.device.type == "cpu":
             return torch.tensor(data, dtype=dtype)
         return torch.tensor(data, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
-
-    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
-        width = max(len(seq.block_table) for seq in seqs)
-        return self._tensor([seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs], torch.int32)
-
-    def prepare_prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, Context]:
-        """The ``num_scheduled_tokens`` tokens after each sequence's cached prefix."""
-        input_ids, positions, slot_mapping = [], [], []
-        cu_q, cu_k = [0], [0]
-        bs = self.block_size
-        for seq in seqs:
-            start = seq.num_cached_tokens
-            end = start + seq.num_scheduled_tokens
-            input_ids.extend(seq.scheduled_token_ids())
-            positions.extend(range(start, end))
-            cu_q.append(cu_q[-1] + end - start)
-            cu_k.append(cu_k[-1] + end)
-            for i in range(start // bs, (end + bs - 1) // bs) if seq.block_table else ():
-                offset = seq.block_table[i] * bs - i * bs  # slot of position p in block i: offset + p
-                slot_mapping.extend(range(offset + max(start, i * bs), offset + min(end, (i + 1) * bs)))
-        has_prefix = cu_k[-1] > cu_q[-1]
-        context = Context(
-            is_prefill=True,
-            cu_seqlens_q=self._tensor(cu_q, torch.int32),
-            cu_seqlens_k=self._tensor(cu_k, torch.int32),
-            max_seqlen_q=max(b - a for a, b in zip(cu_q, cu_q[1:])),
-            max_seqlen_k=max(b - a for a, b in zip(cu_k, cu_k[1:])),
-            slot_mapping=self._tensor(slot_mapping, torch.int32),
-            block_tables=self._block_tables(seqs) if has_prefix else None,
-        )
-        return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), context
-
-    def prepare_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, Context]:
-        """Each sequence's newest token, whose KV goes to the slot after its cached tokens."""
-        bs = self.block_size
-        positions = [len(seq) - 1 for seq in seqs]
-        slot_mapping = [seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, positions)]
-        context = Context(
-            is_prefill=False,
-            slot_mapping=self._tensor(slot_mapping, torch.int32),
-            context_lens=self._tensor([len(seq) for seq in seqs], torch.int32),
-            block_tables=self._block_tables(seqs),
-        )
-        input_ids = self._tensor([seq.last_token for seq in seqs], torch.int64)
-        return input_ids, self._tensor(positions, torch.int64), context
 
     # ---- running a step ----------------------------------------------------------------------
 
     @torch.inference_mode()
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context) -> torch.Tensor:
-        batch = input_ids.size(0)
-        if context.is_prefill or self.enforce_eager or batch > self.graph_bs[-1]:
-            with step_context(context):
-                return self.model.compute_logits(self.model(input_ids, positions))
-        graph_bs = next(b for b in self.graph_bs if b >= batch)
-        v = self.graph_vars
-        v["input_ids"][:batch] = input_ids
-        v["positions"][:batch] = positions
-        v["slot_mapping"].fill_(-1)
-        v["slot_mapping"][:batch] = context.slot_mapping
-        v["context_lens"].zero_()
-        v["context_lens"][:batch] = context.context_lens
-        v["block_tables"][:batch, : context.block_tables.size(1)] = context.block_tables
-        self.graphs[graph_bs].replay()
+        if context.is_prefill or self.graphs is None or not self.graphs.fits(input_ids.size(0)):
+            hidden_states = None
+        else:
+            hidden_states = self.graphs.replay(input_ids, positions, context)
         with step_context(context):
-            return self.model.compute_logits(v["outputs"][:batch])
+            if hidden_states is None:
+                hidden_states = self.model(input_ids, positions)
+            return self.model.compute_logits(hidden_states)
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> tuple[list[int], list | None] | None:
         """Compute one step; rank 0 returns one sampled token id per sequence, and (when any
         sequence asks for them) one ``(logprob, {token_id: logprob})`` or None per sequence."""
-        input_ids, positions, context = (self.prepare_prefill if is_prefill else self.prepare_decode)(seqs)
+        prepare = prepare_prefill if is_prefill else prepare_decode
+        input_ids, positions, context = prepare(seqs, self.block_size, self._tensor)
         logits = self.run_model(input_ids, positions, context)
         if self.rank != 0:
             return None
@@ -370,39 +321,10 @@ class ModelRunner:
             logprobs[i] = (lp, entry)
         return token_ids, logprobs
 
-    @torch.inference_mode()
     def capture_cudagraph(self, largest_only: bool = False) -> None:
-        """Capture decode graphs for batch sizes 1, 2, 4, 8, 16, 32, ... up to
-        min(max_num_seqs, 512), largest first, in one shared memory pool."""
-        max_bs = min(self.config.max_num_seqs, 512)
-        max_blocks = -(-self.config.max_model_len // self.block_size)
-        hidden = self.config.hf_config.hidden_size
-        with self.device:
-            v = dict(
-                input_ids=torch.zeros(max_bs, dtype=torch.int64),
-                positions=torch.zeros(max_bs, dtype=torch.int64),
-                slot_mapping=torch.full((max_bs,), -1, dtype=torch.int32),
-                context_lens=torch.zeros(max_bs, dtype=torch.int32),
-                block_tables=torch.zeros(max_bs, max_blocks, dtype=torch.int32),
-                outputs=torch.zeros(max_bs, hidden, dtype=self.dtype),
-            )
-        sizes = [b for b in (1, 2, 4, 8) if b < max_bs] + list(range(16, max_bs, 16)) + [max_bs]
-        self.graph_bs = sorted(set(sizes))
-        pool = None
-        for batch in self.graph_bs[-1:] if largest_only else reversed(self.graph_bs):
-            graph = torch.cuda.CUDAGraph()
-            context = Context(
-                is_prefill=False,
-                slot_mapping=v["slot_mapping"][:batch],
-                context_lens=v["context_lens"][:batch],
-                block_tables=v["block_tables"][:batch],
-            )
-            with step_context(context):
-                v["outputs"][:batch] = self.model(v["input_ids"][:batch], v["positions"][:batch])  # warm-up
-                with torch.cuda.graph(graph, pool):
-                    v["outputs"][:batch] = self.model(v["input_ids"][:batch], v["positions"][:batch])
-            if pool is None:
-                pool = graph.pool()
-            self.graphs[batch] = graph
-            self.sync()
-        self.graph_vars = v
+        """Decode graphs for batch sizes up to min(max_num_seqs, 512) (see ``DecodeGraphs``)."""
+        cfg = self.config
+        self.graphs = DecodeGraphs(
+            self.model, min(cfg.max_num_seqs, 512), -(-cfg.max_model_len // self.block_size),
+            cfg.hf_config.hidden_size, self.dtype, self.device, self.sync, largest_only,
+        )

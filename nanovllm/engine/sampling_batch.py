@@ -2,11 +2,10 @@
 
 One pass over the sequences; a setting nobody in the batch uses adds no tensor and no work.
 """
-from collections.abc import Callable
-
 import torch
 
 from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.step_inputs import ToDevice
 from nanovllm.layers.sampler import Filters, Penalties, SamplingBatch
 
 # a top-p or min-p row without top-k first looks at this many most likely tokens; only when its
@@ -25,9 +24,8 @@ def draw_seed(seed: int, step: int) -> int:
 
 
 def make_sampling_batch(
-    seqs: list[Sequence], vocab_size: int, device: torch.device, to_device: Callable[[list, torch.dtype], torch.Tensor]
+    seqs: list[Sequence], vocab_size: int, device: torch.device, to_device: ToDevice
 ) -> SamplingBatch:
-    """``to_device(values, dtype)`` copies a host list to ``device`` (pinned, non-blocking on GPU)."""
     temperatures, seeded, seed_values, filtered, penalised, suppress, logprob_rows = [], [], [], [], [], [], []
     for i, seq in enumerate(seqs):
         sp = seq.sampling_params
@@ -64,7 +62,7 @@ def make_sampling_batch(
     return batch
 
 
-def _penalties(seqs: list[Sequence], rows: list[int], to_device) -> Penalties:
+def _penalties(seqs: list[Sequence], rows: list[int], to_device: ToDevice) -> Penalties:
     prompt_rows, prompt_ids, output_rows, output_ids = [], [], [], []
     for j, seq in enumerate(seqs):
         prompt, output = seq.prompt_token_ids, seq.completion_token_ids
@@ -83,7 +81,7 @@ def _penalties(seqs: list[Sequence], rows: list[int], to_device) -> Penalties:
     )
 
 
-def _filters(params: list, rows: list[int], vocab_size: int, to_device) -> Filters:
+def _filters(params: list, rows: list[int], vocab_size: int, to_device: ToDevice) -> Filters:
     top_k = [min(p.top_k, vocab_size) for p in params]
     all_top_k = all(top_k)
     num_candidates = max(top_k) if all_top_k else max(NUM_CANDIDATES, *top_k)
