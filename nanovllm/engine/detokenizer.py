@@ -18,6 +18,7 @@ class IncrementalDetokenizer:
         self.include_stop = include_stop_str_in_output
         self.skip_special_tokens = skip_special_tokens
         self.token_ids: list[int] = []
+        self.num_text_tokens = 0
         self.text = ""
         self.stopped_text: str | None = None
         self._window_start = 0  # tokens before this are decoded and their text final
@@ -31,16 +32,19 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
-    def add_tokens(self, token_ids: list[int], check_stop: bool = True) -> str | None:
+    def add_tokens(self, token_ids: list[int], check_stop: bool = True, hide_last: bool = False) -> str | None:
         """Take the completion's new tokens; returns the stop string that ends it, if one appears
-        in the new text (and ``check_stop``)."""
+        in the new text (and ``check_stop``). ``hide_last``: the last token (an EOS or stop id that
+        ended the completion) is left out of the text."""
         self.token_ids += token_ids
-        before = self._decode(self.token_ids[self._window_start : self._read])
-        window = self._decode(self.token_ids[self._window_start :])
+        self.num_text_tokens = len(self.token_ids) - hide_last
+        text_ids = self.token_ids[: self.num_text_tokens]
+        before = self._decode(text_ids[self._window_start : self._read])
+        window = self._decode(text_ids[self._window_start :])
         if window.endswith("\ufffd"):  # a character still incomplete: wait for its next bytes
             return None
         new_text = window[len(before) :]
-        self._window_start, self._read = self._read, len(self.token_ids)
+        self._window_start, self._read = self._read, len(text_ids)
         start = len(self.text)
         self.text += new_text
         if not (check_stop and self.stop and new_text):
@@ -60,7 +64,7 @@ class IncrementalDetokenizer:
         """The completion's text once it has finished."""
         if self.stopped_text is not None:
             return self.stopped_text
-        return self._decode(self.token_ids)
+        return self._decode(self.token_ids[: self.num_text_tokens])
 
     def take_increment(self, finished: bool) -> tuple[list[int], str]:
         """The tokens and text a stream has not handed out yet: while running, all but the last

@@ -20,8 +20,9 @@ from nanovllm.engine.workers import WorkerGroup
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.interrupts import deferred_interrupt
 
-# generation_config.json keys that set a default SamplingParams field (as vLLM reads them)
-GENERATION_CONFIG_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# generation_config.json keys that set a default SamplingParams field, as vLLM reads them
+GENERATION_CONFIG_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                            "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 
 def _free_port() -> int:
@@ -168,9 +169,11 @@ class LLMEngine(OfflineCalls):
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What the model folder's ``generation_config.json`` recommends (temperature, top_p, top_k,
-        min_p, repetition_penalty), over ``SamplingParams()``'s defaults; used when a call passes
-        no sampling params."""
-        return SamplingParams(**{k: self.generation_config[k] for k in GENERATION_CONFIG_FIELDS if k in self.generation_config})
+        min_p, repetition_penalty, and max_new_tokens as max_tokens), over ``SamplingParams()``'s
+        defaults; used when a call passes no sampling params."""
+        config = self.generation_config
+        return SamplingParams(**{field: config[key] for key, field in GENERATION_CONFIG_FIELDS.items()
+                                 if config.get(key) is not None})
 
     def _make_request(self, prompt, sampling_params: SamplingParams, where: str, stream: bool = False) -> Request:
         """Check one request and build its sequences; ``where`` names it in error messages.
@@ -227,8 +230,15 @@ class LLMEngine(OfflineCalls):
         """Run one scheduled step. Returns the ``(seq_id, completion_token_ids)`` of the sequences
         that finished, and the prefill tokens computed (> 0) or minus the sequences decoded (< 0).
         Ctrl-C during a step takes effect when the step is complete."""
-        with deferred_interrupt():
-            return self._step()
+        result = None
+        try:
+            with deferred_interrupt():
+                result = self._step()
+        except KeyboardInterrupt:
+            if result is not None:  # the step completed: what finished in it is not lost
+                self._unclaimed += [o for o in result[0] if o[0] not in self._collected]
+            raise
+        return result
 
     def _step(self) -> tuple[list[tuple[int, list[int]]], int]:
         seqs, is_prefill = self.scheduler.schedule()
@@ -238,7 +248,11 @@ class LLMEngine(OfflineCalls):
                 raise RuntimeError("no queued request can be scheduled (the KV cache cannot hold the next one)")
             return outputs, 0
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else -len(seqs)
-        token_ids, logprobs = self._call("run", seqs, is_prefill)
+        try:
+            token_ids, logprobs = self._call("run", seqs, is_prefill)
+        except BaseException:
+            self.scheduler.unschedule(seqs)  # nothing of the step was computed
+            raise
         length = sum(map(len, seqs))
         finished = self.scheduler.postprocess(seqs, token_ids, logprobs)
         self.num_generation_tokens += sum(map(len, seqs)) - length
@@ -264,7 +278,7 @@ class LLMEngine(OfflineCalls):
             if not new:
                 continue
             check = seq.finish_reason in (None, "length") and seq.num_completion_tokens > seq.min_tokens
-            stop = detokenizer.add_tokens(new, check)
+            stop = detokenizer.add_tokens(new, check, hide_last=seq.num_text_tokens < seq.num_completion_tokens)
             if stop is None:
                 continue
             if seq.is_finished:

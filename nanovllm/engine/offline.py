@@ -154,6 +154,8 @@ class OfflineCalls:
         if seq.detokenizer is not None:
             text = seq.detokenizer.final_text()
         else:
-            text = self.tokenizer.decode(token_ids, skip_special_tokens=seq.sampling_params.skip_special_tokens)
+            text = self.tokenizer.decode(
+                token_ids[: seq.num_text_tokens], skip_special_tokens=seq.sampling_params.skip_special_tokens
+            )
         return {"index": index, "text": text, "token_ids": token_ids, "finish_reason": seq.finish_reason,
                 "stop_reason": seq.stop_reason, "logprobs": seq.logprobs, "cumulative_logprob": seq.cumulative_logprob}

@@ -97,6 +97,18 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
+    def unschedule(self, seqs: list[Sequence]) -> None:
+        """After a step failed before its results came back: its sequences return to the head of
+        ``waiting``, in order, without blocks; their KV is computed again (prefix hits aside)."""
+        for seq in reversed(seqs):
+            if seq.is_finished:
+                continue
+            (self.running if seq.status == SequenceStatus.RUNNING else self.waiting).remove(seq)
+            seq.status = SequenceStatus.WAITING
+            seq.num_scheduled_tokens = 0
+            self.block_manager.deallocate(seq)
+            self.waiting.appendleft(seq)
+
     def finish(self, seq: Sequence, finish_reason: str, stop_reason: int | str | None = None) -> None:
         """End ``seq`` (waiting or running) and free its blocks: a stop condition, or an abort."""
         if seq.is_finished:

@@ -73,6 +73,14 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
+    def num_text_tokens(self) -> int:
+        """Completion tokens that make up its text: all but a final EOS or stop token id, which,
+        as in vLLM, stay in ``token_ids`` but not in the text (unless include_stop_str_in_output)."""
+        n = self.num_completion_tokens
+        stopped_by_id = self.finish_reason == "stop" and not isinstance(self.stop_reason, str)
+        return n - 1 if stopped_by_id and not self.sampling_params.include_stop_str_in_output else n
+
+    @property
     def num_blocks(self) -> int:
         return (self.num_tokens + self.block_size - 1) // self.block_size
 
