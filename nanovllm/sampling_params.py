@@ -4,6 +4,9 @@ the field, the value and what is allowed."""
 from dataclasses import dataclass, fields, replace
 
 
+GREEDY_BELOW = 1e-5  # a temperature under this samples greedily (as in vLLM): logits / T would overflow
+
+
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -19,7 +22,8 @@ class SamplingParams:
     Order on the logits, as in vLLM: ``min_tokens`` suppression, penalties, temperature, min-p,
     top-k, top-p; greedy (``temperature=0``) takes the argmax after the penalties.
 
-    temperature: 0 means greedy (argmax); > 0 samples from softmax(logits / temperature).
+    temperature: 0 means greedy (argmax); > 0 samples from softmax(logits / temperature); below
+        1e-5 it is greedy too.
     max_tokens: most completion tokens (the request also stops at EOS, a stop condition or max_model_len).
     ignore_eos: keep generating past the end-of-sequence token.
     n: completions per prompt; they share the prompt's cached blocks. Completion ``i`` of a seeded
@@ -131,9 +135,13 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
+
+    @property
     def has_filters(self) -> bool:
         """top-k, top-p or min-p restrict the tokens a non-greedy draw may return."""
-        return self.temperature > 0 and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)
+        return not self.is_greedy and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)
 
     def for_completion(self, index: int) -> "SamplingParams":
         """The settings of completion ``index`` of ``n``: one completion, seed + index when seeded."""

@@ -29,8 +29,8 @@ def make_sampling_batch(
     temperatures, seeded, seed_values, filtered, penalised, suppress, logprob_rows = [], [], [], [], [], [], []
     for i, seq in enumerate(seqs):
         sp = seq.sampling_params
-        temperatures.append(sp.temperature)
-        if sp.temperature > 0:
+        temperatures.append(0.0 if sp.is_greedy else sp.temperature)
+        if not sp.is_greedy:
             if sp.seed is not None:
                 seeded.append(i)
                 seed_values.append(draw_seed(sp.seed, seq.num_completion_tokens))
