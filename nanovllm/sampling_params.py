@@ -1,7 +1,7 @@
 """Per-request sampling settings, with vLLM's names, defaults and meaning (pure Python: imported
 by the engine core). Every field is checked here; a bad value is a TypeError or ValueError naming
 the field, the value and what is allowed."""
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 
 GREEDY_BELOW = 1e-5  # a temperature under this samples greedily (as in vLLM): logits / T would overflow
@@ -147,7 +147,3 @@ class SamplingParams:
         """The settings of completion ``index`` of ``n``: one completion, seed + index when seeded."""
         seed = None if self.seed is None else self.seed + index
         return replace(self, n=1, seed=seed)
-
-    @classmethod
-    def field_names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]

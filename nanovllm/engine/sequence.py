@@ -35,7 +35,6 @@ class Sequence:
         self.num_prefix_hit_tokens = -1  # prompt tokens served by the prefix cache at first admission
         self.block_table: list[int] = []
         self.sampling_params = sampling_params
-        self.temperature = sampling_params.temperature
         self.max_tokens = sampling_params.max_tokens
         self.ignore_eos = sampling_params.ignore_eos
         self.min_tokens = sampling_params.min_tokens
