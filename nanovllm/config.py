@@ -5,6 +5,7 @@ from dataclasses import dataclass, field, fields
 DEVICES = ("auto", "cuda", "cpu")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "flash-attn", "triton", "torch")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # "auto": the model's dtype; "fp8" (= "fp8_e4m3"): e4m3 with per-row scales
 
 
 def _check_int(name: str, value, low: int, high: int | None = None, extra: str = "") -> None:
@@ -36,6 +37,8 @@ class Config:
     device: str = "auto"
     dtype: str = "auto"
     attention_backend: str = "auto"
+    kv_cache_dtype: str = "auto"
+    async_scheduling: bool = True
     hf_config: object = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -63,14 +66,25 @@ class Config:
             raise ValueError(f"Config.gpu_memory_utilization must be in (0, 1], got {u}")
         if not isinstance(self.enforce_eager, bool):
             raise TypeError(f"Config.enforce_eager must be a bool, got {self.enforce_eager!r}")
+        if not isinstance(self.async_scheduling, bool):
+            raise TypeError(f"Config.async_scheduling must be a bool, got {self.async_scheduling!r}")
         _check_choice("device", self.device, DEVICES)
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
 
         from transformers import AutoConfig
 
         self.hf_config = AutoConfig.from_pretrained(self.model)
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
+        # a backend that cannot run this dtype / KV-cache dtype / block size fails now, before any
+        # process starts or weights load (the model runner asks the same function again)
+        from nanovllm.layers.attention import resolve_backend_name
+
+        device = self.resolved_device()
+        resolve_backend_name(
+            self.attention_backend, device, self.kvcache_block_size, self.resolved_dtype(device), self.kv_cache_dtype
+        )
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -103,8 +103,8 @@ def check_block_invariants(bm: BlockManager, live: list[Sequence]) -> None:
     for seq in live:
         if not seq.block_table:
             continue
-        chain = expected_chain(seq.token_ids, bm.block_size)
-        num_full = seq.num_cached_tokens // bm.block_size
+        chain = expected_chain(seq.token_ids[: seq.num_known_tokens], bm.block_size)
+        num_full = min(seq.num_cached_tokens, seq.num_known_tokens) // bm.block_size  # placeholders are not hashed
         for i, block_id in enumerate(seq.block_table):
             block = bm.blocks[block_id]
             if i < num_full:

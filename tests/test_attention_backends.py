@@ -268,6 +268,31 @@ def test_triton_rejects_bad_split_count():
         TritonAttentionBackend(num_splits=3)
 
 
+H100_SHARED_MEMORY = 232448  # bytes per block, also the H200's
+
+
+def test_triton_tiles_fit_shared_memory():
+    """float32 and head_dim 256 get tiles whose estimate fits the H100/H200 limit; 2-byte types
+    with head_dim <= 128 keep the tiles they always had."""
+    from nanovllm.layers.attention_triton import decode_tiles, prefill_tiles, shared_memory_estimate
+
+    # bf16's long-prefill tiles at float32: what Triton refused on an H200 ("Required: 262144")
+    assert shared_memory_estimate(128, 64, 128, 3, 4) == 262144 > H100_SHARED_MEMORY
+    for head_dim in (64, 128, 256):
+        for itemsize in (2, 4):
+            for max_seqlen_q in (1, 64, 65, 4096):
+                block_m, block_n, _, num_stages = prefill_tiles(head_dim, itemsize, max_seqlen_q)
+                assert shared_memory_estimate(block_m, block_n, head_dim, num_stages, itemsize) <= H100_SHARED_MEMORY
+            for group_pad in (16, 64):
+                block_n, num_stages = decode_tiles(head_dim, itemsize, group_pad)
+                assert shared_memory_estimate(group_pad, block_n, head_dim, num_stages, itemsize) <= H100_SHARED_MEMORY
+    for head_dim in (64, 128):
+        assert prefill_tiles(head_dim, 2, 4096) == (128, 64, 8, 3)
+        assert prefill_tiles(head_dim, 2, 64) == (64, 64, 4, 3)
+        assert decode_tiles(head_dim, 2, 16) == (64, 2)
+    assert prefill_tiles(128, 4, 4096) != (128, 64, 8, 3)
+
+
 # ---- GPU: bf16 against the torch backend in float32 -----------------------------------------------
 
 GPU_TOL = 1e-2
@@ -335,6 +360,20 @@ def test_gpu_triton_decode_splits(num_splits, block_size):
     )
     assert result["padded_finite"], result
     assert result["rel_err"] < GPU_TOL, result
+
+
+@gpu
+@pytest.mark.parametrize("head_dim", [128, 256])
+@pytest.mark.parametrize("case", list(GPU_PREFILL))
+def test_gpu_triton_float32(case, head_dim):
+    """float32 prefill and decode: tiles chosen for 4-byte elements fit shared memory."""
+    from nanovllm.layers.attention_triton import TritonAttentionBackend
+
+    dims = dict(device="cuda", dtype=torch.float32, head_dim=head_dim, block_size=16, num_heads=16, num_kv_heads=8)
+    result = check_prefill(TritonAttentionBackend(), GPU_PREFILL[case], **dims)
+    assert result["cache_equal"] and result["rel_err"] < GPU_TOL, result
+    result = check_decode(TritonAttentionBackend(), GPU_DECODE_LENS, **dims)
+    assert result["padded_finite"] and result["rel_err"] < GPU_TOL, result
 
 
 @gpu

@@ -665,15 +665,24 @@ def byte_token_ids(tokenizer, text: str) -> list[int]:
 
 def script_tokens(llm, monkeypatch, scripts: dict[tuple[int, ...], list[int]]) -> None:
     """Fake sampling, as vLLM's core tests do: a sequence whose prompt is a key of ``scripts`` gets
-    the script's next token instead of the sampled one (the model still runs)."""
+    the script's next token instead of the sampled one when the host learns the step's tokens
+    (the model still runs, on the sampled ones)."""
     real_run = llm.model_runner.run
 
-    def run(seqs, is_prefill):
-        token_ids, logprobs = real_run(seqs, is_prefill)
-        for i, seq in enumerate(seqs):
-            if (script := scripts.get(tuple(seq.prompt_token_ids))) is not None:
-                token_ids[i] = script[seq.num_completion_tokens]
-        return token_ids, logprobs
+    def run(seqs, is_prefill, prev_rows=None):
+        output = real_run(seqs, is_prefill, prev_rows)
+        scripted = [(i, script[seq.num_completion_tokens]) for i, seq in enumerate(seqs)
+                    if (script := scripts.get(tuple(seq.prompt_token_ids))) is not None]
+        real_result = output.result
+
+        def result():
+            token_ids, logprobs = real_result()
+            for i, token_id in scripted:
+                token_ids[i] = token_id
+            return token_ids, logprobs
+
+        output.result = result
+        return output
 
     monkeypatch.setattr(llm.model_runner, "run", run)
 
@@ -772,11 +781,11 @@ def failing_run(llm, monkeypatch, fail_at: int, exc=KeyboardInterrupt):
     real_run = llm.model_runner.run
     calls = []
 
-    def run(seqs, is_prefill):
+    def run(seqs, is_prefill, *args):
         calls.append(is_prefill)
         if len(calls) == fail_at:
             raise exc("interrupted inside a step")
-        return real_run(seqs, is_prefill)
+        return real_run(seqs, is_prefill, *args)
 
     monkeypatch.setattr(llm.model_runner, "run", run)
     return calls
@@ -834,9 +843,9 @@ def test_ctrl_c_during_generate(llm, ckpt_tied, hf_ref, monkeypatch, queued_max_
     queued_id = llm.add_request(queued, greedy(queued_max_tokens))
     real_run = llm.model_runner.run
 
-    def run(seqs, is_prefill):
+    def run(seqs, is_prefill, *args):
         os.kill(os.getpid(), signal.SIGINT)  # delivered while the step computes
-        return real_run(seqs, is_prefill)
+        return real_run(seqs, is_prefill, *args)
 
     monkeypatch.setattr(llm.model_runner, "run", run)
     with pytest.raises(KeyboardInterrupt):
@@ -858,7 +867,8 @@ def test_ctrl_c_during_generate(llm, ckpt_tied, hf_ref, monkeypatch, queued_max_
 
 
 def test_get_stats(ckpt_tied, hf_ref):
-    with make_llm(ckpt_tied.path, num_kvcache_blocks=8) as llm:
+    # step by step, the serial path (tokens counted in the step that computes them)
+    with make_llm(ckpt_tied.path, num_kvcache_blocks=8, async_scheduling=False) as llm:
         stats = llm.get_stats()
         assert all(value == 0 for value in stats.values()), stats
         short, shared = random_prompts(100, [10, 40])

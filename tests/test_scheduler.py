@@ -553,3 +553,67 @@ def test_random_workloads_keep_invariants_and_finish(workload):
         assert seq.completion_token_ids == expected_completion(
             plan, seq.max_tokens, seq.ignore_eos, seq.num_prompt_tokens, config["max_model_len"], eos_ids
         )
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads())
+def test_random_workloads_resolved_one_step_late(workload):
+    """As the engine drives the scheduler with async scheduling: each step is scheduled and
+    advanced (placeholders) before the previous step's tokens are resolved. The completions are
+    exactly those of the plans; tokens computed past an end are dropped; a step's inputs are
+    placeholders only from the step right before it, at the recorded rows."""
+    config, requests = workload
+    sched = make_scheduler(**config)
+    eos = config["eos_token_id"]
+    eos_ids = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+    bs = config["block_size"]
+    seqs_by_arrival = [
+        (arrival, make_seq(prompt, block_size=bs, max_tokens=m, ignore_eos=ig), plan)
+        for prompt, m, plan, ig, arrival in sorted(requests, key=lambda r: r[4])
+    ]
+    plans = {seq.seq_id: plan for _, seq, plan in seqs_by_arrival}
+    pending = list(seqs_by_arrival)
+    launched = None  # (seqs, positions) of the step in flight
+    reported = []
+    step = 0
+
+    def resolve():
+        seqs, positions = launched
+        tokens = [plans[s.seq_id][p - s.num_prompt_tokens] if p >= 0 else -7 for s, p in zip(seqs, positions)]
+        for seq in sched.resolve(seqs, positions, tokens):
+            assert seq.is_complete and seq.block_table == [] and seq.num_pending == 0
+            reported.append(seq.seq_id)
+
+    while pending or not sched.is_finished() or launched:
+        if sched.is_finished() and pending:
+            step = max(step, pending[0][0])
+        while pending and pending[0][0] <= step:
+            sched.add(pending.pop(0)[1])
+        seqs, is_prefill = sched.schedule()
+        if not seqs:
+            assert launched, "no progress although requests are pending"
+            resolve()
+            launched = None
+            continue
+        check_step(sched, seqs, is_prefill)
+        previous = launched[0] if launched else []
+        for seq in seqs:
+            if seq.num_pending:  # its input comes from the step in flight, on the device
+                assert not is_prefill and seq.num_pending == 1
+                assert previous[seq.pending_row] is seq and seq.last_token == -1
+        positions = sched.advance(seqs)
+        if launched:
+            resolve()
+        launched = (seqs, positions)
+        check_scheduler_invariants(sched)
+        step += 1
+        assert step < 5000, "the workload did not finish"
+
+    assert sorted(reported) == sorted(plans) and len(set(reported)) == len(reported)
+    bm = sched.block_manager
+    assert sorted(bm.free_block_ids) == list(range(config["num_blocks"])) and not bm.used_block_ids
+    for _, seq, plan in seqs_by_arrival:
+        assert seq.status == FINISHED and seq.num_pending == 0
+        assert seq.completion_token_ids == expected_completion(
+            plan, seq.max_tokens, seq.ignore_eos, seq.num_prompt_tokens, config["max_model_len"], eos_ids
+        )

@@ -135,8 +135,9 @@ class BlockManager:
             seq.block_table.append(self._take_free_block())
 
     def hash_blocks(self, seq: Sequence) -> None:
-        """After a step: hash and register every block of ``seq`` that its computed tokens fill."""
-        num_full = seq.num_cached_tokens // self.block_size
+        """After a step: hash and register every block of ``seq`` that its computed tokens fill,
+        as far as their values are known (not a pending placeholder)."""
+        num_full = min(seq.num_cached_tokens, seq.num_known_tokens) // self.block_size
         start = num_full
         while start > 0 and self.blocks[seq.block_table[start - 1]].hash == -1:
             start -= 1

@@ -1,6 +1,5 @@
-"""The engine: tokenizer, worker processes, request intake, and one step at a time
-(schedule -> run on every rank -> postprocess and stop strings). The offline calls built on it
-(generate, chat, stream) are in ``offline.py``."""
+"""The engine: tokenizer, worker processes, request intake and stats. The step loop is in
+``step_loop.py``, the offline calls built on it (generate, chat, stream) in ``offline.py``."""
 import atexit
 import json
 import os
@@ -15,10 +14,9 @@ from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.offline import OfflineCalls
 from nanovllm.engine.requests import Request, prompt_token_ids
 from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.step_loop import LaunchedStep, StepLoop
 from nanovllm.engine.workers import WorkerGroup
 from nanovllm.sampling_params import SamplingParams
-from nanovllm.utils.interrupts import deferred_interrupt
 
 # generation_config.json keys that set a default SamplingParams field, as vLLM reads them
 GENERATION_CONFIG_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
@@ -31,7 +29,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class LLMEngine(OfflineCalls):
+class LLMEngine(StepLoop, OfflineCalls):
     def __init__(self, model: str, **kwargs):
         accepted = [name for name in Config.field_names() if name != "model"]
         for key in kwargs:
@@ -82,6 +80,7 @@ class LLMEngine(OfflineCalls):
         self._requests: dict[int, Request] = {}  # request id -> request, until all its completions end
         self._collected: set[int] = set()  # sequence ids whose results a generate/stream call in flight takes
         self._unclaimed: list[tuple[int, list[int]]] = []  # finished during such a call, for step()'s caller
+        self._launched: LaunchedStep | None = None  # the step whose tokens the host has not taken yet
         self.num_prompt_tokens = 0  # computed in prefill (prefix-cache hits not counted)
         self.num_generation_tokens = 0
         self.last_throughput = {"prefill": 0.0, "decode": 0.0}  # tokens/s of the last generate/chat/stream
@@ -139,14 +138,18 @@ class LLMEngine(OfflineCalls):
             self.workers.close(timeout=30.0 if healthy else 1.0)
 
     def _call(self, method_name: str, *args):
-        """Run a method on every rank; a dead worker turns into a clear error, after which the
-        engine is released and refuses further work."""
+        """Run a method on every rank (see ``_guarded``)."""
+        return self._guarded(lambda: self.model_runner.call(method_name, *args))
+
+    def _guarded(self, fn):
+        """``fn()``, where a dead worker turns into a clear error, after which the engine is
+        released and refuses further work."""
         if self._failure:
             raise RuntimeError(self._failure)
         if self.workers and (failure := self.workers.failure()):
             self._fail(failure, None)
         try:
-            return self.model_runner.call(method_name, *args)
+            return fn()
         except Exception as e:
             failure = self.workers.wait_failure(2.0) if self.workers else None
             if failure:
@@ -223,73 +226,6 @@ class LLMEngine(OfflineCalls):
         for seq in request.seqs:
             self.scheduler.finish(seq, "abort")
         return True
-
-    # ---- stepping ----------------------------------------------------------------------------
-
-    def step(self) -> tuple[list[tuple[int, list[int]]], int]:
-        """Run one scheduled step. Returns the ``(seq_id, completion_token_ids)`` of the sequences
-        that finished, and the prefill tokens computed (> 0) or minus the sequences decoded (< 0).
-        Ctrl-C during a step takes effect when the step is complete."""
-        result = None
-        try:
-            with deferred_interrupt():
-                result = self._step()
-        except KeyboardInterrupt:
-            if result is not None:  # the step completed: what finished in it is not lost
-                self._unclaimed += [o for o in result[0] if o[0] not in self._collected]
-            raise
-        return result
-
-    def _step(self) -> tuple[list[tuple[int, list[int]]], int]:
-        seqs, is_prefill = self.scheduler.schedule()
-        outputs, self._unclaimed = self._unclaimed, []
-        if not seqs:
-            if not self.scheduler.is_finished():
-                raise RuntimeError("no queued request can be scheduled (the KV cache cannot hold the next one)")
-            return outputs, 0
-        num_tokens = sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else -len(seqs)
-        try:
-            token_ids, logprobs = self._call("run", seqs, is_prefill)
-        except BaseException:
-            self.scheduler.unschedule(seqs)  # nothing of the step was computed
-            raise
-        length = sum(map(len, seqs))
-        finished = self.scheduler.postprocess(seqs, token_ids, logprobs)
-        self.num_generation_tokens += sum(map(len, seqs)) - length
-        if is_prefill:
-            self.num_prompt_tokens += num_tokens
-        finished += self._update_text(seqs)
-        for seq in finished:
-            request = self._requests.get(seq.request_id)
-            if request is not None and request.is_finished:
-                del self._requests[seq.request_id]
-        outputs += [(seq.seq_id, seq.completion_token_ids) for seq in finished]
-        return outputs, num_tokens
-
-    def _update_text(self, seqs: list[Sequence]) -> list[Sequence]:
-        """Feed new tokens to the detokenizers (streams, stop strings); returns the sequences a
-        stop string ended. One that ended by length in the same token ends by its stop string."""
-        stopped = []
-        for seq in seqs:
-            detokenizer = seq.detokenizer
-            if detokenizer is None:
-                continue
-            new = seq.token_ids[seq.num_prompt_tokens + len(detokenizer.token_ids) :]
-            if not new:
-                continue
-            check = seq.finish_reason in (None, "length") and seq.num_completion_tokens > seq.min_tokens
-            stop = detokenizer.add_tokens(new, check, hide_last=seq.num_text_tokens < seq.num_completion_tokens)
-            if stop is None:
-                continue
-            if seq.is_finished:
-                seq.finish_reason, seq.stop_reason = "stop", stop
-            else:
-                self.scheduler.finish(seq, "stop", stop)
-                stopped.append(seq)
-        return stopped
-
-    def is_finished(self) -> bool:
-        return self.scheduler.is_finished() and not self._unclaimed
 
     def get_stats(self) -> dict:
         """Counts now (sequences: a request with ``n`` completions counts ``n``), cumulative

@@ -84,13 +84,14 @@ class OfflineCalls:
     @staticmethod
     def _increment(seq: Sequence) -> dict | None:
         d = seq.detokenizer
-        if d.sent_final or (d.sent_tokens == len(d.token_ids) and not seq.is_finished):
+        done = seq.is_complete
+        if d.sent_final or (d.sent_tokens == len(d.token_ids) and not done):
             return None  # done, or nothing new
         start = d.sent_tokens
-        token_ids, text = d.take_increment(seq.is_finished)
-        out = {"token_ids": token_ids, "text": text, "finished": seq.is_finished,
+        token_ids, text = d.take_increment(done)
+        out = {"token_ids": token_ids, "text": text, "finished": done,
                "logprobs": None if seq.logprobs is None else seq.logprobs[start : start + len(token_ids)]}
-        if seq.is_finished:
+        if done:
             out["finish_reason"], out["stop_reason"] = seq.finish_reason, seq.stop_reason
         return out
 
@@ -135,12 +136,13 @@ class OfflineCalls:
                     elif seq_id not in self._collected:
                         self._unclaimed.append((seq_id, token_ids))  # an add_request's: for step()'s caller
                 if num_tokens == 0:  # nothing ran: some of ours were aborted meanwhile
-                    remaining = sum(not seq.is_finished for r in requests for seq in r.seqs)
+                    remaining = sum(not seq.is_complete for r in requests for seq in r.seqs)
                 yield
+            self._settle()
         finally:
             self._collected -= own
             for request in requests:
-                if not request.is_finished:
+                if request.request_id in self._requests:  # not all its results are out
                     self.abort_request(request.request_id)
 
     def _request_output(self, request: Request) -> dict:

@@ -78,4 +78,4 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return all(seq.is_finished for seq in self.seqs)
+        return all(seq.is_complete for seq in self.seqs)

@@ -118,32 +118,67 @@ class Scheduler:
         seq.finish_reason, seq.stop_reason = finish_reason, stop_reason
         seq.num_scheduled_tokens = 0
         seq.wait_for = None
+        if finish_reason == "abort":
+            seq.discard_pending()
         self.block_manager.deallocate(seq)
 
-    def postprocess(self, seqs: list[Sequence], token_ids: list[int], logprobs: list | None = None) -> list[Sequence]:
-        """Record a step's results; returns the sequences that finished in it.
-
-        A sequence whose prompt is still part-way through a chunked prefill gets no token.
-        ``logprobs`` (when any sequence asked for them) has one ``(logprob, {id: logprob})`` or
-        None per sequence. EOS (unless ``ignore_eos``) and ``stop_token_ids`` end a sequence only
-        after ``min_tokens`` tokens; stop strings are the engine's to check (they need the text).
-        """
-        finished = []
-        for i, (seq, token_id) in enumerate(zip(seqs, token_ids)):
+    def advance(self, seqs: list[Sequence]) -> list[int]:
+        """Once a step is launched: its sequences move past the tokens it computes, and each one
+        that samples gets a placeholder for the token, whose value comes with ``resolve``. Returns
+        each sequence's placeholder position (-1: part-way through a chunked prefill, it samples
+        nothing). A sequence that reaches ``max_tokens`` or ``max_model_len`` finishes now
+        ("length"), so it is not scheduled again; ``resolve`` still reports its last token."""
+        positions = []
+        for row, seq in enumerate(seqs):
             seq.num_cached_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
             self.block_manager.hash_blocks(seq)
             if seq.num_cached_tokens < len(seq):
+                positions.append(-1)
                 continue
-            seq.append_token(token_id, logprobs[i] if logprobs else None)
-            past_min = seq.num_completion_tokens > seq.min_tokens
-            if past_min and not seq.ignore_eos and token_id in self.eos_token_ids:
-                self.finish(seq, "stop")
-            elif past_min and token_id in seq.stop_token_ids:
-                self.finish(seq, "stop", token_id)
-            elif seq.num_completion_tokens >= seq.max_tokens or len(seq) >= self.max_model_len:
+            seq.append_placeholder(row)
+            positions.append(len(seq) - 1)
+            if seq.num_completion_tokens >= seq.max_tokens or len(seq) >= self.max_model_len:
                 self.finish(seq, "length")
-            else:
+        return positions
+
+    def resolve(self, seqs: list[Sequence], positions: list[int], token_ids: list[int],
+                logprobs: list | None = None) -> list[Sequence]:
+        """A step's sampled tokens have arrived: ``token_ids[i]`` goes to ``positions[i]`` of
+        ``seqs[i]`` (from ``advance``). Returns the sequences whose results are now complete.
+
+        EOS (unless ``ignore_eos``) and ``stop_token_ids`` end a sequence only after ``min_tokens``
+        tokens, also one that ended by length meanwhile. Tokens computed past a sequence's end (it
+        ended meanwhile, or was aborted) are dropped. ``logprobs`` (when any sequence asked for
+        them) has one ``(logprob, {id: logprob})`` or None per sequence. Stop strings are the
+        engine's to check (they need the text).
+        """
+        finished = []
+        for i, (seq, position, token_id) in enumerate(zip(seqs, positions, token_ids)):
+            if not 0 <= position < len(seq):
+                continue
+            seq.set_token(position, token_id, logprobs[i] if logprobs else None)
+            if not seq.is_finished:
+                self.block_manager.hash_blocks(seq)
+            past_min = position - seq.num_prompt_tokens >= seq.min_tokens
+            if past_min and not seq.ignore_eos and token_id in self.eos_token_ids:
+                self.stop(seq, "stop")
+            elif past_min and token_id in seq.stop_token_ids:
+                self.stop(seq, "stop", token_id)
+            elif not seq.is_complete:  # running, or its last token (by length) is still to come
                 continue
             finished.append(seq)
         return finished
+
+    def stop(self, seq: Sequence, finish_reason: str, stop_reason: int | str | None = None) -> None:
+        """End ``seq`` at its last known token (a stop condition found when its value arrived):
+        placeholders after it are dropped; one that already ended by length takes this reason."""
+        seq.discard_pending()
+        if seq.is_finished:
+            seq.finish_reason, seq.stop_reason = finish_reason, stop_reason
+        else:
+            self.finish(seq, finish_reason, stop_reason)
+
+    def postprocess(self, seqs: list[Sequence], token_ids: list[int], logprobs: list | None = None) -> list[Sequence]:
+        """``advance`` and ``resolve`` at once: a step whose tokens are known when it ends."""
+        return self.resolve(seqs, self.advance(seqs), token_ids, logprobs)

@@ -5,6 +5,8 @@ from itertools import count
 
 from nanovllm.sampling_params import SamplingParams
 
+PLACEHOLDER = -1  # a sampled token whose value the host learns one step later
+
 
 class SequenceStatus(Enum):
     WAITING = auto()
@@ -16,7 +18,9 @@ class Sequence:
     """A request's token ids plus its paged-KV bookkeeping.
 
     Invariant: the KV of ``token_ids[:num_cached_tokens]`` is stored in the cache blocks of
-    ``block_table``; a step computes the next ``num_scheduled_tokens`` of them.
+    ``block_table``; a step computes the next ``num_scheduled_tokens`` of them. The last
+    ``num_pending`` tokens are placeholders: sampled on the device by a step still in flight, their
+    values come when that step is resolved (the newest one's is row ``pending_row`` of its output).
     """
 
     _ids = count()
@@ -32,6 +36,8 @@ class Sequence:
         self.num_prompt_tokens = self.num_tokens
         self.num_cached_tokens = 0
         self.num_scheduled_tokens = 0
+        self.num_pending = 0
+        self.pending_row = -1
         self.num_prefix_hit_tokens = -1  # prompt tokens served by the prefix cache at first admission
         self.block_table: list[int] = []
         self.sampling_params = sampling_params
@@ -60,8 +66,18 @@ class Sequence:
         return self.status == SequenceStatus.FINISHED
 
     @property
+    def is_complete(self) -> bool:
+        """Finished, with every token's value known: its results are final."""
+        return self.status == SequenceStatus.FINISHED and not self.num_pending
+
+    @property
     def num_completion_tokens(self) -> int:
         return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose values the host has (all but the pending placeholders)."""
+        return self.num_tokens - self.num_pending
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -75,7 +91,7 @@ class Sequence:
     def num_text_tokens(self) -> int:
         """Completion tokens that make up its text: all but a final EOS or stop token id, which,
         as in vLLM, stay in ``token_ids`` but not in the text (unless include_stop_str_in_output)."""
-        n = self.num_completion_tokens
+        n = self.num_known_tokens - self.num_prompt_tokens
         stopped_by_id = self.finish_reason == "stop" and not isinstance(self.stop_reason, str)
         return n - 1 if stopped_by_id and not self.sampling_params.include_stop_str_in_output else n
 
@@ -94,12 +110,38 @@ class Sequence:
 
     def append_token(self, token_id: int, logprobs: tuple[float, dict[int, float]] | None = None) -> None:
         """``logprobs``: the new token's log-probability and its ``{token_id: logprob}`` entry."""
-        self.token_ids.append(token_id)
-        self.last_token = token_id
+        self.append_placeholder(-1)
+        self.set_token(self.num_tokens - 1, token_id, logprobs)
+
+    def append_placeholder(self, row: int) -> None:
+        """A token sampled in row ``row`` of a step in flight; its value comes with ``set_token``."""
+        self.token_ids.append(PLACEHOLDER)
+        self.last_token = PLACEHOLDER
         self.num_tokens += 1
+        self.num_pending += 1
+        self.pending_row = row
+
+    def set_token(self, position: int, token_id: int, logprobs: tuple[float, dict[int, float]] | None = None) -> None:
+        """The value of the oldest pending placeholder, at ``position``."""
+        if position != self.num_known_tokens:
+            raise ValueError(f"sequence {self.seq_id}: token {position} set out of order (next is {self.num_known_tokens})")
+        self.token_ids[position] = token_id
+        self.num_pending -= 1
+        if position == self.num_tokens - 1:
+            self.last_token = token_id
+            self.pending_row = -1
         if self.logprobs is not None and logprobs is not None:
             self.cumulative_logprob += logprobs[0]
             self.logprobs.append(logprobs[1])
+
+    def discard_pending(self) -> None:
+        """Drop the placeholders (tokens computed past the end of a finished sequence)."""
+        if self.num_pending:
+            del self.token_ids[self.num_known_tokens :]
+            self.num_tokens -= self.num_pending
+            self.num_pending = 0
+            self.pending_row = -1
+            self.last_token = self.token_ids[-1]
 
     def scheduled_token_ids(self) -> list[int]:
         """The tokens this step computes (after the cached prefix)."""

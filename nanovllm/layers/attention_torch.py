@@ -1,17 +1,46 @@
-"""Plain torch attention: the CPU path, and the reference the GPU backends are tested against."""
+"""Plain torch attention: the CPU path, and the reference the GPU backends are tested against.
+An FP8 cache is quantized on store and dequantized to float32 before attending."""
 import torch
 import torch.nn.functional as F
 
-from nanovllm.layers.attention import AttentionBackend
+from nanovllm.layers.attention import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE, AttentionBackend
 from nanovllm.utils.context import Context
+
+
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One scale per row of the last dimension: ``s = max(max|row| / FP8_MAX, FP8_MIN_SCALE)``,
+    stored ``row / s`` in e4m3 (round to nearest even; |row / s| <= FP8_MAX, so nothing saturates).
+    x: [..., head_dim] -> values [..., head_dim] e4m3, scales [...] float32"""
+    x = x.float()
+    amax = x.abs().amax(dim=-1)
+    # divide by a tensor: a Python-number divisor may become a multiply by its reciprocal on the
+    # GPU, which rounds differently from the Triton store's division
+    scale = (amax / torch.full_like(amax, FP8_MAX)).clamp(min=FP8_MIN_SCALE)
+    return (x / scale.unsqueeze(-1)).to(FP8_DTYPE), scale
+
+
+def dequantize_fp8(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float32 rows back from e4m3 values and their scales (the inverse of ``quantize_fp8``)."""
+    return values.float() * scale.unsqueeze(-1)
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """The first ``num_tokens`` rows a sequence stored through ``block_table``.
-    cache: [num_blocks, block_size, num_kv_heads, head_dim] -> [num_tokens, num_kv_heads, head_dim]"""
+    cache: [num_blocks, block_size, ...] -> [num_tokens, ...] (K/V rows, or their FP8 scales)"""
     block_size = cache.size(1)
     num_blocks = (num_tokens + block_size - 1) // block_size
     return cache[block_table[:num_blocks].long()].flatten(0, 1)[:num_tokens]
+
+
+def gather_dequantized(
+    cache: torch.Tensor, scale: torch.Tensor | None, block_table: torch.Tensor, num_tokens: int
+) -> torch.Tensor:
+    """``gather_kv``, dequantized to float32 when the cache is FP8 (``scale`` given).
+    -> [num_tokens, num_kv_heads, head_dim]"""
+    rows = gather_kv(cache, block_table, num_tokens)
+    if scale is None:
+        return rows
+    return dequantize_fp8(rows, gather_kv(scale, block_table, num_tokens))
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -33,13 +62,18 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> t
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping):
+    def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
         valid = slot_mapping >= 0
         slots = slot_mapping[valid].long()
-        k_cache.flatten(0, 1).index_copy_(0, slots, k[valid].to(k_cache.dtype))
-        v_cache.flatten(0, 1).index_copy_(0, slots, v[valid].to(v_cache.dtype))
+        for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+            rows = x[valid]  # [num_valid, num_kv_heads, head_dim]
+            if scale is not None:
+                rows, row_scales = quantize_fp8(rows)
+                scale.flatten(0, 1).index_copy_(0, slots, row_scales)
+                cache, rows = cache.view(torch.uint8), rows.view(torch.uint8)  # index_copy_ takes no e4m3
+            cache.flatten(0, 1).index_copy_(0, slots, rows.to(cache.dtype))
 
-    def prefill(self, q, k, v, k_cache, v_cache, context: Context, scale):
+    def prefill(self, q, k, v, k_cache, v_cache, context: Context, scale, k_scale=None, v_scale=None):
         out = torch.empty_like(q)
         cu_q = context.cu_seqlens_q.tolist()
         cu_k = context.cu_seqlens_k.tolist()
@@ -49,15 +83,15 @@ class TorchAttentionBackend(AttentionBackend):
                 ki, vi = k[q_start:q_end], v[q_start:q_end]
             else:
                 num_k = cu_k[i + 1] - cu_k[i]
-                ki = gather_kv(k_cache, context.block_tables[i], num_k)
-                vi = gather_kv(v_cache, context.block_tables[i], num_k)
+                ki = gather_dequantized(k_cache, k_scale, context.block_tables[i], num_k)
+                vi = gather_dequantized(v_cache, v_scale, context.block_tables[i], num_k)
             out[q_start:q_end] = attend(q[q_start:q_end], ki, vi, scale)
         return out
 
-    def decode(self, q, k_cache, v_cache, context: Context, scale):
+    def decode(self, q, k_cache, v_cache, context: Context, scale, k_scale=None, v_scale=None):
         out = torch.empty_like(q)
         for i, num_k in enumerate(context.context_lens.tolist()):
-            ki = gather_kv(k_cache, context.block_tables[i], num_k)
-            vi = gather_kv(v_cache, context.block_tables[i], num_k)
+            ki = gather_dequantized(k_cache, k_scale, context.block_tables[i], num_k)
+            vi = gather_dequantized(v_cache, v_scale, context.block_tables[i], num_k)
             out[i : i + 1] = attend(q[i : i + 1], ki, vi, scale)
         return out

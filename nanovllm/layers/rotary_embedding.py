@@ -1,6 +1,7 @@
 import torch
 from torch import nn
 
+from nanovllm.layers.layernorm import rms_norm
 from nanovllm.utils.compile import compile_on_gpu
 
 
@@ -17,6 +18,19 @@ def apply_rotary_emb(
     cos_sin_cache: [max_position, 1, head_dim] holding [cos | sin]."""
     cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)  # [num_tokens, 1, head_dim // 2] each
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+@compile_on_gpu
+def apply_qk_norm_rotary_emb(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+    eps: float, cos_sin_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm of q and k (Qwen3's QK-norm), then RoPE: the same arithmetic as
+    ``RMSNorm`` followed by ``apply_rotary_emb``, compiled as one function on the GPU so the
+    four passes become one."""
+    q = rms_norm.__wrapped__(q, q_weight, eps)
+    k = rms_norm.__wrapped__(k, k_weight, eps)
+    return apply_rotary_emb.__wrapped__(positions, q, k, cos_sin_cache)
 
 
 class RotaryEmbedding(nn.Module):

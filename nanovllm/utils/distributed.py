@@ -16,12 +16,14 @@ def get_tp_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def wait_device(failure: Callable[[], str | None]) -> None:
-    """Wait for the work queued on the current CUDA stream by polling, raising ``RuntimeError``
-    as soon as ``failure()`` names a dead rank: a collective that waits on it would never end."""
-    done = torch.cuda.Event()
-    done.record()
-    while not done.query():
+def wait_device(failure: Callable[[], str | None], event: torch.cuda.Event | None = None) -> None:
+    """Wait for ``event`` (default: the work queued on the current CUDA stream so far) by polling,
+    raising ``RuntimeError`` as soon as ``failure()`` names a dead rank: a collective that waits on
+    it would never end."""
+    if event is None:
+        event = torch.cuda.Event()
+        event.record()
+    while not event.query():
         if message := failure():
             raise RuntimeError(message)
         time.sleep(0)

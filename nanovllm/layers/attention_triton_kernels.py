@@ -1,0 +1,223 @@
+"""The project's own Triton attention kernels: variable-length causal prefill (keys from k/v or from
+the paged cache) and paged decode, with a split-K variant for few sequences over long contexts.
+``attention_triton.py`` chooses their tiles and launches them.
+
+Both kernels accumulate in float32 with an online (flash-style) softmax in base 2, and read the paged
+cache one token row at a time through the block table, so any block size works. With ``FP8`` (a
+compile-time switch; the paged reads only) the cache holds e4m3 values and one float32 scale per
+(token, KV head): a K tile is converted to q's dtype for the dot and its scales multiply the
+scores, and the V scales multiply the probabilities, so no tile is dequantized.
+"""
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+MASKED = tl.constexpr(-1.0e30)  # running max before any key is seen: finite, so exp2(MASKED - MASKED) is 1, not NaN
+
+
+@triton.jit
+def _online_softmax_step(qk, v, v_scale, m_i, l_i, acc, FP8: tl.constexpr, PV_DTYPE: tl.constexpr):
+    """Fold one tile of scores (log2 units) and values into the running max, sum and output.
+    FP8: ``v`` is e4m3 and ``v_scale`` its per-key scales, which weight the probabilities of the
+    output but not of the running sum. PV_DTYPE is the dot's type then (e4m3 converts exactly)."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    p = tl.exp2(qk - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if FP8:
+        acc = acc * alpha[:, None] + tl.dot((p * v_scale[None, :]).to(PV_DTYPE), v.to(PV_DTYPE))
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _prefill_tiles(
+    q, m_i, l_i, acc, lo, hi, k_len, q_pos, q_start, seq, kv_head,
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ct, stride_ch, stride_sb, stride_st, stride_bt,
+    qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASK: tl.constexpr, FP8: tl.constexpr, PV_DTYPE: tl.constexpr,
+):
+    """Online-softmax accumulation over the key tiles [lo, hi); MASK applies the causal mask and
+    the k_len bound (without it every key in the range must be visible to every query).
+    FP8 is set only with PAGED."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + offs_n
+        kv_mask = pos < k_len
+        if PAGED:
+            block = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=kv_mask, other=0)
+            row = block.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
+            k_ptrs = k_cache_ptr + row[None, :] + offs_d[:, None]  # [HEAD_DIM, BLOCK_N]
+            v_ptrs = v_cache_ptr + row[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_DIM]
+        else:
+            k_rows = (q_start + pos).to(tl.int64)
+            k_ptrs = k_ptr + k_rows[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None]
+            v_ptrs = v_ptr + k_rows[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :]
+        if MASK:
+            k = tl.load(k_ptrs, mask=kv_mask[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=kv_mask[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        if FP8:
+            scales = block.to(tl.int64) * stride_sb + (pos % BLOCK_SIZE) * stride_st + kv_head
+            k_scale = tl.load(k_scale_ptr + scales, mask=kv_mask, other=0.0)
+            v_scale = tl.load(v_scale_ptr + scales, mask=kv_mask, other=0.0)
+            qk = tl.dot(q, k.to(q.dtype)) * (k_scale * qk_scale)[None, :]  # [BLOCK_M, BLOCK_N], log2 units
+        else:
+            v_scale = None
+            qk = tl.dot(q, k) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        if MASK:
+            visible = kv_mask[None, :] & (pos[None, :] <= q_pos[:, None])
+            qk = tl.where(visible, qk, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(qk, v, v_scale, m_i, l_i, acc, FP8, PV_DTYPE)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_q_ptr, cu_k_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    stride_cb, stride_ct, stride_ch, stride_bt,
+    qk_scale,
+    k_scale_ptr, v_scale_ptr, stride_sb, stride_st,  # FP8 only
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, PV_DTYPE: tl.constexpr,
+):
+    """One program: BLOCK_M queries of one sequence and one query head.
+    grid: (cdiv(max_seqlen_q, BLOCK_M), num_seqs, num_heads)"""
+    m_block = tl.program_id(0)
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
+    kv_head = head // GROUP
+    q_start = tl.load(cu_q_ptr + seq)
+    q_len = tl.load(cu_q_ptr + seq + 1) - q_start
+    if m_block * BLOCK_M >= q_len:
+        return
+    if PAGED:
+        k_len = tl.load(cu_k_ptr + seq + 1) - tl.load(cu_k_ptr + seq)
+    else:
+        k_len = q_len
+
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_mask = offs_m < q_len
+    q_rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :], mask=q_mask[:, None], other=0.0)
+    q_pos = k_len - q_len + offs_m  # query i sits after the sequence's k_len - q_len earlier keys
+
+    m_i = tl.full([BLOCK_M], MASKED, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    # key tiles below this tile's first query position need no mask; the rest (the diagonal and
+    # the tail past k_len) do. The last query of the tile sees keys up to k_len - q_len + (m_block + 1) * BLOCK_M - 1.
+    full_end = tl.minimum(k_len, k_len - q_len + m_block * BLOCK_M + 1) // BLOCK_N * BLOCK_N
+    end = tl.minimum(k_len, k_len - q_len + (m_block + 1) * BLOCK_M)
+    m_i, l_i, acc = _prefill_tiles(
+        q, m_i, l_i, acc, 0, full_end, k_len, q_pos, q_start, seq, kv_head,
+        k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr,
+        stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ct, stride_ch, stride_sb, stride_st, stride_bt,
+        qk_scale, HEAD_DIM, BLOCK_SIZE, PAGED, BLOCK_N, False, FP8, PV_DTYPE,
+    )
+    m_i, l_i, acc = _prefill_tiles(
+        q, m_i, l_i, acc, full_end, end, k_len, q_pos, q_start, seq, kv_head,
+        k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr,
+        stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ct, stride_ch, stride_sb, stride_st, stride_bt,
+        qk_scale, HEAD_DIM, BLOCK_SIZE, PAGED, BLOCK_N, True, FP8, PV_DTYPE,
+    )
+
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(
+        o_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+        out.to(o_ptr.dtype.element_ty), mask=q_mask[:, None],
+    )
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, o_ptr, part_acc_ptr, part_ml_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
+    qk_scale,
+    k_scale_ptr, v_scale_ptr, stride_sb, stride_st,  # FP8 only
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    FP8: tl.constexpr, PV_DTYPE: tl.constexpr,
+):
+    """One program: all GROUP query heads sharing one KV head, over one split of one sequence's
+    context. With NUM_SPLITS == 1 it writes the output; otherwise unnormalised partial sums for
+    ``_decode_reduce_kernel``. grid: (num_seqs, num_kv_heads, NUM_SPLITS)"""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    context_len = tl.load(context_lens_ptr + seq)
+    split_len = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, context_len)
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    g_mask = offs_g < GROUP
+    heads = kv_head * GROUP + offs_g
+    q = tl.load(
+        q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=g_mask[:, None], other=0.0,
+    )  # [GROUP_PAD, HEAD_DIM]
+
+    m_i = tl.full([GROUP_PAD], MASKED, tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + offs_n
+        kv_mask = pos < hi
+        block = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=kv_mask, other=0)
+        row = block.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
+        k = tl.load(k_cache_ptr + row[None, :] + offs_d[:, None], mask=kv_mask[None, :], other=0.0)
+        v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask[:, None], other=0.0)
+        if FP8:
+            scales = block.to(tl.int64) * stride_sb + (pos % BLOCK_SIZE) * stride_st + kv_head
+            k_scale = tl.load(k_scale_ptr + scales, mask=kv_mask, other=0.0)
+            v_scale = tl.load(v_scale_ptr + scales, mask=kv_mask, other=0.0)
+            qk = tl.dot(q, k.to(q.dtype)) * (k_scale * qk_scale)[None, :]  # [GROUP_PAD, BLOCK_N], log2 units
+        else:
+            v_scale = None
+            qk = tl.dot(q, k) * qk_scale  # [GROUP_PAD, BLOCK_N], log2 units
+        qk = tl.where(kv_mask[None, :], qk, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(qk, v, v_scale, m_i, l_i, acc, FP8, PV_DTYPE)
+
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # context_len 0 (a padded row): zeros
+        tl.store(
+            o_ptr + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+            out.to(o_ptr.dtype.element_ty), mask=g_mask[:, None],
+        )
+    else:
+        # part_acc: [num_seqs, NUM_HEADS, NUM_SPLITS, HEAD_DIM]; part_ml: [2, num_seqs, NUM_HEADS, NUM_SPLITS]
+        part = (seq * NUM_HEADS + heads).to(tl.int64) * NUM_SPLITS + split
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None])
+        tl.store(part_ml_ptr + part, m_i, mask=g_mask)
+        tl.store(part_ml_ptr + tl.num_programs(0) * NUM_HEADS * NUM_SPLITS + part, l_i, mask=g_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    o_ptr, part_acc_ptr, part_ml_ptr, stride_ot, stride_oh,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):
+    """Merge the splits of one (sequence, head). grid: (num_seqs, num_heads)"""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, HEAD_DIM)
+    part = (seq * NUM_HEADS + head).to(tl.int64) * NUM_SPLITS + offs_s
+    m = tl.load(part_ml_ptr + part)
+    l = tl.load(part_ml_ptr + tl.num_programs(0) * NUM_HEADS * NUM_SPLITS + part)
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :])  # [NUM_SPLITS, HEAD_DIM]
+    weight = tl.exp2(m - tl.max(m, 0))
+    total = tl.sum(l * weight, 0)
+    out = tl.sum(acc * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(o_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty))

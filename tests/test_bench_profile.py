@@ -1,0 +1,199 @@
+"""bench_profile's summary of a profiled run, on synthetic kernel intervals (no GPU needed)."""
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench_profile.py lives at the repo root
+
+from bench_profile import (  # noqa: E402
+    CATEGORIES, IDLE, OTHER, busy_time, category, device_events, format_notes, format_table, summarize,
+)
+
+FLASH_DECODE = ("void flash::flash_fwd_splitkv_kernel<Flash_fwd_kernel_traits<128, 64, 128, 4, false, false, "
+                "cutlass::bfloat16_t, Flash_kernel_traits<128, 64, 128, 4, cutlass::bfloat16_t> >, false, false, "
+                "false, false, true, false, true, false>(flash::Flash_fwd_params)")
+FLASH_COMBINE = "void flash::flash_fwd_splitkv_combine_kernel<Flash_fwd_kernel_traits<128, 64, 128, 4, false, false, cutlass::bfloat16_t>, 4, 3, true>(flash::Flash_fwd_params)"
+FLASH_PREFILL = ("void flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4, false, false, "
+                 "cutlass::bfloat16_t>, true, false, false, false, true, true, false, false>(flash::Flash_fwd_params)")
+
+
+@pytest.mark.parametrize("name,expected", [
+    (FLASH_DECODE, "decode attention"),  # contains "cutlass", still attention
+    (FLASH_COMBINE, "decode attention"),
+    ("_decode_kernel", "decode attention"),
+    ("_decode_reduce_kernel", "decode attention"),
+    ("_decode_fp8_kernel", "decode attention"),
+    (FLASH_PREFILL, "prefill attention"),
+    ("_prefill_kernel", "prefill attention"),
+    ("_prefill_fp8_kernel", "prefill attention"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off_kernel__5x_cublas", "GEMMs"),
+    ("nvjet_tst_128x64_64x8_1x1_v_bz_coopA_TNN", "GEMMs"),
+    ("void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x4_tn_align8>(Params)", "GEMMs"),
+    ("void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16, float, false>(...)", "GEMMs"),
+    ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "norms / rotary / activation"),
+    ("triton_poi_fused_cat_mul_silu_1", "norms / rotary / activation"),
+    ("triton_per_fused_add_mean_2", "norms / rotary / activation"),
+    ("_gumbel_argmax_kernel", "sampler"),
+    ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::ArgMaxOps<float>, unsigned int, long, 4> >(...)", "sampler"),
+    ("void at::native::sbtopk::gatherTopK<c10::BFloat16, unsigned int, 2, false>(...)", "sampler"),
+    ("void at::native::mbtopk::radixFindKthValues<c10::BFloat16, unsigned int, unsigned int, 2>(...)", "sampler"),
+    ("void at_cuda_detail::cub::DeviceRadixSortOnesweepKernel<...>(...)", "sampler"),
+    ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, at::native::(anonymous namespace)::LogSoftMaxForwardEpilogue>(...)", "sampler"),
+    ("_store_kvcache_kernel", "KV store"),
+    ("_store_kvcache_fp8_kernel", "KV store"),
+    ("Memcpy HtoD (Pinned -> Device)", "copies"),
+    ("Memset (Device)", "copies"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, std::array<char*, 1ul> >(...)", OTHER),
+    ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", OTHER),
+])
+def test_category(name, expected):
+    assert category(name) == expected
+
+
+def test_categories_are_distinct_and_lowercase():
+    labels = [label for label, _ in CATEGORIES]
+    assert len(set(labels)) == len(labels) and OTHER not in labels
+    assert all(p == p.lower() for _, patterns in CATEGORIES for p in patterns)  # names are lowered, not patterns
+
+
+@pytest.mark.parametrize("intervals,expected", [
+    ([], 0.0),
+    ([(1.0, 2.0)], 1.0),
+    ([(1.0, 2.0), (3.0, 3.5)], 1.5),  # a gap
+    ([(3.0, 3.5), (1.0, 2.0)], 1.5),  # unsorted
+    ([(1.0, 2.0), (1.5, 2.5)], 1.5),  # overlap
+    ([(1.0, 4.0), (1.5, 2.0), (2.5, 3.0)], 3.0),  # nested
+    ([(1.0, 2.0), (2.0, 3.0)], 2.0),  # touching
+    ([(1.0, 2.0), (1.0, 2.0)], 1.0),  # identical
+    ([(1.0, 1.0), (2.0, 2.25)], 0.25),  # empty interval
+])
+def test_busy_time(intervals, expected):
+    assert busy_time(intervals) == expected
+
+
+def test_summarize_overlaps_gaps_and_unknown_names():
+    events = [
+        ("_prefill_kernel", 10.0, 10.5),
+        ("nvjet_tst_128x64", 10.25, 11.0),  # overlaps the prefill kernel on another stream
+        ("Stream Sync", 11.0, 12.0),  # a wait, not work
+        ("_decode_kernel", 12.0, 12.5),  # after a 1 s gap
+        ("_decode_reduce_kernel", 12.5, 12.75),
+        ("mystery_kernel", 13.0, 13.125),
+        ("other_kernel", 13.125, 13.5),
+        ("mystery_kernel", 13.5, 13.75),
+        ("_gumbel_argmax_kernel", 13.75, 14.0),
+    ]
+    p = summarize(events, wall=5.0)
+    assert p.times == {
+        "decode attention": 0.75, "prefill attention": 0.5, "GEMMs": 0.75, "norms / rotary / activation": 0.0,
+        "sampler": 0.25, "KV store": 0.0, "copies": 0.0, OTHER: 0.75,
+    }
+    assert list(p.times) == [label for label, _ in CATEGORIES] + [OTHER]
+    assert p.counts["decode attention"] == 2 and p.counts[OTHER] == 3 and p.counts["KV store"] == 0
+    assert p.busy == 1.0 + 0.75 + 1.0  # [10, 11), [12, 12.75) and [13, 14); the sync left out
+    assert p.idle == 5.0 - 2.75
+    assert (p.first, p.last, p.span) == (10.0, 14.0, 4.0)
+    assert p.top_other == [("mystery_kernel", 0.375), ("other_kernel", 0.375)]  # equal times: by name
+    events.append(("other_kernel", 14.0, 14.25))
+    assert summarize(events, wall=5.0, num_other=1).top_other == [("other_kernel", 0.625)]
+
+
+def test_summarize_empty_and_clamped():
+    p = summarize([], wall=2.0)
+    assert p.busy == 0.0 and p.idle == 2.0 and p.span == 0.0 and p.top_other == []
+    assert sum(p.times.values()) == 0.0
+    # busy longer than the measured wall (clocks differ by a little): idle is 0, not negative
+    assert summarize([("gemm", 0.0, 2.5)], wall=2.0).idle == 0.0
+    with pytest.raises(ValueError, match="ends before it starts"):
+        summarize([("gemm", 2.0, 1.0)], wall=2.0)
+
+
+def test_format_table():
+    events = [("_decode_kernel", 0.0, 2.0), ("nvjet_x", 2.0, 3.0), ("Memcpy DtoH (Device -> Pinned)", 3.0, 3.5),
+              ("what_is_this", 3.5, 4.0)]
+    text = format_table(summarize(events, wall=5.0))
+    lines = text.splitlines()
+    assert lines[0] == "| | GPU time | share of wall | kernels |"
+    assert "| decode attention | 2.00 s | 40.0% | 1 |" in lines
+    assert "| GEMMs | 1.00 s | 20.0% | 1 |" in lines
+    assert "| copies | 0.50 s | 10.0% | 1 |" in lines
+    assert f"| {OTHER} | 0.50 s | 10.0% | 1 |" in lines
+    assert f"| {IDLE} | 1.00 s | 20.0% | |" in lines
+    assert not any(line.startswith("| prefill attention") for line in lines)  # empty categories left out
+    assert [line.split(" | ")[0] for line in lines[2:6]] == ["| decode attention", "| GEMMs", "| copies", f"| {OTHER}"]
+
+
+def test_format_notes_lists_other_kernels_and_warns_on_sparse_coverage():
+    notes = format_notes(summarize([("x" * 300, 0.0, 0.5)], wall=2.0), width=40)
+    assert "largest 'other' kernels:" in notes and ("x" * 37 + "...") in notes and "x" * 38 not in notes
+    assert "warning" in notes  # 0.5 s of events over a 2 s run
+    notes = format_notes(summarize([("gemm", 10.25, 10.5), ("gemm", 11.5, 12.0)], wall=2.0), window=(10.0, 12.125))
+    assert "warning" not in notes
+    assert "first event +0.250 s after the profiled window opened, last event +0.125 s before it closed" in notes
+
+
+class FakeKinetoEvent:
+    def __init__(self, name, device_type, device_index, start_ns, end_ns, annotation=False):
+        self._v = (name, device_type, device_index, start_ns, end_ns, annotation)
+
+    def is_user_annotation(self):
+        return self._v[5]
+
+    def name(self):
+        return self._v[0]
+
+    def device_type(self):
+        return self._v[1]
+
+    def device_index(self):
+        return self._v[2]
+
+    def start_ns(self):
+        return self._v[3]
+
+    def end_ns(self):
+        return self._v[4]
+
+
+def test_device_events_keeps_one_gpus_records():
+    from torch.autograd import DeviceType
+
+    raw = [
+        FakeKinetoEvent("cudaLaunchKernel", DeviceType.CPU, 0, 0, 10),
+        FakeKinetoEvent("_decode_kernel", DeviceType.CUDA, 0, 1_000_000_000, 1_500_000_000),
+        FakeKinetoEvent("nvjet", DeviceType.CUDA, 1, 2_000_000_000, 3_000_000_000),
+        FakeKinetoEvent("my range", DeviceType.CUDA, 0, 0, 5_000_000_000, annotation=True),
+    ]
+    assert device_events(raw, 0) == [("_decode_kernel", 1.0, 1.5)]
+    assert device_events(raw, 1) == [("nvjet", 2.0, 3.0)]
+    assert sorted(device_events(raw, 7)) == [("_decode_kernel", 1.0, 1.5), ("nvjet", 2.0, 3.0)]
+    assert device_events(raw[:1], 0) == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_profiler_records_this_gpus_kernels(tmp_path):
+    """The real profiler: ten bf16 matmuls are GEMMs, and a 0.2 s sleep between them is idle."""
+    from bench_profile import GpuProfiler
+
+    a = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
+    a @ a  # cuBLAS initialised before the profiled region
+    trace = tmp_path / "trace.json"
+    with GpuProfiler(str(trace)) as profiler:
+        start = time.perf_counter()
+        for i in range(10):
+            a @ a
+            if i == 4:
+                torch.cuda.synchronize()
+                time.sleep(0.2)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    p = profiler.summary(wall)
+    assert p.counts["GEMMs"] >= 10, (p.counts, p.top_other)
+    assert 0 < p.times["GEMMs"] <= p.busy <= wall
+    assert p.idle >= 0.2
+    start, end = profiler.window  # the events' clock is the epoch clock of the window
+    assert start - 0.05 <= p.first <= p.last <= end + 0.05, (start, p.first, p.last, end)
+    assert trace.stat().st_size > 0

@@ -1,0 +1,570 @@
+"""The FP8 KV cache (``kv_cache_dtype="fp8"``): e4m3 values with one float32 scale per (token, KV
+head) row.
+
+- The quantization itself against its definition (scale = max|row| / 448, e4m3 round to nearest
+  even) and its error bound.
+- The Triton kernels under the Triton interpreter (TRITON_INTERPRET=1 must be set before triton is
+  imported, so those cases run together in a subprocess: this file run as a script prints them as
+  JSON): the quantizing store against the reference quantization, byte for byte, and decode (with
+  and without split-K) and prefill over an FP8 cached prefix against dequantize-then-attend in
+  float32 over the same stored values.
+- The torch backend's FP8 paths against an independent float64 reference.
+- ``LLM(..., kv_cache_dtype="fp8")`` on the CPU against an engine whose float32 cache holds each
+  row quantized and dequantized again by this file's own quantization: the same tokens, the same
+  log-probabilities, and a cache whose dequantized rows equal that engine's.
+- The bytes per cache block, and the ValueErrors of impossible combinations, raised at
+  ``Config``/``LLM`` construction before any weights load.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import types
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hf_reference import BLOCK_SIZE, random_prompts
+from test_attention_backends import (
+    CHUNKED_SEQS, DECODE_LENS, PREFILL_SEQS, PREFIX_SEQS, paged_layout, qkv_views, relative_error,
+    squeeze_interpreter_loop_bounds,
+)
+from nanovllm.layers.attention_torch import TorchAttentionBackend, quantize_fp8
+from nanovllm.utils.context import Context
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+E4M3 = torch.float8_e4m3fn
+E4M3_NAN = 0x7F  # the byte a cache slot holds until something is stored there
+POISON_BYTE = 0x5A  # guards around a cache (e4m3 value 3.25)
+POISON_SCALE = -777.0
+GUARD = 256
+TOL = 1e-5  # float32 on both sides, over the same e4m3 values
+
+
+def reference_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The definition: per row of the last dimension, s = max(max|row| / 448, 2^-126), the stored
+    value e4m3(row / s), rounded to nearest even; computed on the CPU, where both divisions are
+    correctly rounded. -> (values, scales), on x's device"""
+    device, x = x.device, x.float().cpu()
+    scale = torch.clamp(x.abs().amax(dim=-1) / 448.0, min=2.0**-126)
+    return (x / scale[..., None]).to(E4M3).to(device), scale.to(device)
+
+
+def reference_dequantize(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return values.float() * scale[..., None]
+
+
+def varied_rows(*shape: int, decades: float = 6.0, device="cpu", dtype=torch.float32, generator=None) -> torch.Tensor:
+    """Random rows whose magnitudes span ``decades`` powers of ten, centred on 1, from row to row
+    (one scale per row must follow)."""
+    x = torch.randn(*shape, generator=generator)
+    x = x * 10.0 ** ((torch.rand(*shape[:-1], 1, generator=generator) - 0.5) * decades)
+    return x.to(device=device, dtype=dtype)
+
+
+def cache_rows(n: int, num_kv_heads: int, head_dim: int, device) -> torch.Tensor:
+    """Rows for attention checks: magnitudes over three decades (wider ones make the softmax so
+    peaked that float32 rounding of the scores dominates the comparison)."""
+    return varied_rows(n, num_kv_heads, head_dim, decades=3.0, device=device)
+
+
+def fp8_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, device):
+    """k_cache, v_cache (NaN bytes) and k_scale, v_scale (NaN) as views of one tensor each, like
+    the model runner's layout."""
+    cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), E4M3_NAN, dtype=torch.uint8, device=device)
+    scales = torch.full((2, num_blocks, block_size, num_kv_heads), float("nan"), device=device)
+    cache = cache.view(E4M3)
+    return cache[0], cache[1], scales[0], scales[1]
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def same_scales(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.nan_to_num(123.0), b.nan_to_num(123.0))
+
+
+def write_rows(k_cache, v_cache, k_scale, v_scale, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Put rows into cache slots as an earlier step would have, quantized by the reference."""
+    for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        values, scales = reference_quantize(x)
+        cache.view(torch.uint8).flatten(0, 1)[slots] = values.view(torch.uint8)
+        scale.flatten(0, 1)[slots] = scales
+
+
+# ---- the checks, run on the CPU under the interpreter and on a GPU ----------------------------------
+
+
+def guarded(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """A poisoned, contiguous tensor in the middle of a larger poisoned buffer."""
+    n = torch.Size(shape).numel()
+    if dtype == E4M3:
+        return torch.full((GUARD + n + GUARD,), POISON_BYTE, dtype=torch.uint8)[GUARD : GUARD + n].view(E4M3).view(shape)
+    return torch.full((GUARD + n + GUARD,), POISON_SCALE, dtype=dtype)[GUARD : GUARD + n].view(shape)
+
+
+def guards_intact(t: torch.Tensor) -> bool:
+    raw = t.view(torch.uint8) if t.dtype == E4M3 else t
+    buffer = torch.empty(0, dtype=raw.dtype).set_(raw.untyped_storage())
+    poison = POISON_BYTE if t.dtype == E4M3 else POISON_SCALE
+    return bool((buffer[:GUARD] == poison).all() and (buffer[GUARD + raw.numel() :] == poison).all())
+
+
+STORE_CASES = {
+    "basic": dict(num_tokens=10, num_kv_heads=2, head_dim=16),
+    "heads_and_dim_not_power_of_two": dict(num_tokens=9, num_kv_heads=3, head_dim=20),
+    "one_kv_head": dict(num_tokens=6, num_kv_heads=1, head_dim=32),
+    "qkv_slices_float16": dict(num_tokens=12, num_kv_heads=2, head_dim=32, from_qkv=True, dtype=torch.float16),
+}
+
+
+def check_store(store, num_tokens, num_kv_heads, head_dim, from_qkv=False, dtype=torch.float32, device="cpu") -> dict:
+    """Quantize-and-store into guarded caches: bytes and scales must be the reference's exactly,
+    slot -1 skipped, nothing written outside the caches. Row 0 head 0 is all zeros; the other
+    rows span six orders of magnitude."""
+    g = torch.Generator().manual_seed(num_tokens * 100 + head_dim)
+    num_blocks, block_size = 3, 8
+    if from_qkv:
+        qkv = varied_rows(num_tokens, 4 * num_kv_heads, head_dim, generator=g).to(dtype)
+        k, v = qkv[:, 2 * num_kv_heads : 3 * num_kv_heads], qkv[:, 3 * num_kv_heads :]
+        assert not k.is_contiguous()
+    else:
+        k = varied_rows(num_tokens, num_kv_heads, head_dim, generator=g).to(dtype)
+        v = varied_rows(num_tokens, num_kv_heads, head_dim, generator=g).to(dtype)
+    k[0, 0] = 0.0
+    slots = torch.randperm(num_blocks * block_size - 1, generator=g)[:num_tokens]  # distinct
+    slots[1::3] = -1
+    slots[0] = num_blocks * block_size - 1  # the last slot of the cache
+    k, v, slots = k.to(device), v.to(device), slots.to(device=device, dtype=torch.int32)
+    shape = (num_blocks, block_size, num_kv_heads)
+    caches = [guarded(shape + (head_dim,), E4M3), guarded(shape + (head_dim,), E4M3)]
+    scales = [guarded(shape, torch.float32), guarded(shape, torch.float32)]
+    if device != "cpu":  # the guards are checked on the CPU copies only
+        caches, scales = [c.to(device) for c in caches], [s.to(device) for s in scales]
+    expected = [(c.clone(), s.clone()) for c, s in zip(caches, scales)]
+    for x, (cache, scale) in zip((k, v), expected):
+        valid = slots >= 0
+        values, row_scales = reference_quantize(x[valid])
+        cache.view(torch.uint8).flatten(0, 1)[slots[valid].long()] = values.view(torch.uint8)
+        scale.flatten(0, 1)[slots[valid].long()] = row_scales
+    store(k, v, caches[0], caches[1], slots, scales[0], scales[1])
+    problems = []
+    for name, got, (ref_cache, ref_scale), got_scale in zip("kv", caches, expected, scales):
+        if not same_bytes(got, ref_cache):
+            bad = (got.view(torch.uint8) != ref_cache.view(torch.uint8)).any(-1).any(-1).nonzero().tolist()
+            problems.append(f"{name}_cache differs at (block, offset) {bad[:8]}")
+        if not torch.equal(got_scale, ref_scale):
+            problems.append(f"{name}_scale differs")
+        if device == "cpu" and not (guards_intact(got) and guards_intact(got_scale)):
+            problems.append(f"{name}: a write landed outside the cache or its scales")
+    zero_row = expected[0][1].flatten(0, 1)[slots[0].long(), 0].item()
+    if zero_row != 2.0**-126:
+        problems.append(f"the all-zero row has scale {zero_row}")
+    return {"problems": "; ".join(problems) or None}
+
+
+def check_decode(backend, context_lens, *, device="cpu", dtype=torch.float32, head_dim=32, block_size=16,
+                 num_heads=4, num_kv_heads=2) -> dict:
+    """Decode over an FP8 cache against the torch backend's dequantize-then-attend in float32 over
+    the same stored values. Slots no sequence owns are NaN; padded rows (context 0) must be finite."""
+    device = torch.device(device)
+    scale = head_dim**-0.5
+    blocks, tables, num_blocks = paged_layout([max(n, 1) for n in context_lens], block_size, device)
+    k_cache, v_cache, k_scale, v_scale = fp8_cache(num_blocks, block_size, num_kv_heads, head_dim, device)
+    for i, (b, n) in enumerate(zip(blocks, context_lens)):
+        if n == 0:
+            tables[i] = 0
+            continue
+        slots = torch.tensor([b[p // block_size] * block_size + p % block_size for p in range(n)], device=device)
+        write_rows(k_cache, v_cache, k_scale, v_scale, slots,
+                   cache_rows(n, num_kv_heads, head_dim, device), cache_rows(n, num_kv_heads, head_dim, device))
+    q = qkv_views(len(context_lens), num_heads, num_kv_heads, head_dim, dtype, device)[0]
+    context = Context(
+        is_prefill=False, slot_mapping=torch.full((len(context_lens),), -1, dtype=torch.int32, device=device),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device), block_tables=tables,
+    )
+    ref = TorchAttentionBackend().decode(q.float(), k_cache, v_cache, context, scale, k_scale, v_scale)
+    out = backend.decode(q, k_cache, v_cache, context, scale, k_scale, v_scale)
+    keep = [i for i, n in enumerate(context_lens) if n > 0]
+    return {"rel_err": relative_error(out[keep], ref[keep]), "padded_finite": bool(out.isfinite().all())}
+
+
+def check_prefill(backend, seqs, *, device="cpu", dtype=torch.float32, head_dim=32, block_size=16,
+                  num_heads=4, num_kv_heads=2) -> dict:
+    """(cached, new) tokens per sequence: the cached prefix is in the FP8 cache already; ``backend``
+    stores the new tokens, then prefills. The reference: the torch backend's store and prefill
+    (dequantize-then-attend in float32; over the fresh k/v where nothing is cached)."""
+    device = torch.device(device)
+    scale = head_dim**-0.5
+    totals = [c + n for c, n in seqs]
+    blocks, tables, num_blocks = paged_layout(totals, block_size, device)
+    k_cache, v_cache, k_scale, v_scale = fp8_cache(num_blocks, block_size, num_kv_heads, head_dim, device)
+    slots, cu_q, cu_k = [], [0], [0]
+    for b, (c, n) in zip(blocks, seqs):
+        seq_slots = [b[p // block_size] * block_size + p % block_size for p in range(c + n)]
+        if c:
+            write_rows(k_cache, v_cache, k_scale, v_scale, torch.tensor(seq_slots[:c], device=device),
+                       cache_rows(c, num_kv_heads, head_dim, device), cache_rows(c, num_kv_heads, head_dim, device))
+        slots += seq_slots[c:]
+        cu_q.append(cu_q[-1] + n)
+        cu_k.append(cu_k[-1] + c + n)
+    context = Context(
+        is_prefill=True,
+        cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device=device),
+        cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32, device=device),
+        max_seqlen_q=max(n for _, n in seqs), max_seqlen_k=max(totals),
+        slot_mapping=torch.tensor(slots, dtype=torch.int32, device=device),
+        block_tables=tables if any(c for c, _ in seqs) else None,
+    )
+    q, k, v = qkv_views(sum(n for _, n in seqs), num_heads, num_kv_heads, head_dim, dtype, device)
+    ref_caches = [t.clone() for t in (k_cache, v_cache, k_scale, v_scale)]
+    reference = TorchAttentionBackend()
+    reference.store_kvcache(k, v, ref_caches[0], ref_caches[1], context.slot_mapping, ref_caches[2], ref_caches[3])
+    ref = reference.prefill(q.float(), k.float(), v.float(), ref_caches[0], ref_caches[1], context, scale,
+                            ref_caches[2], ref_caches[3])
+    backend.store_kvcache(k, v, k_cache, v_cache, context.slot_mapping, k_scale, v_scale)
+    out = backend.prefill(q, k, v, k_cache, v_cache, context, scale, k_scale, v_scale)
+    cache_equal = (same_bytes(k_cache, ref_caches[0]) and same_bytes(v_cache, ref_caches[1])
+                   and same_scales(k_scale, ref_caches[2]) and same_scales(v_scale, ref_caches[3]))
+    return {"rel_err": relative_error(out, ref), "cache_equal": cache_equal}
+
+
+# ---- CPU: the Triton kernels under the interpreter --------------------------------------------------
+
+INTERPRETER_CASES = {
+    **{f"store_{name}": (lambda b, case=case: check_store(b.store_kvcache, **case)) for name, case in STORE_CASES.items()},
+    "decode": lambda b: check_decode(b, DECODE_LENS),
+    "decode_split4": lambda b: check_decode(type(b)(num_splits=4), DECODE_LENS),
+    "decode_group8": lambda b: check_decode(b, DECODE_LENS, num_heads=8, num_kv_heads=1),
+    "prefill_over_fp8_prefix": lambda b: check_prefill(b, PREFIX_SEQS),
+    "chunked_prefill_over_fp8_prefix": lambda b: check_prefill(b, CHUNKED_SEQS),
+    "prefill_without_prefix": lambda b: check_prefill(b, PREFILL_SEQS),
+}
+
+
+def round_interpreter_e4m3_casts_to_nearest() -> None:
+    """The Triton interpreter (3.9) narrows float32 to e4m3 by adding the first cut-off bit to the
+    mantissa, without carrying into the exponent (124.7 becomes 64, not 128) and without ties to
+    even. A GPU converts in hardware, correctly. Convert float32 -> e4m3 through torch (round to
+    nearest even) instead, so the interpreter runs the kernels as the GPU does."""
+    import numpy as np
+    from triton import language as tl
+    from triton.runtime import interpreter
+
+    original = interpreter.InterpreterBuilder.create_fp_to_fp
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.float8e4nv:
+            data = torch.from_numpy(np.ascontiguousarray(src.data)).to(E4M3).view(torch.uint8).numpy()
+            return interpreter.TensorHandle(data, dst_type.scalar)
+        return original(self, src, dst_type, rounding_mode)
+
+    interpreter.InterpreterBuilder.create_fp_to_fp = create_fp_to_fp
+
+
+def run_interpreter_cases() -> dict:
+    """Runs in the subprocess, with TRITON_INTERPRET=1 already in the environment."""
+    squeeze_interpreter_loop_bounds()
+    round_interpreter_e4m3_casts_to_nearest()
+    from nanovllm.layers.attention_triton import TritonAttentionBackend
+
+    torch.manual_seed(0)
+    results = {}
+    for name, case in INTERPRETER_CASES.items():
+        try:
+            results[name] = case(TritonAttentionBackend(num_splits=1))
+        except Exception as e:  # reported per case by the test below
+            results[name] = {"error": f"{type(e).__name__}: {e}"}
+    return results
+
+
+@pytest.fixture(scope="module")
+def interpreter_results() -> dict:
+    path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
+    proc = subprocess.run([sys.executable, __file__], env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def assert_result(result: dict, tol: float = TOL) -> None:
+    assert "error" not in result, result["error"]
+    assert result.get("problems") is None, result["problems"]
+    if "rel_err" in result:
+        assert result["rel_err"] < tol, result
+    if "cache_equal" in result:
+        assert result["cache_equal"], result
+    if "padded_finite" in result:
+        assert result["padded_finite"], result
+
+
+@pytest.mark.parametrize("case", list(INTERPRETER_CASES))
+def test_triton_interpreter_fp8(interpreter_results, case):
+    assert_result(interpreter_results[case])
+
+
+# ---- the quantization and the torch backend, in-process ---------------------------------------------
+
+
+def test_quantization_error_is_bounded():
+    """e4m3 keeps 3 mantissa bits: |dequant - x| <= |x| * 2^-4 for normal values, plus half the
+    subnormal step (2^-10 of the scale) for the smallest ones of a row. The bound is reached, not
+    just met: a coarser format would break it."""
+    g = torch.Generator().manual_seed(3)
+    x = varied_rows(64, 4, 128, generator=g)
+    x[0, 0] = 0.0
+    x[1, 1, :64] *= 1e-4  # half a row far below its maximum: e4m3 subnormals
+    values, scales = quantize_fp8(x)
+    ref_values, ref_scales = reference_quantize(x)
+    assert same_bytes(values, ref_values) and torch.equal(scales, ref_scales)
+    err = (values.double() * scales.double()[..., None] - x.double()).abs()
+    bound = x.double().abs() * (2.0**-4 + 2.0**-20) + scales.double()[..., None] * 2.0**-10
+    assert (err <= bound).all(), (err / bound).max()
+    assert (err / bound).max() > 0.5
+    assert (err.amax(-1) <= x.double().abs().amax(-1) * 2.0**-4 + 1e-30).all()
+    assert torch.equal(values[0, 0].float(), torch.zeros(128)) and scales[0, 0] == 2.0**-126
+
+
+@pytest.mark.parametrize("case", list(STORE_CASES))
+def test_torch_backend_store_fp8(case):
+    assert check_store(TorchAttentionBackend().store_kvcache, **STORE_CASES[case])["problems"] is None
+
+
+def float64_attention(q, k, v, scale):
+    """One sequence's causal attention in float64, written out: q [nq, H, D], k/v [nk, KVH, D]."""
+    num_q, num_heads, _ = q.shape
+    num_k, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    out = torch.empty(num_q, num_heads, q.shape[2], dtype=torch.float64)
+    for h in range(num_heads):
+        scores = q[:, h].double() @ k[:, h // group].double().T * scale  # [nq, nk]
+        visible = torch.arange(num_k)[None, :] <= torch.arange(num_k - num_q, num_k)[:, None]
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        out[:, h] = probs @ v[:, h // group].double()
+    return out
+
+
+def test_torch_backend_fp8_decode_and_prefill_match_float64_reference():
+    """The torch backend over an FP8 cache equals float64 attention over the dequantized rows."""
+    torch.manual_seed(5)
+    block_size, kv_heads, head_dim = 4, 2, 16
+    lens = [7, 1, 12]
+    blocks, tables, num_blocks = paged_layout(lens, block_size, "cpu")
+    k_cache, v_cache, k_scale, v_scale = fp8_cache(num_blocks, block_size, kv_heads, head_dim, "cpu")
+    rows = []
+    for b, n in zip(blocks, lens):
+        slots = torch.tensor([b[p // block_size] * block_size + p % block_size for p in range(n)])
+        k, v = cache_rows(n, kv_heads, head_dim, "cpu"), cache_rows(n, kv_heads, head_dim, "cpu")
+        write_rows(k_cache, v_cache, k_scale, v_scale, slots, k, v)
+        rows.append(tuple(reference_dequantize(*reference_quantize(x)) for x in (k, v)))
+    backend, scale = TorchAttentionBackend(), 0.3
+    q = torch.randn(len(lens), 4, head_dim)
+    context = Context(context_lens=torch.tensor(lens, dtype=torch.int32), block_tables=tables)
+    out = backend.decode(q, k_cache, v_cache, context, scale, k_scale, v_scale)
+    for i, (k, v) in enumerate(rows):
+        torch.testing.assert_close(out[i : i + 1].double(), float64_attention(q[i : i + 1], k, v, scale), rtol=1e-5, atol=1e-5)
+    # prefill of each sequence's last 3 tokens (already stored) over its cached prefix
+    cu_k = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    new = [min(3, n) for n in lens]
+    cu_q = [0, *torch.tensor(new).cumsum(0).tolist()]
+    q = torch.randn(sum(new), 4, head_dim)
+    context = Context(is_prefill=True, cu_seqlens_q=torch.tensor(cu_q), cu_seqlens_k=torch.tensor(cu_k), block_tables=tables)
+    out = backend.prefill(q, None, None, k_cache, v_cache, context, scale, k_scale, v_scale)
+    for i, (k, v) in enumerate(rows):
+        expected = float64_attention(q[cu_q[i] : cu_q[i + 1]], k, v, scale)
+        torch.testing.assert_close(out[cu_q[i] : cu_q[i + 1]].double(), expected, rtol=1e-5, atol=1e-5)
+
+
+# ---- the engine on the CPU --------------------------------------------------------------------------
+
+
+class RoundTripCacheBackend(TorchAttentionBackend):
+    """A float32 cache holding each row quantized and dequantized by this file's reference:
+    attending over it is what an FP8 cache must compute, reached without the library's FP8 code."""
+
+    def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
+        assert k_scale is None and k_cache.dtype == torch.float32
+        k, v = (reference_dequantize(*reference_quantize(x)) for x in (k, v))
+        super().store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+
+
+def attention_modules(llm):
+    from nanovllm.layers.attention import Attention
+
+    return [m for m in llm.model_runner.model.modules() if isinstance(m, Attention)]
+
+
+def generate_twice(llm, prompts):
+    """Greedy tokens with log-probabilities; the second pass is served partly from the prefix
+    cache, so prefill reads a cached prefix through the block tables."""
+    from nanovllm import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=1)
+    first = llm.generate(prompts, params, use_tqdm=False)
+    again = llm.generate(prompts, params, use_tqdm=False)
+    return first + again
+
+
+def test_llm_fp8_cache_matches_round_trip_reference(ckpt_tied):
+    from nanovllm import LLM
+
+    prompts = random_prompts(11, [40, 3, 21])
+    prompts.append(prompts[0][:32] + [7, 8, 9])  # shares two blocks with the first prompt
+    kwargs = dict(kvcache_block_size=BLOCK_SIZE, num_kvcache_blocks=48, max_model_len=128, device="cpu")
+    with LLM(ckpt_tied.path, kv_cache_dtype="auto", **kwargs) as ref_llm:
+        for m in attention_modules(ref_llm):
+            m.backend = RoundTripCacheBackend()
+            m.k_cache.fill_(float("nan"))
+            m.v_cache.fill_(float("nan"))
+        expected = generate_twice(ref_llm, prompts)
+        ref_caches = [(m.k_cache.clone(), m.v_cache.clone()) for m in attention_modules(ref_llm)]
+    with LLM(ckpt_tied.path, kv_cache_dtype="fp8", **kwargs) as llm:
+        modules = attention_modules(llm)
+        for m in modules:
+            for cache in (m.k_cache, m.v_cache):
+                cache.view(torch.uint8).fill_(E4M3_NAN)
+            for scale in (m.k_scale, m.v_scale):
+                scale.fill_(float("nan"))
+        got = generate_twice(llm, prompts)
+        caches = [(m.k_cache, m.v_cache, m.k_scale, m.v_scale) for m in modules]
+
+        assert modules[0].k_cache.dtype == E4M3 and modules[0].k_scale.dtype == torch.float32
+        assert modules[0].k_scale.shape == modules[0].k_cache.shape[:3] == (48, BLOCK_SIZE, 2)
+        assert any(o["num_cached_tokens"] > 0 for o in got[len(prompts) :]), "no prefix-cache hit: paged prefill untested"
+        for e, o in zip(expected, got):
+            assert o["token_ids"] == e["token_ids"]
+            assert len(o["logprobs"]) == len(e["logprobs"]) == len(e["token_ids"])
+            for entry, ref_entry in zip(o["logprobs"], e["logprobs"]):
+                assert entry.keys() == ref_entry.keys()
+                assert all(abs(entry[t] - ref_entry[t]) < 1e-5 for t in entry), (entry, ref_entry)
+        written = 0
+        for (k_cache, v_cache, k_scale, v_scale), (ref_k, ref_v) in zip(caches, ref_caches):
+            for cache, scale, ref in ((k_cache, k_scale, ref_k), (v_cache, v_scale, ref_v)):
+                stored = ~ref.isnan().any(-1)  # [blocks, block_size, kv_heads]
+                assert torch.equal(reference_dequantize(cache, scale)[stored], ref[stored])
+                assert (cache.view(torch.uint8)[~stored] == E4M3_NAN).all()  # nothing else was written
+                written += int(stored.sum())
+        assert written > 0
+
+
+def test_block_bytes_count_the_scales():
+    """A bf16 Qwen3-0.6B-shaped cache (28 layers, 8 KV heads, head_dim 128): e4m3 plus a float32
+    scale per row takes 132 bytes a row instead of 256, so the same memory holds 1.94x the blocks."""
+    from nanovllm.engine.model_runner import ModelRunner
+
+    def block_bytes(kv_cache_dtype):
+        hf_config = SimpleNamespace(num_hidden_layers=28)
+        runner = SimpleNamespace(config=SimpleNamespace(hf_config=hf_config, kv_cache_dtype=kv_cache_dtype),
+                                 block_size=256, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+        return ModelRunner.kv_cache_block_bytes(runner)
+
+    auto, fp8 = block_bytes("auto"), block_bytes("fp8")
+    assert auto == 2 * 28 * 256 * 8 * 128 * 2
+    assert fp8 == block_bytes("fp8_e4m3") == 2 * 28 * 256 * 8 * (128 + 4)
+    assert auto / fp8 == 256 / 132
+    budget = 40 * 2**30  # what one GPU might leave for the cache
+    assert (budget // fp8) / (budget // auto) > 1.93
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_allocated_cache_matches_block_bytes(ckpt_tied, kv_cache_dtype):
+    from nanovllm import LLM
+
+    with LLM(ckpt_tied.path, kvcache_block_size=BLOCK_SIZE, num_kvcache_blocks=5, max_model_len=64,
+             kv_cache_dtype=kv_cache_dtype) as llm:
+        runner = llm.model_runner
+        scale_bytes = sum(m.k_scale.nbytes + m.v_scale.nbytes for m in attention_modules(llm) if m.k_scale is not None)
+        assert runner.kv_cache.nbytes + scale_bytes == 5 * runner.kv_cache_block_bytes()
+        assert (scale_bytes > 0) == (kv_cache_dtype == "fp8")
+
+
+# ---- which backend, and what is refused before anything loads --------------------------------------
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """Resolution as on a GPU of compute capability 9.0 with flash-attn importable."""
+    from nanovllm.config import Config
+
+    monkeypatch.setattr(Config, "resolved_device", lambda self: "cuda")
+    monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+
+
+def test_auto_backend_resolution(fake_gpu, monkeypatch):
+    from nanovllm.layers.attention import resolve_backend_name as resolve
+
+    assert resolve("auto", "cuda", 256, torch.bfloat16, "auto") == "flash-attn"
+    assert resolve("auto", "cuda", 16, torch.bfloat16, "auto") == "triton"
+    assert resolve("auto", "cuda", 256, torch.float32, "auto") == "triton"
+    assert resolve("auto", "cuda", 256, torch.bfloat16, "fp8") == "triton"
+    assert resolve("auto", "cuda", 256, torch.float16, "fp8_e4m3") == "triton"
+    assert resolve("auto", "cpu", 256, torch.float32, "fp8") == "torch"
+    assert resolve("triton", "cuda", 16, torch.float32, "fp8") == "triton"
+    assert resolve("torch", "cuda", 16, torch.bfloat16, "fp8") == "torch"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    with pytest.raises(ValueError, match="8.9") as e:
+        resolve("auto", "cuda", 256, torch.bfloat16, "fp8")
+    assert "kv_cache_dtype" in str(e.value) and "8.0" in str(e.value)
+
+
+@pytest.mark.parametrize("value", ["int8", "fp8_e5m2", "FP8", "", None, 8])
+def test_bad_kv_cache_dtype(ckpt_tied, value):
+    from nanovllm.config import Config
+
+    with pytest.raises(ValueError) as e:
+        Config(ckpt_tied.path, kv_cache_dtype=value)
+    message = str(e.value)
+    assert "kv_cache_dtype" in message and repr(value) in message and "'fp8'" in message and "'auto'" in message
+
+
+def test_fp8_with_flash_attn_is_refused(ckpt_tied):
+    from nanovllm.config import Config
+
+    for kv in ("fp8", "fp8_e4m3"):
+        with pytest.raises(ValueError) as e:
+            Config(ckpt_tied.path, attention_backend="flash-attn", kv_cache_dtype=kv)
+        assert "flash-attn" in str(e.value) and repr(kv) in str(e.value) and "triton" in str(e.value)
+
+
+def test_float32_with_flash_attn_is_refused_on_gpu(ckpt_tied, fake_gpu):
+    """The tiny checkpoint is float32, so dtype "auto" is float32 on the GPU too."""
+    from nanovllm.config import Config
+
+    for dtype in ("float32", "auto"):
+        with pytest.raises(ValueError, match="float32") as e:
+            Config(ckpt_tied.path, attention_backend="flash-attn", kvcache_block_size=256, dtype=dtype)
+        assert "flash-attn" in str(e.value)
+    Config(ckpt_tied.path, attention_backend="flash-attn", kvcache_block_size=256, dtype="bfloat16")  # accepted
+    Config(ckpt_tied.path, attention_backend="auto", kvcache_block_size=256, dtype="float32")  # resolves to triton
+
+
+@pytest.fixture(scope="module")
+def broken_ckpt(ckpt_tied, tmp_path_factory) -> str:
+    """The tiny checkpoint with an unreadable weights file: anything that gets to loading fails."""
+    path = tmp_path_factory.mktemp("qwen3-broken")
+    for name in os.listdir(ckpt_tied.path):
+        if not name.endswith(".safetensors"):
+            shutil.copy(os.path.join(ckpt_tied.path, name), path / name)
+    (path / "model.safetensors").write_bytes(b"not a safetensors file")
+    return str(path)
+
+
+def test_refused_before_weights_load(broken_ckpt):
+    from nanovllm import LLM
+
+    with pytest.raises(ValueError, match="FP8"):
+        LLM(broken_ckpt, attention_backend="flash-attn", kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        LLM(broken_ckpt, kv_cache_dtype="int4")
+    with pytest.raises(Exception) as e:  # valid settings reach the weights, which fail
+        LLM(broken_ckpt, kv_cache_dtype="fp8", num_kvcache_blocks=4, max_model_len=64)
+    assert "kv_cache_dtype" not in str(e.value)
+
+
+if __name__ == "__main__":
+    print(json.dumps(run_interpreter_cases()))

@@ -1,0 +1,128 @@
+"""On a CUDA GPU (skipped without one): the Triton kernels over an FP8 KV cache against the torch
+backend's dequantize-then-attend in float32, the quantizing store byte for byte, and whole engines
+with ``kv_cache_dtype="fp8"`` and with ``dtype="float32"`` on the Triton backend."""
+import random
+
+import pytest
+import torch
+
+from test_attention_backends import GPU_DECODE_LENS, GPU_PREFILL
+from test_fp8_kv_cache import STORE_CASES, check_decode, check_prefill, check_store
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+GPU_TOL = 1e-2  # bf16 queries and probabilities against float32
+VOCAB = 4096
+
+
+def triton_backend(num_splits=None):
+    from nanovllm.layers.attention_triton import TritonAttentionBackend
+
+    return TritonAttentionBackend(num_splits=num_splits)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("case", list(STORE_CASES))
+def test_gpu_fp8_store(case, dtype):
+    result = check_store(triton_backend().store_kvcache, **dict(STORE_CASES[case], dtype=dtype), device="cuda")
+    assert result["problems"] is None, result
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("num_splits", [1, 2, 8, None])
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_gpu_fp8_decode(num_splits, block_size, dtype):
+    result = check_decode(
+        triton_backend(num_splits), GPU_DECODE_LENS, device="cuda", dtype=dtype, head_dim=128,
+        block_size=block_size, num_heads=16, num_kv_heads=8,
+    )
+    assert result["padded_finite"], result
+    assert result["rel_err"] < GPU_TOL, result
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("heads", [(16, 8), (32, 4)], ids=["gqa2", "gqa8"])
+@pytest.mark.parametrize("block_size", [16, 256])
+@pytest.mark.parametrize("case", list(GPU_PREFILL))
+def test_gpu_fp8_prefill(case, block_size, heads, dtype):
+    result = check_prefill(
+        triton_backend(), GPU_PREFILL[case], device="cuda", dtype=dtype, head_dim=128, block_size=block_size,
+        num_heads=heads[0], num_kv_heads=heads[1],
+    )
+    assert result["cache_equal"], result
+    assert result["rel_err"] < GPU_TOL, result
+
+
+# ---- engines --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from nanovllm.utils.checkpoint import make_random_checkpoint
+
+    return make_random_checkpoint(
+        str(tmp_path_factory.mktemp("gpu-fp8-qwen3")), "tiny", dtype=torch.bfloat16, seed=4, std=0.1,
+        hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+        num_hidden_layers=3, vocab_size=VOCAB,
+    )
+
+
+def make_prompts() -> list[list[int]]:
+    """Short and long prompts (several prefill tiles), and prefixes shared across 256-token blocks."""
+    rng = random.Random(0)
+    shared = [rng.randrange(VOCAB) for _ in range(600)]
+    prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (1, 9, 130, 257, 700)]
+    return prompts + [shared[:300], shared[:520] + [5, 6, 7], shared]
+
+
+def generate(model_dir, **kwargs) -> list[dict]:
+    """Two greedy passes (the second partly from the prefix cache), with the top-2 log-probabilities."""
+    from nanovllm import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=16, logprobs=2)
+    with LLM(model_dir, max_model_len=1024, kvcache_block_size=256, **kwargs) as llm:
+        first = llm.generate(make_prompts(), params, use_tqdm=False)
+        again = llm.generate(make_prompts(), params, use_tqdm=False)
+    assert any(o["num_cached_tokens"] for o in again)
+    return first + again
+
+
+def assert_agree(expected: list[dict], got: list[dict], near_tie: float) -> None:
+    """Token-for-token equality, except that a sequence may part from the reference once where the
+    reference's top two log-probabilities are within ``near_tie``; the rest is then not compared."""
+    for i, (e, g) in enumerate(zip(expected, got)):
+        for j, (a, b) in enumerate(zip(e["token_ids"], g["token_ids"])):
+            if a != b:
+                top2 = sorted(e["logprobs"][j].values(), reverse=True)[:2]
+                assert top2[0] - top2[1] < near_tie, f"output {i} parts at token {j} with a top-2 gap {top2[0] - top2[1]:.4f}"
+                break
+        else:
+            assert len(e["token_ids"]) == len(g["token_ids"])
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
+def test_llm_fp8_triton_matches_torch_fp8(model_dir, enforce_eager):
+    reference = generate(model_dir, kv_cache_dtype="fp8", attention_backend="torch", enforce_eager=True)
+    got = generate(model_dir, kv_cache_dtype="fp8", attention_backend="triton", enforce_eager=enforce_eager)
+    assert_agree(reference, got, near_tie=0.2)  # bf16 logits, 1/32 to 1/16 apart at this size
+
+
+def test_llm_fp8_auto_backend_is_triton(model_dir):
+    from nanovllm import LLM
+
+    with LLM(model_dir, kv_cache_dtype="fp8", max_model_len=256, num_kvcache_blocks=4, enforce_eager=True) as llm:
+        assert llm.model_runner.backend.name == "triton"
+        assert llm.model_runner.kv_cache.dtype == torch.float8_e4m3fn
+
+
+def test_llm_float32_triton(model_dir):
+    """float32 weights with head_dim 128 and prompts past 64 tokens: the prefill tiles must fit
+    shared memory at 4 bytes an element (bf16's tiles need 262144 bytes here)."""
+    reference = generate(model_dir, dtype="float32", attention_backend="torch", enforce_eager=True)
+    got = generate(model_dir, dtype="float32", attention_backend="triton")
+    assert_agree(reference, got, near_tie=0.01)
+    from nanovllm.config import Config
+    from nanovllm.layers.attention import resolve_backend_name
+
+    config = Config(model_dir, dtype="float32", kvcache_block_size=256)
+    assert resolve_backend_name("auto", "cuda", 256, config.resolved_dtype("cuda"), "auto") == "triton"
