@@ -9,8 +9,14 @@ ignore_eos. One short warm-up generate comes first. 133,966 output tokens in all
     python bench.py --random qwen3-4b --tp 2 --backend triton --enforce-eager
     python bench.py --random qwen3-0.6b --top-p 0.95 --top-k 20     # Qwen3's recommended sampling
     python bench.py --sampler --top-p 0.95 --top-k 20               # the sampler alone, GPU time per step
+    python bench.py --random qwen3-0.6b --profile   # GPU time per kernel category and GPU idle share
+
+--profile runs the timed generate under torch.profiler (kineto's CUDA activity only, see
+bench_profile.py); its result line is the profiled run's, so compare it with a run without --profile
+(a second timed run in the same engine would be served from the prefix cache).
 """
 import argparse
+import contextlib
 import os
 import tempfile
 import time
@@ -79,6 +85,13 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=None, help="SamplingParams.top_k of every request")
     parser.add_argument("--min-p", type=float, default=None, help="SamplingParams.min_p of every request")
     parser.add_argument("--sampler", action="store_true", help="time the sampler alone (GPU), at --num-seqs rows")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                        help="LLM(kv_cache_dtype=...); 'auto' passes nothing (the engine's default)")
+    parser.add_argument("--no-async-scheduling", action="store_true", help="LLM(async_scheduling=False)")
+    parser.add_argument("--profile", action="store_true",
+                        help="print GPU time per kernel category and the GPU idle share of the timed run")
+    parser.add_argument("--profile-trace", metavar="PATH", default=None,
+                        help="with --profile (implied): also save the profiler's Chrome trace (JSON) here")
     args = parser.parse_args()
     sampling = {k: v for k, v in (("top_p", args.top_p), ("top_k", args.top_k), ("min_p", args.min_p)) if v is not None}
     if args.sampler:
@@ -96,20 +109,50 @@ def main() -> None:
     elif not os.path.isdir(path):
         parser.error(f"no model at {path}; pass --model PATH or --random qwen3-0.6b")
 
+    llm_kwargs = dict(enforce_eager=args.enforce_eager, max_model_len=args.max_model_len,
+                      tensor_parallel_size=args.tp, attention_backend=args.backend)
+    if args.kv_cache_dtype != "auto":  # only then, so this script also runs on engines without the keyword
+        llm_kwargs["kv_cache_dtype"] = args.kv_cache_dtype
+    if args.no_async_scheduling:
+        llm_kwargs["async_scheduling"] = False
+    profiling = args.profile or args.profile_trace is not None
+    profiler = contextlib.nullcontext()
+    if profiling:
+        from bench_profile import GpuProfiler
+
+        profiler = GpuProfiler(args.profile_trace)
+
     prompts, params = workload(args.num_seqs, **sampling)
-    with LLM(path, enforce_eager=args.enforce_eager, max_model_len=args.max_model_len,
-             tensor_parallel_size=args.tp, attention_backend=args.backend) as llm:
+    with LLM(path, **llm_kwargs) as llm:
         llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
-        t = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        t = time.perf_counter() - t
+        with profiler:
+            t = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            t = time.perf_counter() - t
         backend = llm.model_runner.backend.name
+        config = llm.config
         memory = gpu_memory_report()
     total = sum(p.max_tokens for p in params)
-    print(f"backend={backend} eager={args.enforce_eager} tp={args.tp} requests={args.num_seqs} sampling={sampling or 'temperature 0.6'}")
+    print(f"backend={backend} eager={config.enforce_eager} tp={config.tensor_parallel_size} "
+          f"kv_cache_dtype={getattr(config, 'kv_cache_dtype', 'auto')} "
+          f"async_scheduling={getattr(config, 'async_scheduling', None)} max_model_len={config.max_model_len} "
+          f"block_size={config.kvcache_block_size} max_num_seqs={config.max_num_seqs} "
+          f"max_num_batched_tokens={config.max_num_batched_tokens} requests={args.num_seqs} "
+          f"sampling={sampling or 'temperature 0.6'} model={'random:' + args.random if args.random else path} "
+          f"profiled={profiling}")
     print(f"Total: {total}tok, Time: {t:.2f}s, Throughput: {total / t:.2f}tok/s")
     if memory:
         print(memory)
+    if profiling:
+        from bench_profile import format_notes, format_table
+
+        summary = profiler.summary(t)
+        note = " (rank 0's GPU)" if args.tp > 1 else ""
+        print(f"GPU time by kernel category{note}, timed run under the profiler:")
+        print(format_table(summary))
+        print(format_notes(summary, profiler.window))
+        if args.profile_trace:
+            print(f"Chrome trace: {args.profile_trace}")
     if tmp is not None:
         tmp.cleanup()
 

@@ -1,0 +1,197 @@
+"""GPU time of a benchmark run by kernel category, and the share of the run the GPU sat idle.
+
+``bench.py --profile`` runs its timed ``generate`` under ``torch.profiler`` with CUDA activity only
+(no CPU ops, shapes or stacks, so the run is barely slowed), turns the device's kernel, memcpy and
+memset records into ``(name, start, end)`` intervals, and prints ``summarize(...)`` as a table.
+The summary is a pure function of those intervals, tested on the CPU.
+"""
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+# Kernel categories, tried in this order; a kernel belongs to the first category with a pattern
+# that its name contains (case-insensitive), else to OTHER. The order matters: flash-attn's
+# kernel names contain "cutlass" (its element types), so attention comes before GEMMs.
+CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
+    # flash-attn: flash_fwd_splitkv_kernel (+ _combine_kernel); Triton: _decode_kernel, _decode_reduce_kernel.
+    # A prefill over a cached prefix reads a paged cache, which flash-attn also runs with its splitkv
+    # kernel: that time is counted here as decode.
+    ("decode attention", ("flash_fwd_splitkv", "decode")),
+    # flash-attn: flash_fwd_kernel; Triton: _prefill_kernel
+    ("prefill attention", ("flash_fwd_kernel", "prefill")),
+    # cuBLAS / cuBLASLt / CUTLASS matrix multiplies (also the LM head)
+    ("GEMMs", ("gemm", "sm90_xmma", "cutlass", "cublas", "nvjet")),
+    # torch.compile'd RMSNorm, rotary embedding, SiLU-and-mul (Inductor's Triton kernels)
+    ("norms / rotary / activation", ("triton_poi_fused", "triton_red_fused", "triton_per_fused")),
+    # the fused Gumbel-max draw; greedy argmax; top-k/top-p/min-p (topk, sort, cumsum, logsumexp);
+    # log-probabilities (log_softmax)
+    ("sampler", ("gumbel", "argmax", "topk", "kthvalue", "radix", "sort", "softmax", "logsumexp",
+                 "devicescan", "exponential")),
+    ("KV store", ("store_kvcache",)),
+    # CUPTI names these "Memcpy HtoD (Pinned -> Device)", "Memset (Device)", ...
+    ("copies", ("memcpy", "memset")),
+]
+OTHER = "other"
+IDLE = "GPU idle"
+# device records that are waits, not work (kineto's CUDA sync events, when enabled)
+NOT_WORK = {"Event Sync", "Stream Sync", "Context Sync", "Stream Wait Event"}
+
+
+def category(name: str) -> str:
+    """The first category of CATEGORIES with a pattern in ``name``, else OTHER."""
+    lowered = name.lower()
+    for label, patterns in CATEGORIES:
+        if any(p in lowered for p in patterns):
+            return label
+    return OTHER
+
+
+def busy_time(intervals: Iterable[tuple[float, float]]) -> float:
+    """Length of the union of ``[start, end)`` intervals: overlapping kernels (several streams)
+    count once."""
+    total = 0.0
+    cur_start = cur_end = None
+    for start, end in sorted(intervals):
+        if cur_end is None or start > cur_end:
+            if cur_end is not None:
+                total += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    if cur_end is not None:
+        total += cur_end - cur_start
+    return total
+
+
+@dataclass
+class GpuProfile:
+    wall: float  # seconds of the timed region
+    busy: float  # seconds during which at least one kernel, memcpy or memset ran
+    times: dict[str, float]  # category -> summed kernel durations (seconds), in CATEGORIES order, OTHER last
+    counts: dict[str, int]  # category -> number of kernels
+    top_other: list[tuple[str, float]] = field(default_factory=list)  # the largest OTHER kernels by time
+    first: float = 0.0  # the first event's start and the last one's end (the events' clock)
+    last: float = 0.0
+
+    @property
+    def idle(self) -> float:
+        return max(self.wall - self.busy, 0.0)
+
+    @property
+    def span(self) -> float:
+        return self.last - self.first
+
+
+def summarize(events: Iterable[tuple[str, float, float]], wall: float, num_other: int = 5) -> GpuProfile:
+    """Sum the durations of the ``(name, start, end)`` device events (seconds) per category.
+    GPU idle is ``wall`` minus the union of all the events' intervals; since kernels on different
+    streams may overlap, the category times can add up to more than the busy time."""
+    times = {label: 0.0 for label, _ in CATEGORIES} | {OTHER: 0.0}
+    counts = dict.fromkeys(times, 0)
+    other: dict[str, float] = defaultdict(float)
+    intervals = []
+    for name, start, end in events:
+        if name in NOT_WORK:
+            continue
+        if end < start:
+            raise ValueError(f"event {name!r} ends before it starts ({start} > {end})")
+        label = category(name)
+        times[label] += end - start
+        counts[label] += 1
+        if label == OTHER:
+            other[name] += end - start
+        intervals.append((start, end))
+    top = sorted(other.items(), key=lambda kv: (-kv[1], kv[0]))[:num_other]
+    first = min((s for s, _ in intervals), default=0.0)
+    last = max((e for _, e in intervals), default=0.0)
+    return GpuProfile(wall, busy_time(intervals), times, counts, top, first, last)
+
+
+def format_table(profile: GpuProfile) -> str:
+    """A Markdown table: GPU time and share of wall per category (empty categories left out),
+    then GPU idle."""
+    lines = ["| | GPU time | share of wall | kernels |", "|---|---|---|---|"]
+    wall = profile.wall or float("nan")
+    for label, seconds in profile.times.items():
+        if profile.counts[label]:
+            lines.append(f"| {label} | {seconds:.2f} s | {seconds / wall:.1%} | {profile.counts[label]:,} |")
+    lines.append(f"| {IDLE} | {profile.idle:.2f} s | {profile.idle / wall:.1%} | |")
+    lines.append(f"| wall (profiled) | {profile.wall:.2f} s | | |")
+    return "\n".join(lines)
+
+
+def format_notes(profile: GpuProfile, window: tuple[float, float] | None = None, width: int = 100) -> str:
+    """The largest uncategorised kernels (to extend CATEGORIES with) and a coverage check: how much
+    of the run the events span, and, given the profiled ``window`` (start, end) on the events'
+    clock, how far the first and last events lie from its ends (events that stop well before the
+    end were dropped, and the idle share is then too high)."""
+    lines = []
+    if profile.top_other:
+        lines.append(f"largest '{OTHER}' kernels:")
+        for name, seconds in profile.top_other:
+            short = name if len(name) <= width else name[: width - 3] + "..."
+            lines.append(f"  {seconds * 1e3:9.1f} ms  {short}")
+    lines.append(f"kernels span {profile.span:.2f} s of the {profile.wall:.2f} s wall; "
+                 f"busy (union) {profile.busy:.2f} s")
+    if window is not None and profile.span:
+        lines.append(f"first event {profile.first - window[0]:+.3f} s after the profiled window opened, "
+                     f"last event {window[1] - profile.last:+.3f} s before it closed")
+    if profile.wall and profile.span < 0.5 * profile.wall:
+        lines.append("warning: device events cover under half the run; the profiler may have dropped records")
+    return "\n".join(lines)
+
+
+def device_events(kineto_events, device_index: int) -> list[tuple[str, float, float]]:
+    """``(name, start, end)`` in seconds of one GPU's records (kernels, memcpy, memset) among the
+    events of ``prof.profiler.kineto_results.events()``; CPU-side records (runtime calls) are
+    left out, and so are ranges of user annotations projected onto the GPU (not work either).
+    All GPUs' records when none carries ``device_index``."""
+    from torch.autograd import DeviceType
+
+    by_device = defaultdict(list)
+    for e in kineto_events:
+        if e.device_type() == DeviceType.CUDA and not getattr(e, "is_user_annotation", lambda: False)():
+            by_device[e.device_index()].append((e.name(), e.start_ns() * 1e-9, e.end_ns() * 1e-9))
+    if device_index in by_device:
+        return by_device[device_index]
+    return [event for events in by_device.values() for event in events]
+
+
+class GpuProfiler:
+    """``with GpuProfiler(trace_path) as p: <timed region>``; then ``p.summary(wall)``. Records
+    kineto's CUDA activity of this process, summarised for its current GPU (with tensor
+    parallelism: rank 0's); saves a Chrome trace on exit when ``trace_path`` is given."""
+
+    def __init__(self, trace_path: str | None = None):
+        self.trace_path = trace_path
+        self._prof = None
+        self._opened = 0.0
+        self.window: tuple[float, float] | None = None  # (start, end), seconds since the epoch
+
+    def __enter__(self):
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        torch.cuda.synchronize()
+        self._prof = profile(activities=[ProfilerActivity.CUDA], record_shapes=False,
+                             profile_memory=False, with_stack=False)
+        self._prof.__enter__()
+        self._opened = time.time_ns() * 1e-9  # kineto stamps events in ns since the epoch
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import torch
+
+        torch.cuda.synchronize()
+        self.window = (self._opened, time.time_ns() * 1e-9)
+        self._prof.__exit__(*exc)
+        if self.trace_path and exc[0] is None:
+            self._prof.export_chrome_trace(self.trace_path)
+
+    def summary(self, wall: float) -> GpuProfile:
+        """The profiled region's kernels summarised against its measured ``wall`` seconds."""
+        import torch
+
+        raw = self._prof.profiler.kineto_results.events()
+        return summarize(device_events(raw, torch.cuda.current_device()), wall)
