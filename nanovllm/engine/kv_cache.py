@@ -16,7 +16,6 @@ GPU_HEADROOM = 0.01
 CPU_KV_CACHE_SHARE = 0.25  # on CPU, num_kvcache_blocks=-1 takes this share of available memory
 
 
-
 class KVCacheAllocator:
     """Mixed into ``ModelRunner``: uses its config, model, device, dtype, ``run``, ``sample``,
     ``sync`` and CUDA-graph capture."""
