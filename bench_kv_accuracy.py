@@ -1,0 +1,265 @@
+"""Accuracy of the FP8 KV cache (``kv_cache_dtype="fp8"``) next to a cache in the model's dtype (bf16).
+
+1. Attention-output error, at Qwen3-0.6B's attention shape (16 query heads, 8 KV heads, head_dim 128),
+   block size 256. Keys K = N(0, 1) times a per-channel scale exp(N(0, sigma)) (a few large channels,
+   as real keys have), values V = N(0, 1), one bf16 query q = N(0, 1) per sequence. K/V, drawn in
+   float32, are written by the backend's own ``store_kvcache`` into a paged cache (random block ids),
+   once bf16 and once FP8, and read by its ``decode``. Both are compared with float64 attention over
+   the unrounded K/V and the same q: relative L2 error and largest absolute error. The output is bf16:
+   "bf16 output floor" is the error of rounding the exact output to bf16 alone.
+
+2. Greedy agreement and next-token KL. A random Qwen3 checkpoint (bf16 weights N(0, std)) runs one
+   greedy workload (random token-id prompts, ignore_eos) with a bf16 cache, an FP8 cache, and, as a
+   control, a bf16 cache whose K/V get noise of bf16 rounding's own size before storing. A wrapper
+   around ``ModelRunner.sample`` keeps every sampled row's log-softmax. Per prompt, d = the first
+   position where a run's tokens differ from the bf16 run's (max_tokens when none): positions 0..d
+   had the same context. Reported: prompts with identical completions, d, token agreement over
+   positions 0..d (sum d / sum (d + 1) when all diverge), KL(bf16 || other) at positions 0..d, and
+   at each FP8 divergence the log-prob gap between the two chosen tokens (a near-tie or not; bf16
+   logits of this size are 1/16 or 1/8 apart). Position 0 is computed by prefill from the fresh K/V,
+   not the cache (the prompts share no prefix), so its KL is 0; the cache is read from position 1.
+
+    python bench_kv_accuracy.py                      # CPU: torch backend; GPU: the "auto" backends
+    python bench_kv_accuracy.py --max-len 1000       # longer prompts (about 2x the time on a CPU)
+    python bench_kv_accuracy.py --part 1 --sigma 0   # part 1 only, keys without large channels
+"""
+import argparse
+import os
+import random
+import statistics
+import tempfile
+import time
+
+import torch
+
+from nanovllm import LLM, SamplingParams
+from nanovllm.layers.attention import (
+    FP8_DTYPE, KV_SCALE_DTYPE, Attention, get_attention_backend, resolve_backend_name,
+)
+from nanovllm.utils.checkpoint import make_random_checkpoint
+from nanovllm.utils.context import Context
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128  # Qwen3-0.6B
+BLOCK_SIZE = 256
+
+
+# ---- 1. attention-output error ---------------------------------------------------------------------
+
+
+def paged_tables(num_seqs: int, context_len: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random block ids -> block tables [num_seqs, blocks_per_seq], slots [num_seqs * context_len] (int32)"""
+    per_seq = -(-context_len // BLOCK_SIZE)
+    tables = torch.randperm(num_seqs * per_seq, generator=generator).view(num_seqs, per_seq)
+    pos = torch.arange(context_len)
+    slots = tables[:, pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE  # [num_seqs, context_len]
+    return tables.to(torch.int32), slots.flatten().to(torch.int32)
+
+
+def reference_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """float64 attention of one query over all keys. q: [num_heads, head_dim], k/v: [n, num_kv_heads, head_dim]."""
+    group = NUM_HEADS // NUM_KV_HEADS
+    k, v = (x.double().repeat_interleave(group, dim=1).transpose(0, 1) for x in (k, v))  # [num_heads, n, head_dim]
+    probs = torch.softmax((k @ q.double().unsqueeze(-1)).squeeze(-1) * scale, dim=-1)  # [num_heads, n]
+    return (probs.unsqueeze(1) @ v).squeeze(1)  # [num_heads, head_dim]
+
+
+def decode_over_cache(backend_name: str, kv_cache_dtype: str, q, k, v, tables, slots, context_lens, device):
+    """Store k/v ([num_tokens, num_kv_heads, head_dim] float32) with the backend into a fresh paged
+    cache of this dtype, then decode q ([num_seqs, num_heads, head_dim]) over it."""
+    backend, fp8 = get_attention_backend(backend_name), kv_cache_dtype == "fp8"
+    shape = (tables.numel(), BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    caches = [torch.zeros(shape, dtype=torch.uint8 if fp8 else torch.bfloat16, device=device) for _ in range(2)]
+    caches = [c.view(FP8_DTYPE) for c in caches] if fp8 else caches
+    scales = [torch.zeros(shape[:3], dtype=KV_SCALE_DTYPE, device=device) if fp8 else None for _ in range(2)]
+    backend.store_kvcache(k, v, *caches, slots, *scales)
+    context = Context(context_lens=context_lens, block_tables=tables, slot_mapping=slots)
+    return backend.decode(q, *caches, context, HEAD_DIM**-0.5, *scales)
+
+
+def attention_error_table(device: str, context_lens: list[int], num_seqs: int, sigma: float, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    names = {kv: resolve_backend_name("auto", device, BLOCK_SIZE, torch.bfloat16, kv) for kv in ("auto", "fp8")}
+    print(f"\n### Attention-output error (decode; {NUM_HEADS} q heads, {NUM_KV_HEADS} KV heads, head_dim {HEAD_DIM}, "
+          f"block {BLOCK_SIZE}; {num_seqs} sequences per length; K channel scales exp(N(0, {sigma})); "
+          f"backends: bf16 cache {names['auto']}, fp8 cache {names['fp8']})\n")
+    print("| context | rms(ref) | bf16 output floor rel L2 | bf16 cache rel L2 | fp8 cache rel L2 | "
+          "bf16 cache max abs | fp8 cache max abs | fp8 / bf16 rel L2 |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for n in context_lens:
+        channel_scale = torch.exp(torch.randn(num_seqs, 1, NUM_KV_HEADS, HEAD_DIM, generator=g) * sigma)
+        k = (torch.randn(num_seqs, n, NUM_KV_HEADS, HEAD_DIM, generator=g) * channel_scale).flatten(0, 1)
+        v = torch.randn(num_seqs * n, NUM_KV_HEADS, HEAD_DIM, generator=g)
+        q = torch.randn(num_seqs, NUM_HEADS, HEAD_DIM, generator=g).to(torch.bfloat16)
+        tables, slots = paged_tables(num_seqs, n, g)
+        ref = torch.stack([reference_decode(q[i], k[i * n : (i + 1) * n], v[i * n : (i + 1) * n], HEAD_DIM**-0.5)
+                           for i in range(num_seqs)])
+        lens = torch.full((num_seqs,), n, dtype=torch.int32)
+        args = [x.to(device) for x in (q, k, v, tables, slots, lens)]
+        out = {kv: decode_over_cache(names[kv], kv, *args, device).double().cpu() for kv in ("auto", "fp8")}
+        rel = {kv: ((o - ref).norm() / ref.norm()).item() for kv, o in out.items()}
+        floor = ((ref.to(torch.bfloat16).double() - ref).norm() / ref.norm()).item()
+        abs_err = {kv: (o - ref).abs().max().item() for kv, o in out.items()}
+        print(f"| {n} | {ref.pow(2).mean().sqrt().item():.3f} | {floor:.2e} | {rel['auto']:.2e} | {rel['fp8']:.2e} | "
+              f"{abs_err['auto']:.2e} | {abs_err['fp8']:.2e} | {rel['fp8'] / rel['auto']:.1f}x |")
+
+
+# ---- 2. greedy agreement and next-token KL ---------------------------------------------------------
+
+
+class RecordDistributions:
+    """Wraps ``ModelRunner.sample``: keeps the log-softmax (float32, on the host) of every row that
+    samples a token, keyed by (prompt token ids, completion position)."""
+
+    def __init__(self, sample):
+        self.sample = sample
+        self.logprobs: dict[tuple[tuple[int, ...], int], torch.Tensor] = {}
+
+    def __call__(self, seqs, logits):
+        logprobs = torch.log_softmax(logits.float(), dim=-1).cpu()  # [num_seqs, vocab]
+        for row, seq in enumerate(seqs):
+            computed = seq.num_cached_tokens + seq.num_scheduled_tokens
+            if computed < len(seq):  # part-way through a chunked prefill: its token is dropped
+                continue
+            self.logprobs[(tuple(seq.prompt_token_ids), computed - seq.num_prompt_tokens)] = logprobs[row].clone()
+        return self.sample(seqs, logits)
+
+
+class NoisyStore:
+    """Wraps an attention backend: K/V are multiplied by (1 + rel * N(0, 1)) before they are stored.
+    rel = 2^-9 is about the rms relative error of rounding to bf16: cache noise of bf16's own size."""
+
+    def __init__(self, backend, rel: float):
+        self.backend, self.rel = backend, rel
+
+    def store_kvcache(self, k, v, *args):
+        k, v = (x * (1 + self.rel * torch.randn(x.shape, device=x.device)) for x in (k, v))
+        self.backend.store_kvcache(k, v, *args)
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+
+def run_greedy(path: str, kv_cache_dtype: str, prompts: list[list[int]], max_tokens: int, device: str,
+               store_noise: float = 0.0):
+    """-> completion token ids, next-token log-probs [max_tokens, vocab] (per prompt), throughput"""
+    max_len = max(map(len, prompts)) + max_tokens
+    blocks = len(prompts) * -(-max_len // BLOCK_SIZE)
+    with LLM(path, device=device, dtype="bfloat16", kv_cache_dtype=kv_cache_dtype, kvcache_block_size=BLOCK_SIZE,
+             num_kvcache_blocks=blocks, max_model_len=max_len, max_num_seqs=len(prompts),
+             enforce_eager=store_noise > 0) as llm:  # CUDA graphs would keep the backend they captured
+        if store_noise:
+            torch.manual_seed(0)
+            for module in llm.model_runner.model.modules():
+                if isinstance(module, Attention):
+                    module.backend = NoisyStore(module.backend, store_noise)
+        recorder = RecordDistributions(llm.model_runner.sample)
+        llm.model_runner.sample = recorder
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        throughput = llm.last_throughput
+    logprobs = [torch.stack([recorder.logprobs[(tuple(p), j)] for j in range(max_tokens)]) for p in prompts]
+    return [o["token_ids"] for o in outputs], logprobs, throughput
+
+
+def kl(logp: torch.Tensor, logq: torch.Tensor) -> float:
+    return (logp.double().exp() * (logp.double() - logq.double())).sum().item()
+
+
+def compare(base, other, n: int) -> tuple[list[str], list[tuple[int, float, float]]]:
+    """Greedy agreement and KL(base || other) over the positions with a shared context.
+    -> table cells, and (position, log p gap in base, log p gap in other) at each divergence"""
+    first_div, kl_first, kl_decode, gaps = [], [], [], []
+    for a, la, b, lb in zip(*base, *other):
+        d = next((j for j in range(n) if a[j] != b[j]), n)
+        first_div.append(d)
+        kl_first.append(kl(la[0], lb[0]))
+        kl_decode += [kl(la[j], lb[j]) for j in range(1, min(d + 1, n))]
+        if d < n:
+            gaps.append((d, (la[d][a[d]] - la[d][b[d]]).item(), (lb[d][b[d]] - lb[d][a[d]]).item()))
+    compared = sum(min(d + 1, n) for d in first_div)
+    return [
+        f"{sum(d == n for d in first_div)} / {len(first_div)}",
+        f"{statistics.mean(first_div):.1f}",
+        " ".join(map(str, sorted(first_div))),
+        f"{compared - len(gaps)} / {compared} = {(compared - len(gaps)) / compared:.3f}",
+        f"{max(kl_first):.2e}",
+        f"{len(kl_decode)}",
+        f"{statistics.mean(kl_decode):.2e} / {statistics.median(kl_decode):.2e} / {max(kl_decode):.2e}"
+        if kl_decode else "-",
+    ], gaps
+
+
+def agreement_table(args, device: str) -> None:
+    rng = random.Random(args.seed)
+    lengths = [rng.randint(args.min_len, args.max_len) for _ in range(args.prompts)]
+    prompts = [[rng.randrange(10000) for _ in range(length)] for length in lengths]
+    n = args.new_tokens
+    variants = {"bf16 cache": ("auto", 0.0), "fp8 cache": ("fp8", 0.0), "bf16 cache + noise": ("auto", 2**-9)}
+    runs = {}
+    with tempfile.TemporaryDirectory() as path:
+        make_random_checkpoint(path, "qwen3-0.6b", torch.bfloat16, seed=args.seed, std=args.std,
+                               num_hidden_layers=args.layers)
+        for name, (kv, noise) in variants.items():
+            start = time.perf_counter()
+            tokens, logprobs, speed = run_greedy(path, kv, prompts, n, device, noise)
+            runs[name] = tokens, logprobs
+            print(f"[{name}: {time.perf_counter() - start:.0f} s; prefill {speed['prefill']:.0f} tok/s, "
+                  f"decode {speed['decode']:.0f} tok/s]")
+    # the recorded rows must be the ones the sampler chose from: greedy picks their argmax
+    consistent = sum(lp[j].argmax().item() == toks[j]
+                     for run in runs.values() for toks, lp in zip(*run) for j in range(n))
+    base = runs["bf16 cache"]
+    fp8_cells, gaps = compare(base, runs["fp8 cache"], n)
+    noise_cells, _ = compare(base, runs["bf16 cache + noise"], n)
+    top = [lp[j].topk(2).values for lp in base[1] for j in range(n)]
+    top1, top_gaps = [t[0].exp().item() for t in top], [(t[0] - t[1]).item() for t in top]
+    print(f"\n### Greedy agreement and next-token KL against the bf16 cache ({device}; random Qwen3 weights, "
+          f"N(0, {args.std}) in bf16: {args.layers} layers, hidden 1024, intermediate 3072, {NUM_HEADS} heads, "
+          f"{NUM_KV_HEADS} KV heads, head_dim {HEAD_DIM}, vocab 151936, tied embeddings; {args.prompts} prompts of "
+          f"{args.min_len}-{args.max_len} random token ids, {n} greedy tokens each, ignore_eos; control: bf16 cache "
+          f"with K/V times (1 + 2^-9 N(0, 1)) before storing)\n")
+    print(f"recorded distributions whose argmax is the emitted token: {consistent} / {len(runs) * n * len(prompts)}; "
+          f"bf16 run, all positions: top-1 probability median {statistics.median(top1):.3f} "
+          f"(min {min(top1):.3f}, max {max(top1):.3f}), top-1 minus top-2 log-prob median "
+          f"{statistics.median(top_gaps):.3f} (10th percentile {statistics.quantiles(top_gaps, n=10)[0]:.3f})\n")
+    print("| metric | fp8 cache | control: bf16 cache + noise |\n|---|---:|---:|")
+    names = ["prompts whose completions are identical", f"first divergence position d, mean ({n} when none)",
+             "d per prompt (sorted)", "token agreement over positions 0..d", "KL at position 0 (prefill), max",
+             "KL at decode positions 1..d: count", "KL at decode positions 1..d: mean / median / max (nats)"]
+    for name, a, b in zip(names, fp8_cells, noise_cells):
+        print(f"| {name} | {a} | {b} |")
+    if gaps:
+        print("\n| fp8 divergence at position | log p gap in bf16 run (its token - fp8's) "
+              "| log p gap in fp8 run (its token - bf16's) |")
+        print("|---:|---:|---:|")
+        for d, gap_a, gap_b in sorted(gaps):
+            print(f"| {d} | {gap_a:.4f} | {gap_b:.4f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--context-lens", type=int, nargs="+", default=[128, 1024, 4096])
+    parser.add_argument("--seqs", type=int, default=8, help="sequences per context length in part 1")
+    parser.add_argument("--sigma", type=float, default=1.0, help="log-normal sigma of the key channel scales")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--std", type=float, default=0.1, help="standard deviation of the random weights")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--min-len", type=int, default=200)
+    parser.add_argument("--max-len", type=int, default=500)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--part", choices=["1", "2", "both"], default="both")
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device_name = torch.cuda.get_device_name() if device == "cuda" else f"CPU, {os.cpu_count()} cores"
+    print(f"device: {device_name}; torch {torch.__version__}")
+    start = time.perf_counter()
+    if args.part in ("1", "both"):
+        attention_error_table(device, args.context_lens, args.seqs, args.sigma, args.seed)
+    if args.part in ("2", "both"):
+        agreement_table(args, device)
+    print(f"\n[total {time.perf_counter() - start:.0f} s]")
+
+
+if __name__ == "__main__":
+    main()
