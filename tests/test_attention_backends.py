@@ -8,20 +8,16 @@ reads past a sequence's context or through a padded block-table entry fails the 
 """
 import importlib.util
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from triton_interpreter import results_under_interpreter, run_cases, squeeze_interpreter_loop_bounds
 
 from nanovllm.layers.attention_torch import TorchAttentionBackend
 from nanovllm.utils.context import Context
 
 HAS_CUDA = torch.cuda.is_available()
 HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
-REPO_ROOT = Path(__file__).resolve().parent.parent
 
 # (cached tokens, new tokens) per sequence
 PREFILL_SEQS = [(0, 1), (0, 37), (0, 70)]
@@ -207,45 +203,18 @@ INTERPRETER_CASES = {
 }
 
 
-def squeeze_interpreter_loop_bounds() -> None:
-    """Older Triton interpreters (3.6) turn a scalar, which they hold as a 1-element array, into a
-    loop bound with ``int(array)``; NumPy >= 2.5 refuses that. Newer ones squeeze it first: do the same."""
-    from triton.runtime import interpreter
-
-    patch_tensor = getattr(interpreter, "_patch_lang_tensor", None)
-    if patch_tensor is None:
-        return
-
-    def patched(tensor, scope):
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-    interpreter._patch_lang_tensor = patched
-
-
 def run_interpreter_cases() -> dict:
     """Runs in the subprocess, with TRITON_INTERPRET=1 already in the environment."""
     squeeze_interpreter_loop_bounds()
     from nanovllm.layers.attention_triton import TritonAttentionBackend
 
     torch.manual_seed(0)
-    results = {}
-    for name, case in INTERPRETER_CASES.items():
-        try:
-            results[name] = case(TritonAttentionBackend(num_splits=1))
-        except Exception as e:  # reported per case by the test below
-            results[name] = {"error": f"{type(e).__name__}: {e}"}
-    return results
+    return run_cases(INTERPRETER_CASES, lambda case: case(TritonAttentionBackend(num_splits=1)))
 
 
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run(
-        [sys.executable, __file__], env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return results_under_interpreter(__file__)
 
 
 @pytest.mark.parametrize("case", list(INTERPRETER_CASES))

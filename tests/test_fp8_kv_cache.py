@@ -18,10 +18,8 @@ head) row.
 import json
 import os
 import shutil
-import subprocess
 import sys
 import types
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -30,12 +28,11 @@ import torch
 from hf_reference import BLOCK_SIZE, random_prompts
 from test_attention_backends import (
     CHUNKED_SEQS, DECODE_LENS, PREFILL_SEQS, PREFIX_SEQS, paged_layout, qkv_views, relative_error,
-    squeeze_interpreter_loop_bounds,
 )
+from triton_interpreter import results_under_interpreter, run_cases, squeeze_interpreter_loop_bounds
 from nanovllm.layers.attention_torch import TorchAttentionBackend, quantize_fp8
 from nanovllm.utils.context import Context
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 E4M3 = torch.float8_e4m3fn
 E4M3_NAN = 0x7F  # the byte a cache slot holds until something is stored there
 POISON_BYTE = 0x5A  # guards around a cache (e4m3 value 3.25)
@@ -273,22 +270,12 @@ def run_interpreter_cases() -> dict:
     from nanovllm.layers.attention_triton import TritonAttentionBackend
 
     torch.manual_seed(0)
-    results = {}
-    for name, case in INTERPRETER_CASES.items():
-        try:
-            results[name] = case(TritonAttentionBackend(num_splits=1))
-        except Exception as e:  # reported per case by the test below
-            results[name] = {"error": f"{type(e).__name__}: {e}"}
-    return results
+    return run_cases(INTERPRETER_CASES, lambda case: case(TritonAttentionBackend(num_splits=1)))
 
 
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict:
-    path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
-    proc = subprocess.run([sys.executable, __file__], env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return results_under_interpreter(__file__, timeout=300)
 
 
 def assert_result(result: dict, tol: float = TOL) -> None:

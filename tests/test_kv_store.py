@@ -9,12 +9,11 @@ wrong slot, a skipped slot (-1) or past the row shows up.
 """
 import json
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from triton_interpreter import results_under_interpreter
 
 POISON = -777.0
 GUARD = 1024  # poisoned elements on each side of a cache
@@ -122,14 +121,7 @@ def run_triton_cases() -> dict[str, str | None]:
 
 @pytest.fixture(scope="module")
 def triton_results() -> dict[str, str | None]:
-    repo = Path(__file__).resolve().parent.parent
-    path = [str(repo)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(path))
-    proc = subprocess.run(
-        [sys.executable, __file__], env=env, cwd=repo, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, f"kv-store subprocess failed:\n{proc.stdout}\n{proc.stderr}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return results_under_interpreter(__file__, timeout=300)
 
 
 @pytest.mark.parametrize("name", CASES)

@@ -15,17 +15,14 @@ file run as a script, TRITON_INTERPRET=1 being needed before triton is imported)
 """
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 from collections import Counter
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import pytest
 import torch
 
 from hf_reference import random_prompts
+from triton_interpreter import results_under_interpreter, run_cases, squeeze_interpreter_loop_bounds
 from nanovllm.engine.requests import Request
 from nanovllm.engine.sampling_batch import NUM_CANDIDATES, draw_seed, make_sampling_batch
 from nanovllm.engine.sequence import Sequence
@@ -33,7 +30,6 @@ from nanovllm.layers import sampling_torch
 from nanovllm.layers.sampler import Filters, Sampler, SamplingBatch
 from nanovllm.sampling_params import SamplingParams
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 NUM_DRAWS = 4000
 P_VALUE = 1e-3  # a chi-square p-value below this fails
 MIN_EXPECTED = 5  # draws expected per chi-square bin at least (smaller levels are merged)
@@ -637,29 +633,15 @@ TRITON_CASES = {
 
 def run_triton_cases() -> dict:
     """Runs in the subprocess, with TRITON_INTERPRET=1 already in the environment."""
-    from test_attention_backends import squeeze_interpreter_loop_bounds
-
     squeeze_interpreter_loop_bounds()
-    results = {}
-    for name, case in TRITON_CASES.items():
-        try:
-            results[name] = case()
-        except Exception as e:  # reported per case by the test below
-            results[name] = {"error": f"{type(e).__name__}: {e}"}
-    return results
+    return run_cases(TRITON_CASES)
 
 
 @pytest.fixture(scope="module")
 def triton_results() -> dict:
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
-    path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
-    proc = subprocess.run(
-        [sys.executable, __file__], env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return results_under_interpreter(__file__)
 
 
 @pytest.mark.parametrize("case", list(TRITON_CASES))

@@ -510,20 +510,36 @@ def check_step(sched, seqs, is_prefill):
     check_block_invariants(sched.block_manager, list(sched.waiting) + list(sched.running))
 
 
+def build_workload(config: dict, requests: list) -> tuple[list, dict]:
+    """``(arrival, sequence, plan)`` in arrival order (so FIFO order is seq id order), and each
+    sequence's plan by seq id."""
+    seqs_by_arrival = [
+        (arrival, make_seq(prompt, block_size=config["block_size"], max_tokens=m, ignore_eos=ig), plan)
+        for prompt, m, plan, ig, arrival in sorted(requests, key=lambda r: r[4])
+    ]
+    return seqs_by_arrival, {seq.seq_id: plan for _, seq, plan in seqs_by_arrival}
+
+
+def check_workload_done(sched, config: dict, seqs_by_arrival: list) -> None:
+    """Every block free, every sequence finished with exactly its plan's completion."""
+    eos = config["eos_token_id"]
+    eos_ids = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+    bm = sched.block_manager
+    assert sorted(bm.free_block_ids) == list(range(config["num_blocks"])) and not bm.used_block_ids
+    assert all(block.ref_count == 0 for block in bm.blocks)
+    for _, seq, plan in seqs_by_arrival:
+        assert seq.status == FINISHED and seq.num_pending == 0
+        assert seq.completion_token_ids == expected_completion(
+            plan, seq.max_tokens, seq.ignore_eos, seq.num_prompt_tokens, config["max_model_len"], eos_ids
+        )
+
+
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads())
 def test_random_workloads_keep_invariants_and_finish(workload):
     config, requests = workload
     sched = make_scheduler(**config)
-    eos = config["eos_token_id"]
-    eos_ids = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
-    bs = config["block_size"]
-    # Sequences are built in arrival order, so FIFO order is seq id order.
-    seqs_by_arrival = [
-        (arrival, make_seq(prompt, block_size=bs, max_tokens=m, ignore_eos=ig), plan)
-        for prompt, m, plan, ig, arrival in sorted(requests, key=lambda r: r[4])
-    ]
-    plans = {seq.seq_id: plan for _, seq, plan in seqs_by_arrival}
+    seqs_by_arrival, plans = build_workload(config, requests)
     pending = list(seqs_by_arrival)
     admitted: list[int] = []
     step = 0
@@ -545,14 +561,7 @@ def test_random_workloads_keep_invariants_and_finish(workload):
         assert step < 5000, "the workload did not finish"
 
     assert admitted == sorted(admitted), "requests were admitted out of arrival order"
-    bm = sched.block_manager
-    assert sorted(bm.free_block_ids) == list(range(config["num_blocks"])) and not bm.used_block_ids
-    assert all(block.ref_count == 0 for block in bm.blocks)
-    for _, seq, plan in seqs_by_arrival:
-        assert seq.status == FINISHED
-        assert seq.completion_token_ids == expected_completion(
-            plan, seq.max_tokens, seq.ignore_eos, seq.num_prompt_tokens, config["max_model_len"], eos_ids
-        )
+    check_workload_done(sched, config, seqs_by_arrival)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -564,14 +573,7 @@ def test_random_workloads_resolved_one_step_late(workload):
     placeholders only from the step right before it, at the recorded rows."""
     config, requests = workload
     sched = make_scheduler(**config)
-    eos = config["eos_token_id"]
-    eos_ids = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
-    bs = config["block_size"]
-    seqs_by_arrival = [
-        (arrival, make_seq(prompt, block_size=bs, max_tokens=m, ignore_eos=ig), plan)
-        for prompt, m, plan, ig, arrival in sorted(requests, key=lambda r: r[4])
-    ]
-    plans = {seq.seq_id: plan for _, seq, plan in seqs_by_arrival}
+    seqs_by_arrival, plans = build_workload(config, requests)
     pending = list(seqs_by_arrival)
     launched = None  # (seqs, positions) of the step in flight
     reported = []
@@ -610,10 +612,4 @@ def test_random_workloads_resolved_one_step_late(workload):
         assert step < 5000, "the workload did not finish"
 
     assert sorted(reported) == sorted(plans) and len(set(reported)) == len(reported)
-    bm = sched.block_manager
-    assert sorted(bm.free_block_ids) == list(range(config["num_blocks"])) and not bm.used_block_ids
-    for _, seq, plan in seqs_by_arrival:
-        assert seq.status == FINISHED and seq.num_pending == 0
-        assert seq.completion_token_ids == expected_completion(
-            plan, seq.max_tokens, seq.ignore_eos, seq.num_prompt_tokens, config["max_model_len"], eos_ids
-        )
+    check_workload_done(sched, config, seqs_by_arrival)

@@ -11,7 +11,7 @@ from nanovllm.layers.sampler import SamplerOutput
 class StepOutput:
     def __init__(self, seqs: list[Sequence], out: SamplerOutput, wait: Callable[[torch.cuda.Event], None]):
         """``wait`` blocks until an event has passed on the device (and may raise when a rank died)."""
-        self.num_logprobs = [seq.sampling_params.logprobs for seq in seqs]
+        self.num_logprobs = None if out.logprobs is None else [seq.sampling_params.logprobs for seq in seqs]
         self.device_token_ids = out.token_ids
         self.token_ids = out.token_ids.to("cpu", non_blocking=True)
         self.logprobs = None if out.logprobs is None else [t.to("cpu", non_blocking=True) for t in out.logprobs]

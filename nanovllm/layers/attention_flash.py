@@ -1,7 +1,6 @@
 """flash-attn backend: ``flash_attn_varlen_func`` for prefill, ``flash_attn_with_kvcache`` for decode.
 Its paged KV cache needs the block size to be a multiple of 256; it reads neither float32 nor an FP8
-cache (``resolve_backend_name`` never picks it for those)."""
-
+cache (``resolve_backend_name`` never picks it for those, so ``k_scale``/``v_scale`` are always None)."""
 from nanovllm.layers.attention import AttentionBackend
 from nanovllm.layers.kv_store import store_kvcache
 from nanovllm.utils.context import Context
@@ -21,17 +20,10 @@ class FlashAttentionBackend(AttentionBackend):
         self._varlen = flash_attn_varlen_func
         self._with_kvcache = flash_attn_with_kvcache
 
-    @staticmethod
-    def _no_fp8(k_scale) -> None:
-        if k_scale is not None:
-            raise ValueError("attention_backend 'flash-attn' cannot read an FP8 KV cache; use 'triton' or 'torch'")
-
     def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
-        self._no_fp8(k_scale)
         store_kvcache(k, v, k_cache, v_cache, slot_mapping)
 
     def prefill(self, q, k, v, k_cache, v_cache, context: Context, scale, k_scale=None, v_scale=None):
-        self._no_fp8(k_scale)
         if context.block_tables is not None:  # keys (cached prefix and new tokens) come from the cache
             k, v = k_cache, v_cache
         return self._varlen(
@@ -42,7 +34,6 @@ class FlashAttentionBackend(AttentionBackend):
         )
 
     def decode(self, q, k_cache, v_cache, context: Context, scale, k_scale=None, v_scale=None):
-        self._no_fp8(k_scale)
         out = self._with_kvcache(
             q.unsqueeze(1), k_cache, v_cache,
             cache_seqlens=context.context_lens, block_table=context.block_tables,

@@ -32,6 +32,15 @@ def _online_softmax_step(qk, v, v_scale, m_i, l_i, acc, FP8: tl.constexpr, PV_DT
 
 
 @triton.jit
+def _fp8_scores(q, k, k_scale_ptrs, v_scale_ptrs, kv_mask, qk_scale):
+    """Scores (log2 units) of q against an e4m3 key tile k [HEAD_DIM, BLOCK_N], each key's scale
+    applied to its column, and the keys' V scales (for ``_online_softmax_step``)."""
+    k_scale = tl.load(k_scale_ptrs, mask=kv_mask, other=0.0)
+    v_scale = tl.load(v_scale_ptrs, mask=kv_mask, other=0.0)
+    return tl.dot(q, k.to(q.dtype)) * (k_scale * qk_scale)[None, :], v_scale
+
+
+@triton.jit
 def _prefill_tiles(
     q, m_i, l_i, acc, lo, hi, k_len, q_pos, q_start, seq, kv_head,
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr,
@@ -65,9 +74,7 @@ def _prefill_tiles(
             v = tl.load(v_ptrs)
         if FP8:
             scales = block.to(tl.int64) * stride_sb + (pos % BLOCK_SIZE) * stride_st + kv_head
-            k_scale = tl.load(k_scale_ptr + scales, mask=kv_mask, other=0.0)
-            v_scale = tl.load(v_scale_ptr + scales, mask=kv_mask, other=0.0)
-            qk = tl.dot(q, k.to(q.dtype)) * (k_scale * qk_scale)[None, :]  # [BLOCK_M, BLOCK_N], log2 units
+            qk, v_scale = _fp8_scores(q, k, k_scale_ptr + scales, v_scale_ptr + scales, kv_mask, qk_scale)
         else:
             v_scale = None
             qk = tl.dot(q, k) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
@@ -180,9 +187,7 @@ def _decode_kernel(
         v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask[:, None], other=0.0)
         if FP8:
             scales = block.to(tl.int64) * stride_sb + (pos % BLOCK_SIZE) * stride_st + kv_head
-            k_scale = tl.load(k_scale_ptr + scales, mask=kv_mask, other=0.0)
-            v_scale = tl.load(v_scale_ptr + scales, mask=kv_mask, other=0.0)
-            qk = tl.dot(q, k.to(q.dtype)) * (k_scale * qk_scale)[None, :]  # [GROUP_PAD, BLOCK_N], log2 units
+            qk, v_scale = _fp8_scores(q, k, k_scale_ptr + scales, v_scale_ptr + scales, kv_mask, qk_scale)
         else:
             v_scale = None
             qk = tl.dot(q, k) * qk_scale  # [GROUP_PAD, BLOCK_N], log2 units

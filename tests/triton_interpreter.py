@@ -1,0 +1,49 @@
+"""The Triton kernels' CPU tests: TRITON_INTERPRET=1 is only honoured if it is set before triton is
+first imported, and other test files import it first, so a test file's Triton cases run in a
+subprocess (the file run as a script, printing its results as one JSON line)."""
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def results_under_interpreter(test_file: str, timeout: int = 600) -> dict:
+    """Run ``test_file`` as a script under the interpreter; returns the JSON it printed last."""
+    path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
+    proc = subprocess.run(
+        [sys.executable, test_file], env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout
+    )
+    assert proc.returncode == 0, f"{Path(test_file).name} under the interpreter:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_cases(cases: dict, call: Callable = lambda case: case()) -> dict:
+    """``call(case)`` for each case (in the subprocess); an exception becomes that case's {"error": ...}."""
+    results = {}
+    for name, case in cases.items():
+        try:
+            results[name] = call(case)
+        except Exception as e:  # reported per case by the tests
+            results[name] = {"error": f"{type(e).__name__}: {e}"}
+    return results
+
+
+def squeeze_interpreter_loop_bounds() -> None:
+    """Older Triton interpreters (3.6) turn a scalar, which they hold as a 1-element array, into a
+    loop bound with ``int(array)``; NumPy >= 2.5 refuses that. Newer ones squeeze it first: do the same."""
+    from triton.runtime import interpreter
+
+    patch_tensor = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch_tensor is None:
+        return
+
+    def patched(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = patched
