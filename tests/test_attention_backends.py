@@ -258,7 +258,7 @@ def test_triton_tiles_fit_shared_memory():
     for head_dim in (64, 128):
         assert prefill_tiles(head_dim, 2, 4096) == (128, 64, 8, 3)
         assert prefill_tiles(head_dim, 2, 64) == (64, 64, 4, 3)
-        assert decode_tiles(head_dim, 2, 16) == (64, 2)
+        assert decode_tiles(head_dim, 2, 16) == (128, 3)
     assert prefill_tiles(128, 4, 4096) != (128, 64, 8, 3)
 
 

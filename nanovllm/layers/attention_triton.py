@@ -3,6 +3,7 @@ the kernels of ``attention_triton_kernels.py`` (prefill, paged decode, split-K m
 store of ``kv_store.py``. The same kernels read a cache in the model's dtype or an FP8 cache."""
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -21,7 +22,15 @@ SHARED_MEMORY_BUDGET = 200 * 1024
 PREFILL_TILES = ((128, 64, 8, 3), (64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 2), (16, 16, 4, 1))
 # where no sequence has more than 64 new tokens, or head_dim > 128
 SHORT_PREFILL_TILES = ((64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 2), (16, 16, 4, 1))
-DECODE_TILES = ((64, 2), (32, 2), (16, 2), (16, 1))  # (BLOCK_N, num_stages); BLOCK_M is the padded group
+DECODE_TILES = ((128, 3), (64, 2), (32, 2), (16, 2), (16, 1))  # (BLOCK_N, num_stages); BLOCK_M is the padded group
+
+
+class DecodeTile(NamedTuple):
+    """A decode launch's tile: keys per loop step, pipeline stages and warps."""
+
+    block_n: int
+    num_stages: int
+    num_warps: int = 4
 
 
 def shared_memory_estimate(block_m: int, block_n: int, head_dim: int, num_stages: int, itemsize: int) -> int:
@@ -72,7 +81,7 @@ def _check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor)
 
 
 def _fp8_args(q: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None):
-    """(fp8, k_scale, v_scale, scale strides, PV_DTYPE) for a launch. For a cache in the model's
+    """(fp8, k_scale, v_scale, scale strides, DOT_DTYPE) for a launch. For a cache in the model's
     dtype all of them are None, which Triton takes as compile-time constants: the kernel is then
     the plain one, with the same parameters."""
     if k_cache.dtype != FP8_DTYPE:
@@ -81,9 +90,10 @@ def _fp8_args(q: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | No
         raise ValueError("an FP8 KV cache needs k_scale and v_scale")
     if k_scale.stride() != v_scale.stride() or k_scale.stride(-1) != 1 or k_scale.shape != k_cache.shape[:3]:
         raise ValueError("k_scale and v_scale must be [num_blocks, block_size, num_kv_heads] with the same strides")
-    # the P @ V dot: float32 for a float32 model, else bf16 (its range keeps p * v_scale clear of fp16 underflow)
-    pv_dtype = tl.float32 if q.dtype == torch.float32 else tl.bfloat16
-    return True, k_scale, v_scale, k_scale.stride()[:2], pv_dtype
+    # the dots' type: float32 for a float32 model, else float16 (e4m3 converts to it in one instruction
+    # per pair, and the kernels scale both dots' other operand into (-2, 2))
+    dot_dtype = tl.float32 if q.dtype == torch.float32 else tl.float16
+    return True, k_scale, v_scale, k_scale.stride()[:2], dot_dtype
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -91,12 +101,14 @@ class TritonAttentionBackend(AttentionBackend):
 
     MIN_TILES_PER_SPLIT = 4  # split-K only where each split still has this many key tiles to read
 
-    def __init__(self, num_splits: int | None = None):
+    def __init__(self, num_splits: int | None = None, decode_tile: DecodeTile | None = None):
         """``num_splits``: key splits per sequence in decode (a power of two); None picks one from the
-        batch size, the block-table width and the GPU's SM count."""
+        batch size, the block-table width and the GPU's SM count. ``decode_tile`` replaces the tile
+        ``decode_tiles`` would choose (``bench_attention.py`` compares them)."""
         if num_splits is not None and (num_splits < 1 or num_splits & (num_splits - 1)):
             raise ValueError(f"num_splits must be a power of two >= 1, got {num_splits}")
         self.num_splits = num_splits
+        self.decode_tile = decode_tile
 
     def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
         store_kvcache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
@@ -118,7 +130,7 @@ class TritonAttentionBackend(AttentionBackend):
         # without a paged cache these arguments are unused; pass q so every pointer is valid
         k_cache_arg, v_cache_arg, tables = (k_cache, v_cache, context.block_tables) if paged else (q, q, q)
         cache_strides = k_cache.stride()[:3] if paged else (0, 0, 0)
-        fp8, k_scale_arg, v_scale_arg, scale_strides, pv_dtype = _fp8_args(q, k_cache_arg, k_scale, v_scale)
+        fp8, k_scale_arg, v_scale_arg, scale_strides, dot_dtype = _fp8_args(q, k_cache_arg, k_scale, v_scale)
         grid = (triton.cdiv(context.max_seqlen_q, block_m), num_seqs, num_heads)
         _prefill_kernel[grid](
             q, k, v, out, k_cache_arg, v_cache_arg, tables, context.cu_seqlens_q, context.cu_seqlens_k,
@@ -127,7 +139,7 @@ class TritonAttentionBackend(AttentionBackend):
             scale * LOG2E,
             k_scale_arg, v_scale_arg, *scale_strides,
             GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1] if paged else 1,
-            PAGED=paged, BLOCK_M=block_m, BLOCK_N=block_n, FP8=fp8, PV_DTYPE=pv_dtype,
+            PAGED=paged, BLOCK_M=block_m, BLOCK_N=block_n, FP8=fp8, DOT_DTYPE=dot_dtype,
             num_warps=num_warps, num_stages=num_stages,
         )
         return out
@@ -139,14 +151,14 @@ class TritonAttentionBackend(AttentionBackend):
         num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
         group = num_heads // num_kv_heads
         group_pad = max(16, triton.next_power_of_2(group))
-        block_n, num_stages = decode_tiles(head_dim, q.element_size(), group_pad)
-        fp8, k_scale, v_scale, scale_strides, pv_dtype = _fp8_args(q, k_cache, k_scale, v_scale)
+        tile = self.decode_tile or DecodeTile(*decode_tiles(head_dim, q.element_size(), group_pad))
+        fp8, k_scale, v_scale, scale_strides, dot_dtype = _fp8_args(q, k_cache, k_scale, v_scale)
         tables = context.block_tables
         out = torch.empty(num_seqs, num_heads, head_dim, dtype=q.dtype, device=q.device)
         if num_seqs == 0:
             return out
         num_splits = self.num_splits or self._pick_num_splits(
-            num_seqs * num_kv_heads, tables.shape[1] * block_size, block_n, q.device
+            num_seqs * num_kv_heads, tables.shape[1] * block_size, tile.block_n, q.device
         )
         if num_splits == 1:
             part_acc = part_ml = out  # unused
@@ -159,8 +171,8 @@ class TritonAttentionBackend(AttentionBackend):
             scale * LOG2E,
             k_scale, v_scale, *scale_strides,
             NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
-            BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, FP8=fp8, PV_DTYPE=pv_dtype,
-            num_warps=4, num_stages=num_stages,
+            BLOCK_SIZE=block_size, BLOCK_N=tile.block_n, NUM_SPLITS=num_splits, FP8=fp8, DOT_DTYPE=dot_dtype,
+            num_warps=tile.num_warps, num_stages=tile.num_stages,
         )
         if num_splits > 1:
             _decode_reduce_kernel[(num_seqs, num_heads)](

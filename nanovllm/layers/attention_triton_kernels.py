@@ -5,8 +5,11 @@ the paged cache) and paged decode, with a split-K variant for few sequences over
 Both kernels accumulate in float32 with an online (flash-style) softmax in base 2, and read the paged
 cache one token row at a time through the block table, so any block size works. With ``FP8`` (a
 compile-time switch; the paged reads only) the cache holds e4m3 values and one float32 scale per
-(token, KV head): a K tile is converted to q's dtype for the dot and its scales multiply the
-scores, and the V scales multiply the probabilities, so no tile is dequantized.
+(token, KV head), and no tile is dequantized: e4m3 converts exactly and cheaply to float16 (one
+instruction per two values), so both dots run in DOT_DTYPE (float16, or float32 for a float32
+model) on operands scaled into (-2, 2). q is divided by a power of two near its row's max |q|
+once (exact); the K scales then multiply the scores. P is multiplied by the V scales and divided by each row's largest such
+weight, which multiplies the tile's P @ V back. Everything else stays float32.
 """
 import triton
 import triton.language as tl
@@ -16,42 +19,58 @@ MASKED = tl.constexpr(-1.0e30)  # running max before any key is seen: finite, so
 
 
 @triton.jit
-def _online_softmax_step(qk, v, v_scale, m_i, l_i, acc, FP8: tl.constexpr, PV_DTYPE: tl.constexpr):
+def _online_softmax_step(qk, v, v_scale, m_i, l_i, acc, FP8: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """Fold one tile of scores (log2 units) and values into the running max, sum and output.
     FP8: ``v`` is e4m3 and ``v_scale`` its per-key scales, which weight the probabilities of the
-    output but not of the running sum. PV_DTYPE is the dot's type then (e4m3 converts exactly)."""
+    output but not of the running sum."""
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     p = tl.exp2(qk - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     if FP8:
-        acc = acc * alpha[:, None] + tl.dot((p * v_scale[None, :]).to(PV_DTYPE), v.to(PV_DTYPE))
+        w = p * v_scale[None, :]
+        w_max = tl.max(w, 1)
+        w_max = tl.where(w_max == 0.0, 1.0, w_max)
+        pv = tl.dot((w / w_max[:, None]).to(DOT_DTYPE), v.to(DOT_DTYPE))
+        acc = acc * alpha[:, None] + pv * w_max[:, None]
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc
 
 
 @triton.jit
-def _fp8_scores(q, k, k_scale_ptrs, v_scale_ptrs, kv_mask, qk_scale):
-    """Scores (log2 units) of q against an e4m3 key tile k [HEAD_DIM, BLOCK_N], each key's scale
-    applied to its column, and the keys' V scales (for ``_online_softmax_step``)."""
+def _fp8_query(q, qk_scale, DOT_DTYPE: tl.constexpr):
+    """q [rows, HEAD_DIM] divided by a power of two per row (max |q| with its mantissa cleared),
+    so that it lies in (-2, 2) and a bf16 q converts to float16 exactly; and the per-row factor
+    (that power times qk_scale) which turns its dot with e4m3 keys into scores in log2 units."""
+    q = q.to(tl.float32)
+    q_max = tl.max(tl.abs(q), 1)
+    power = (q_max.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    power = tl.where(power == 0.0, 1.0, power)  # an all-zero (or subnormal) row
+    return (q / power[:, None]).to(DOT_DTYPE), power * qk_scale
+
+
+@triton.jit
+def _fp8_scores(q, row_scale, k, k_scale_ptrs, v_scale_ptrs, kv_mask, DOT_DTYPE: tl.constexpr):
+    """Scores (log2 units) of a ``_fp8_query`` q against an e4m3 key tile k [HEAD_DIM, BLOCK_N],
+    each key's scale applied to its column, and the keys' V scales (for ``_online_softmax_step``)."""
     k_scale = tl.load(k_scale_ptrs, mask=kv_mask, other=0.0)
     v_scale = tl.load(v_scale_ptrs, mask=kv_mask, other=0.0)
-    return tl.dot(q, k.to(q.dtype)) * (k_scale * qk_scale)[None, :], v_scale
+    return tl.dot(q, k.to(DOT_DTYPE)) * row_scale[:, None] * k_scale[None, :], v_scale
 
 
 @triton.jit
 def _prefill_tiles(
-    q, m_i, l_i, acc, lo, hi, k_len, q_pos, q_start, seq, kv_head,
+    q, row_scale, m_i, l_i, acc, lo, hi, k_len, q_pos, q_start, seq, kv_head,
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ct, stride_ch, stride_sb, stride_st, stride_bt,
     qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASK: tl.constexpr, FP8: tl.constexpr, PV_DTYPE: tl.constexpr,
+    MASK: tl.constexpr, FP8: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
     """Online-softmax accumulation over the key tiles [lo, hi); MASK applies the causal mask and
     the k_len bound (without it every key in the range must be visible to every query).
-    FP8 is set only with PAGED."""
+    FP8 is set only with PAGED; q and row_scale are then ``_fp8_query``'s."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     for start in range(lo, hi, BLOCK_N):
@@ -74,14 +93,14 @@ def _prefill_tiles(
             v = tl.load(v_ptrs)
         if FP8:
             scales = block.to(tl.int64) * stride_sb + (pos % BLOCK_SIZE) * stride_st + kv_head
-            qk, v_scale = _fp8_scores(q, k, k_scale_ptr + scales, v_scale_ptr + scales, kv_mask, qk_scale)
+            qk, v_scale = _fp8_scores(q, row_scale, k, k_scale_ptr + scales, v_scale_ptr + scales, kv_mask, DOT_DTYPE)
         else:
             v_scale = None
             qk = tl.dot(q, k) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
         if MASK:
             visible = kv_mask[None, :] & (pos[None, :] <= q_pos[:, None])
             qk = tl.where(visible, qk, float("-inf"))
-        m_i, l_i, acc = _online_softmax_step(qk, v, v_scale, m_i, l_i, acc, FP8, PV_DTYPE)
+        m_i, l_i, acc = _online_softmax_step(qk, v, v_scale, m_i, l_i, acc, FP8, DOT_DTYPE)
     return m_i, l_i, acc
 
 
@@ -93,7 +112,7 @@ def _prefill_kernel(
     qk_scale,
     k_scale_ptr, v_scale_ptr, stride_sb, stride_st,  # FP8 only
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, PV_DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
     """One program: BLOCK_M queries of one sequence and one query head.
     grid: (cdiv(max_seqlen_q, BLOCK_M), num_seqs, num_heads)"""
@@ -116,6 +135,9 @@ def _prefill_kernel(
     q_rows = (q_start + offs_m).to(tl.int64)
     q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :], mask=q_mask[:, None], other=0.0)
     q_pos = k_len - q_len + offs_m  # query i sits after the sequence's k_len - q_len earlier keys
+    row_scale = None
+    if FP8:
+        q, row_scale = _fp8_query(q, qk_scale, DOT_DTYPE)
 
     m_i = tl.full([BLOCK_M], MASKED, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -125,16 +147,16 @@ def _prefill_kernel(
     full_end = tl.minimum(k_len, k_len - q_len + m_block * BLOCK_M + 1) // BLOCK_N * BLOCK_N
     end = tl.minimum(k_len, k_len - q_len + (m_block + 1) * BLOCK_M)
     m_i, l_i, acc = _prefill_tiles(
-        q, m_i, l_i, acc, 0, full_end, k_len, q_pos, q_start, seq, kv_head,
+        q, row_scale, m_i, l_i, acc, 0, full_end, k_len, q_pos, q_start, seq, kv_head,
         k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr,
         stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ct, stride_ch, stride_sb, stride_st, stride_bt,
-        qk_scale, HEAD_DIM, BLOCK_SIZE, PAGED, BLOCK_N, False, FP8, PV_DTYPE,
+        qk_scale, HEAD_DIM, BLOCK_SIZE, PAGED, BLOCK_N, False, FP8, DOT_DTYPE,
     )
     m_i, l_i, acc = _prefill_tiles(
-        q, m_i, l_i, acc, full_end, end, k_len, q_pos, q_start, seq, kv_head,
+        q, row_scale, m_i, l_i, acc, full_end, end, k_len, q_pos, q_start, seq, kv_head,
         k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr,
         stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ct, stride_ch, stride_sb, stride_st, stride_bt,
-        qk_scale, HEAD_DIM, BLOCK_SIZE, PAGED, BLOCK_N, True, FP8, PV_DTYPE,
+        qk_scale, HEAD_DIM, BLOCK_SIZE, PAGED, BLOCK_N, True, FP8, DOT_DTYPE,
     )
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -152,7 +174,7 @@ def _decode_kernel(
     k_scale_ptr, v_scale_ptr, stride_sb, stride_st,  # FP8 only
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    FP8: tl.constexpr, PV_DTYPE: tl.constexpr,
+    FP8: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
     """One program: all GROUP query heads sharing one KV head, over one split of one sequence's
     context. With NUM_SPLITS == 1 it writes the output; otherwise unnormalised partial sums for
@@ -174,6 +196,9 @@ def _decode_kernel(
         q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
         mask=g_mask[:, None], other=0.0,
     )  # [GROUP_PAD, HEAD_DIM]
+    row_scale = None
+    if FP8:
+        q, row_scale = _fp8_query(q, qk_scale, DOT_DTYPE)
 
     m_i = tl.full([GROUP_PAD], MASKED, tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -187,12 +212,12 @@ def _decode_kernel(
         v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask[:, None], other=0.0)
         if FP8:
             scales = block.to(tl.int64) * stride_sb + (pos % BLOCK_SIZE) * stride_st + kv_head
-            qk, v_scale = _fp8_scores(q, k, k_scale_ptr + scales, v_scale_ptr + scales, kv_mask, qk_scale)
+            qk, v_scale = _fp8_scores(q, row_scale, k, k_scale_ptr + scales, v_scale_ptr + scales, kv_mask, DOT_DTYPE)
         else:
             v_scale = None
             qk = tl.dot(q, k) * qk_scale  # [GROUP_PAD, BLOCK_N], log2 units
         qk = tl.where(kv_mask[None, :], qk, float("-inf"))
-        m_i, l_i, acc = _online_softmax_step(qk, v, v_scale, m_i, l_i, acc, FP8, PV_DTYPE)
+        m_i, l_i, acc = _online_softmax_step(qk, v, v_scale, m_i, l_i, acc, FP8, DOT_DTYPE)
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # context_len 0 (a padded row): zeros
