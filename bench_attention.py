@@ -10,6 +10,7 @@ events (median of --iters calls after warm-up). "GB/s" counts the K/V bytes the 
     python bench_attention.py                       # flash-attn, Triton bf16 and FP8 at their defaults
     python bench_attention.py --sweep               # also every Triton tile of SWEEP
     python bench_attention.py --heads 32 --kv-heads 4
+    python bench_attention.py --cache fp8 --tile 256,2,4 --tile 128,3,4   # given tiles
 """
 import argparse
 import itertools
@@ -78,6 +79,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--sweep", action="store_true", help="also time every Triton tile of SWEEP")
     parser.add_argument("--cache", choices=("bf16", "fp8", "both"), default="both", help="which caches to time")
+    parser.add_argument("--tile", action="append", default=[], metavar="BLOCK_N,STAGES,WARPS",
+                        help="also time this Triton tile (repeatable)")
     args = parser.parse_args()
     dtype, scale = torch.bfloat16, args.head_dim**-0.5
 
@@ -87,6 +90,8 @@ def main() -> None:
     if args.sweep:
         tiles = [DecodeTile(*t) for t in itertools.product(*SWEEP.values())]
         candidates += [("triton", fp8, tile) for fp8 in caches for tile in tiles]
+    given = [DecodeTile(*map(int, t.split(","))) for t in args.tile]
+    candidates += [("triton", fp8, tile) for fp8 in caches for tile in given]
     print(f"{args.num_seqs} seqs, contexts {args.min_len}-{args.max_len}, {args.heads} heads / {args.kv_heads} KV heads,"
           f" head_dim {args.head_dim}, block size {args.block_size}, {torch.cuda.get_device_name()}")
     print(f"{'backend':<10} {'cache':<5} {'tile (block_n, stages, warps)':<36} {'us':>8} {'GB/s':>7} {'rel err':>8}")
