@@ -4,7 +4,8 @@
     python plot_benchmarks.py --device "NVIDIA H200" --out h200.png
 
 One bar per CSV row of the chosen device: the median tok/s, with the runs' min-max as error bars.
-Horizontal lines mark the original nano-vllm's median (the row whose version is "original") and,
+Grey bars are the original nano-vllm's rows (versions starting "original"); horizontal lines mark the
+original's side-by-side median (the row whose version is "original") and,
 where known for the device, the memory floor. Needs matplotlib (``pip install matplotlib``, or the
 ``bench`` extra); the library itself does not.
 """
@@ -50,7 +51,7 @@ def plot(rows: list[dict], out: str, device: str) -> None:
     medians = [r["tok_s_median"] for r in rows]
     errors = [[r["tok_s_median"] - r["tok_s_min"] for r in rows], [r["tok_s_max"] - r["tok_s_median"] for r in rows]]
     names = [textwrap.fill(r["label"], 20, break_on_hyphens=False) + (f"\n{r['commit']}" if r["commit"] else "") for r in rows]
-    colors = ["tab:gray" if r["version"] == "original" else "tab:blue" for r in rows]
+    colors = ["tab:gray" if r["version"].startswith("original") else "tab:blue" for r in rows]
 
     fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(rows) + 2), 5.5))
     x = range(len(rows))

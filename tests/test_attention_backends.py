@@ -189,6 +189,13 @@ def check_store(backend, *, device, dtype, head_dim, block_size, num_kv_heads=2)
 
 # ---- CPU: the Triton kernels under the interpreter ------------------------------------------------
 
+def small_tiles(num_splits: int):
+    """The Triton backend with 16-key decode tiles, one pipeline stage."""
+    from nanovllm.layers.attention_triton import DecodeTile, TritonAttentionBackend
+
+    return TritonAttentionBackend(num_splits=num_splits, decode_tile=DecodeTile(16, 1))
+
+
 CPU_DIMS = dict(device="cpu", dtype=torch.float32, head_dim=32, block_size=16)
 CPU_TOL = 1e-5  # float32 on both sides
 INTERPRETER_CASES = {
@@ -198,7 +205,9 @@ INTERPRETER_CASES = {
     "chunked_prefill": lambda b: check_prefill(b, CHUNKED_SEQS, **CPU_DIMS),
     "prefill_mha": lambda b: check_prefill(b, CHUNKED_SEQS, num_heads=2, num_kv_heads=2, **CPU_DIMS),
     "decode": lambda b: check_decode(b, DECODE_LENS, **CPU_DIMS),
-    "decode_split4": lambda b: check_decode(type(b)(num_splits=4), DECODE_LENS, **CPU_DIMS),
+    # 16-key tiles: several per sequence (the default tile covers these contexts at once) and per split
+    "decode_small_tiles": lambda b: check_decode(small_tiles(1), DECODE_LENS, **CPU_DIMS),
+    "decode_split4": lambda b: check_decode(small_tiles(4), DECODE_LENS, **CPU_DIMS),
     "decode_group8": lambda b: check_decode(b, DECODE_LENS, num_heads=8, num_kv_heads=1, **CPU_DIMS),
 }
 

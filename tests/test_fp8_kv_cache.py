@@ -235,10 +235,19 @@ def check_prefill(backend, seqs, *, device="cpu", dtype=torch.float32, head_dim=
 
 # ---- CPU: the Triton kernels under the interpreter --------------------------------------------------
 
+def small_tiles(num_splits: int):
+    """The Triton backend with 16-key decode tiles, one pipeline stage."""
+    from nanovllm.layers.attention_triton import DecodeTile, TritonAttentionBackend
+
+    return TritonAttentionBackend(num_splits=num_splits, decode_tile=DecodeTile(16, 1))
+
+
 INTERPRETER_CASES = {
     **{f"store_{name}": (lambda b, case=case: check_store(b.store_kvcache, **case)) for name, case in STORE_CASES.items()},
     "decode": lambda b: check_decode(b, DECODE_LENS),
-    "decode_split4": lambda b: check_decode(type(b)(num_splits=4), DECODE_LENS),
+    # 16-key tiles: several per sequence (the default tile covers these contexts at once) and per split
+    "decode_small_tiles": lambda b: check_decode(small_tiles(1), DECODE_LENS),
+    "decode_split4": lambda b: check_decode(small_tiles(4), DECODE_LENS),
     "decode_group8": lambda b: check_decode(b, DECODE_LENS, num_heads=8, num_kv_heads=1),
     "prefill_over_fp8_prefix": lambda b: check_prefill(b, PREFIX_SEQS),
     "chunked_prefill_over_fp8_prefix": lambda b: check_prefill(b, CHUNKED_SEQS),
