@@ -25,6 +25,8 @@ from random import randint, seed
 from nanovllm import LLM, SamplingParams
 
 
+DUMMY_ABOVE = 8 << 30  # bytes of bf16 weights
+
 def workload(num_seqs: int, max_input_len: int = 1024, max_output_len: int = 1024, **sampling):
     seed(0)
     prompts = [[randint(0, 10000) for _ in range(randint(100, max_input_len))] for _ in range(num_seqs)]
@@ -75,7 +77,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=os.path.expanduser("~/huggingface/Qwen3-0.6B"))
     parser.add_argument("--random", metavar="SHAPE", default=None,
-                        help="benchmark a randomly initialised checkpoint of this shape (qwen3-0.6b, qwen3-4b)")
+                        help="benchmark a randomly initialised checkpoint of this shape (qwen3-0.6b, qwen3-4b, "
+                             "qwen3-30b-a3b, qwen2.5-0.5b, llama3.2-1b); above 8 GiB of weights with load_format='dummy'")
     parser.add_argument("--backend", default="auto", help="attention backend: auto, flash-attn, triton, torch")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
@@ -102,15 +105,19 @@ def main() -> None:
     if args.random:
         import torch
 
-        from nanovllm.utils.checkpoint import make_random_checkpoint
+        from nanovllm.utils.checkpoint import make_random_checkpoint, model_config, weight_bytes
 
         tmp = tempfile.TemporaryDirectory(prefix="nanovllm-bench-")
-        path = make_random_checkpoint(tmp.name, args.random, dtype=torch.bfloat16)
+        # shapes over DUMMY_ABOVE bytes are not written: their weights are drawn on the device
+        dummy = weight_bytes(model_config(args.random)) > DUMMY_ABOVE
+        path = make_random_checkpoint(tmp.name, args.random, dtype=torch.bfloat16, weights=not dummy)
     elif not os.path.isdir(path):
         parser.error(f"no model at {path}; pass --model PATH or --random qwen3-0.6b")
 
     llm_kwargs = dict(enforce_eager=args.enforce_eager, max_model_len=args.max_model_len,
                       tensor_parallel_size=args.tp, attention_backend=args.backend)
+    if args.random and dummy:
+        llm_kwargs["load_format"] = "dummy"
     if args.kv_cache_dtype != "auto":  # only then, so this script also runs on engines without the keyword
         llm_kwargs["kv_cache_dtype"] = args.kv_cache_dtype
     if args.no_async_scheduling:

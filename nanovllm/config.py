@@ -5,6 +5,7 @@ from dataclasses import dataclass, field, fields
 DEVICES = ("auto", "cuda", "cpu")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "flash-attn", "triton", "torch")
+LOAD_FORMATS = ("auto", "dummy")  # "dummy": no weight files; random weights drawn on the device
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # "auto": the model's dtype; "fp8" (= "fp8_e4m3"): e4m3 with per-row scales
 
 
@@ -38,6 +39,7 @@ class Config:
     dtype: str = "auto"
     attention_backend: str = "auto"
     kv_cache_dtype: str = "auto"
+    load_format: str = "auto"
     async_scheduling: bool = True
     hf_config: object = field(default=None, init=False, repr=False)
 
@@ -72,10 +74,14 @@ class Config:
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        _check_choice("load_format", self.load_format, LOAD_FORMATS)
 
         from transformers import AutoConfig
 
         self.hf_config = AutoConfig.from_pretrained(self.model)
+        from nanovllm.models.registry import architecture
+
+        architecture(self.hf_config)  # an unsupported model fails here, before any weights load
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
         # a backend that cannot run this dtype / KV-cache dtype / block size fails now, before any
         # process starts or weights load (the model runner asks the same function again)

@@ -19,10 +19,11 @@ from nanovllm.engine.step_inputs import prepare_decode, prepare_prefill
 from nanovllm.engine.step_output import StepOutput
 from nanovllm.layers.attention import Attention, get_attention_backend, resolve_backend_name
 from nanovllm.layers.sampler import Sampler
-from nanovllm.models.qwen3 import Qwen3ForCausalLM, head_dim
+from nanovllm.models.llama import head_dim
+from nanovllm.models.registry import model_class
 from nanovllm.utils.context import Context, step_context
 from nanovllm.utils.distributed import abort_nccl, wait_device
-from nanovllm.utils.loader import load_model
+from nanovllm.utils.loader import init_dummy_weights, load_model
 
 
 class ModelRunner(KVCacheAllocator):
@@ -69,10 +70,13 @@ class ModelRunner(KVCacheAllocator):
         torch.set_default_dtype(self.dtype)
         try:
             with self.device:
-                self.model = Qwen3ForCausalLM(hf_config)
+                self.model = model_class(hf_config)(hf_config)
         finally:
             torch.set_default_dtype(default_dtype)
-        load_model(self.model, config.model)
+        if config.load_format == "dummy":
+            init_dummy_weights(self.model)
+        else:
+            load_model(self.model, config.model)
         for module in self.model.modules():
             if isinstance(module, Attention):
                 module.backend = self.backend

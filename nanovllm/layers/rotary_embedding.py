@@ -1,3 +1,5 @@
+import math
+
 import torch
 from torch import nn
 
@@ -33,10 +35,47 @@ def apply_qk_norm_rotary_emb(
     return apply_rotary_emb.__wrapped__(positions, q, k, cos_sin_cache)
 
 
+def rope_parameters(config) -> tuple[float, dict]:
+    """(theta, scaling) from a model config: ``rope_parameters`` (transformers 5) or
+    ``rope_theta``/``rope_scaling`` (4.x). ``scaling`` is {} for plain RoPE; the one scaled variant
+    supported is Llama 3's ("llama3"); any other is a ValueError rather than run unscaled."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    params.update(getattr(config, "rope_scaling", None) or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        raise ValueError(f"rope scaling type {rope_type!r} is not supported (only plain RoPE and 'llama3')")
+    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
+    if theta is None:
+        raise ValueError("the model config has no rope_theta (neither in rope_parameters nor at top level)")
+    if rope_type == "default":
+        return float(theta), {}
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    missing = [k for k in keys if k not in params]
+    if missing:
+        raise ValueError(f"rope scaling 'llama3' needs {', '.join(keys)}; the config lacks {', '.join(missing)}")
+    return float(theta), {k: float(params[k]) for k in keys}
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
+                    original_max_position_embeddings: float) -> torch.Tensor:
+    """Llama 3's frequency scaling: wavelengths shorter than original_max / high_freq_factor keep
+    their frequency, those longer than original_max / low_freq_factor are divided by ``factor``,
+    and in between the two are blended linearly in original_max / wavelength."""
+    wavelen = 2 * math.pi / inv_freq
+    ratio = original_max_position_embeddings / wavelen  # the context holds this many wavelengths
+    smooth = ((ratio - low_freq_factor) / (high_freq_factor - low_freq_factor)).clamp(0.0, 1.0)
+    return (1 - smooth) * inv_freq / factor + smooth * inv_freq
+
+
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_position: int, base: float):
+    """cos/sin of every position up to ``max_position``, for rotate-half RoPE of ``head_dim``;
+    ``scaling`` is ``rope_parameters``' second value."""
+
+    def __init__(self, head_dim: int, max_position: int, base: float, scaling: dict | None = None):
         super().__init__()
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        if scaling:
+            inv_freq = llama3_inv_freq(inv_freq, **scaling)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float), inv_freq)
         cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).unsqueeze(1)  # [max_position, 1, head_dim]
         self.register_buffer("cos_sin_cache", cache, persistent=False)

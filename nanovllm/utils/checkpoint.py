@@ -4,6 +4,7 @@ For running the whole pipeline without downloaded weights: the text it produces 
 throughput and every code path are those of a real model of the same shape.
 """
 import json
+import math
 import os
 import shutil
 
@@ -13,75 +14,128 @@ from safetensors.torch import save_file
 TOKENIZER_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "qwen3-tokenizer")
 QWEN3_VOCAB_SIZE = 151936
 
+LLAMA3_ROPE = dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=8192)
+
+# the config.json of each architecture, before a shape's values
+BASES = {
+    "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=QWEN3_VOCAB_SIZE,
+                  max_position_embeddings=40960, rope_theta=1000000.0, attention_bias=False),
+    "qwen3_moe": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=QWEN3_VOCAB_SIZE,
+                      max_position_embeddings=40960, rope_theta=1000000.0, attention_bias=False,
+                      norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
+    "qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=QWEN3_VOCAB_SIZE,
+                  max_position_embeddings=32768, rope_theta=1000000.0, use_sliding_window=False),
+    "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256,
+                  max_position_embeddings=131072, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE,
+                  attention_bias=False, mlp_bias=False),
+}
 SHAPES = {
     # a few MB: fast on any CPU, with the real vocabulary so any text tokenizes
-    "tiny": dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=32, tie_word_embeddings=True),
-    "qwen3-0.6b": dict(num_hidden_layers=28, hidden_size=1024, intermediate_size=3072, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
-    "qwen3-4b": dict(num_hidden_layers=36, hidden_size=2560, intermediate_size=9728, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+    "tiny": dict(model_type="qwen3", num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True),
+    "qwen3-0.6b": dict(model_type="qwen3", num_hidden_layers=28, hidden_size=1024, intermediate_size=3072,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "qwen3-4b": dict(model_type="qwen3", num_hidden_layers=36, hidden_size=2560, intermediate_size=9728,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", num_hidden_layers=48, hidden_size=2048, intermediate_size=6144,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, tie_word_embeddings=False,
+                          num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768),
+    "qwen2.5-0.5b": dict(model_type="qwen2", num_hidden_layers=24, hidden_size=896, intermediate_size=4864,
+                         num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True),
+    "llama3.2-1b": dict(model_type="llama", num_hidden_layers=16, hidden_size=2048, intermediate_size=8192,
+                        num_attention_heads=32, num_key_value_heads=8, head_dim=64, tie_word_embeddings=True),
 }
+COMMON = dict(rms_norm_eps=1e-6, hidden_act="silu", bos_token_id=151643, eos_token_id=151645, torch_dtype="bfloat16")
 
 
-def qwen3_config(**overrides) -> dict:
-    """A Qwen3 ``config.json`` as a dict: the Qwen3-0.6B values unless overridden."""
-    config = dict(
-        architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=QWEN3_VOCAB_SIZE,
-        max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0, hidden_act="silu",
-        attention_bias=False, bos_token_id=151643, eos_token_id=151645, torch_dtype="bfloat16",
-        **SHAPES["qwen3-0.6b"],
-    )
+def model_config(shape: str = "qwen3-0.6b", **overrides) -> dict:
+    """A ``config.json`` as a dict: ``shape``'s values on its architecture's base, then ``overrides``."""
+    if shape not in SHAPES:
+        raise ValueError(f"shape must be one of {', '.join(SHAPES)}, got {shape!r}")
+    values = dict(SHAPES[shape])
+    config = dict(COMMON, **BASES[values.pop("model_type")], **values)
     config.update(overrides)
     return config
 
 
-def random_weights(config: dict, dtype: torch.dtype, seed: int = 0, std: float = 0.02) -> dict[str, torch.Tensor]:
-    """Random tensors under the checkpoint names of Hugging Face's Qwen3ForCausalLM."""
-    g = torch.Generator().manual_seed(seed)
-    hidden, inter = config["hidden_size"], config["intermediate_size"]
+def qwen3_config(**overrides) -> dict:
+    """A Qwen3 ``config.json`` as a dict: the Qwen3-0.6B values unless overridden."""
+    return model_config("qwen3-0.6b", **overrides)
+
+
+def weight_bytes(config: dict, itemsize: int = 2) -> int:
+    """The checkpoint's size: every tensor ``random_weights`` would write, at ``itemsize`` bytes."""
+    return sum(math.prod(shape) for shape in weight_shapes(config).values()) * itemsize
+
+
+def weight_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape, under the checkpoint names of the config's Hugging Face architecture."""
+    hidden, model_type = config["hidden_size"], config["model_type"]
     head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
     q_size = config["num_attention_heads"] * head_dim
     kv_size = config["num_key_value_heads"] * head_dim
-
-    def normal(*shape):
-        return (torch.randn(*shape, generator=g) * std).to(dtype)
-
-    def norm(n):
-        return (1 + 0.1 * torch.randn(n, generator=g)).to(dtype)
-
-    w = {"model.embed_tokens.weight": normal(config["vocab_size"], hidden), "model.norm.weight": norm(hidden)}
+    shapes = {"model.embed_tokens.weight": (config["vocab_size"], hidden), "model.norm.weight": (hidden,)}
     if not config["tie_word_embeddings"]:
-        w["lm_head.weight"] = normal(config["vocab_size"], hidden)
+        shapes["lm_head.weight"] = (config["vocab_size"], hidden)
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        w[p + "input_layernorm.weight"] = norm(hidden)
-        w[p + "post_attention_layernorm.weight"] = norm(hidden)
-        w[p + "self_attn.q_proj.weight"] = normal(q_size, hidden)
-        w[p + "self_attn.k_proj.weight"] = normal(kv_size, hidden)
-        w[p + "self_attn.v_proj.weight"] = normal(kv_size, hidden)
-        w[p + "self_attn.o_proj.weight"] = normal(hidden, q_size)
-        w[p + "self_attn.q_norm.weight"] = norm(head_dim)
-        w[p + "self_attn.k_norm.weight"] = norm(head_dim)
-        w[p + "mlp.gate_proj.weight"] = normal(inter, hidden)
-        w[p + "mlp.up_proj.weight"] = normal(inter, hidden)
-        w[p + "mlp.down_proj.weight"] = normal(hidden, inter)
-    return w
+        shapes[p + "input_layernorm.weight"] = shapes[p + "post_attention_layernorm.weight"] = (hidden,)
+        for name, size in (("q", q_size), ("k", kv_size), ("v", kv_size)):
+            shapes[p + f"self_attn.{name}_proj.weight"] = (size, hidden)
+            if model_type == "qwen2" or config.get("attention_bias"):
+                shapes[p + f"self_attn.{name}_proj.bias"] = (size,)
+        shapes[p + "self_attn.o_proj.weight"] = (hidden, q_size)
+        if config.get("attention_bias"):
+            shapes[p + "self_attn.o_proj.bias"] = (hidden,)
+        if model_type in ("qwen3", "qwen3_moe"):
+            shapes[p + "self_attn.q_norm.weight"] = shapes[p + "self_attn.k_norm.weight"] = (head_dim,)
+        if model_type == "qwen3_moe" and _is_sparse(config, i):
+            inter = config["moe_intermediate_size"]
+            shapes[p + "mlp.gate.weight"] = (config["num_experts"], hidden)
+            for e in range(config["num_experts"]):
+                shapes[p + f"mlp.experts.{e}.gate_proj.weight"] = shapes[p + f"mlp.experts.{e}.up_proj.weight"] = (inter, hidden)
+                shapes[p + f"mlp.experts.{e}.down_proj.weight"] = (hidden, inter)
+        else:
+            inter = config["intermediate_size"]
+            shapes[p + "mlp.gate_proj.weight"] = shapes[p + "mlp.up_proj.weight"] = (inter, hidden)
+            shapes[p + "mlp.down_proj.weight"] = (hidden, inter)
+    return shapes
+
+
+def _is_sparse(config: dict, layer_idx: int) -> bool:
+    """Qwen3-MoE's rule (as ``models/qwen3_moe.py``): an MoE block unless listed in mlp_only_layers."""
+    step = config.get("decoder_sparse_step") or 1
+    return layer_idx not in (config.get("mlp_only_layers") or []) and config["num_experts"] > 0 and (layer_idx + 1) % step == 0
+
+
+def random_weights(config: dict, dtype: torch.dtype, seed: int = 0, std: float = 0.02) -> dict[str, torch.Tensor]:
+    """Random tensors of ``weight_shapes``: N(0, std) matrices and biases, norm weights 1 + N(0, 0.1)."""
+    g = torch.Generator().manual_seed(seed)
+    weights = {}
+    for name, shape in weight_shapes(config).items():
+        if name.endswith("norm.weight"):
+            weights[name] = (1 + 0.1 * torch.randn(*shape, generator=g)).to(dtype)
+        else:
+            weights[name] = (torch.randn(*shape, generator=g) * std).to(dtype)
+    return weights
 
 
 def make_random_checkpoint(
-    path: str, shape: str = "tiny", dtype: torch.dtype = torch.bfloat16, seed: int = 0, std: float = 0.02, **overrides
+    path: str, shape: str = "tiny", dtype: torch.dtype = torch.bfloat16, seed: int = 0, std: float = 0.02,
+    weights: bool = True, **overrides,
 ) -> str:
-    """Write ``config.json``, ``model.safetensors``, the Qwen3 tokenizer files and Qwen3's
-    ``generation_config.json`` (its recommended sampling settings) into ``path``."""
+    """Write ``config.json``, ``model.safetensors`` (unless ``weights`` is False: then the folder
+    is for ``load_format="dummy"``), the Qwen3 tokenizer files and Qwen3's ``generation_config.json``
+    (its recommended sampling settings) into ``path``."""
     if shape not in SHAPES:
         raise ValueError(f"shape must be one of {', '.join(SHAPES)}, got {shape!r}")
-    config = qwen3_config(**SHAPES[shape], torch_dtype=str(dtype).removeprefix("torch."))
-    config.update(overrides)
+    config = model_config(shape, torch_dtype=str(dtype).removeprefix("torch."), **overrides)
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
-    save_file(random_weights(config, dtype, seed, std), os.path.join(path, "model.safetensors"))
+    if weights:
+        save_file(random_weights(config, dtype, seed, std), os.path.join(path, "model.safetensors"))
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copy(os.path.join(TOKENIZER_DIR, name), os.path.join(path, name))
     return path

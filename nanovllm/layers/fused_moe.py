@@ -1,0 +1,191 @@
+"""Mixture-of-Experts feed-forward (Qwen3-MoE's SwiGLU experts): the fused Triton path and the plain
+torch reference, which is also the CPU path.
+
+For every token t and each of its top_k routed experts e = topk_ids[t, k]:
+``out[t] = sum_k topk_weights[t, k] * w2[e] @ (silu(w13[e, :inter] @ x[t]) * (w13[e, inter:] @ x[t]))``.
+
+The Triton path groups the (token, k) pairs by expert on the device (no host synchronisation, every
+size derived from shapes, so it can be captured in a CUDA graph) and runs two grouped GEMMs from
+``fused_moe_kernels.py``: gate/up with SiLU-and-mul fused, then down with the routing weight
+applied. With tensor parallelism every rank holds a slice of each expert's intermediate dimension
+and calls this unchanged; the caller all-reduces the output.
+"""
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+ID_DTYPES = (torch.int32, torch.int64)
+
+
+class MoeTile(NamedTuple):
+    """One grouped-GEMM launch's tile: rows of an expert's group, output columns, reduction step."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# (largest mean rows per expert, tile), first match wins. Mean rows per expert is
+# num_tokens * top_k / num_experts: Qwen3-30B-A3B (128 experts, top-8) has 1/16 row per token.
+MOE_TILES = (
+    (16.0, MoeTile(16, 32, 128, 4, 4)),  # decode and small batches: weight-bound, many narrow programs
+    (48.0, MoeTile(32, 64, 64, 4, 4)),
+    (256.0, MoeTile(64, 128, 64, 8, 3)),
+    (float("inf"), MoeTile(128, 128, 64, 8, 3)),  # long prefills (~4k+ tokens on Qwen3-30B-A3B)
+)
+
+
+def moe_tile(num_tokens: int, top_k: int, num_experts: int, itemsize: int) -> MoeTile:
+    """The tile for a batch whose experts get ``num_tokens * top_k / num_experts`` rows on average.
+
+    BLOCK_M follows that mean: each expert's group is padded to a multiple of BLOCK_M, so a small
+    batch (decode) wants BLOCK_M 16, the smallest ``tl.dot`` takes, while a long prefill fills 128-row
+    tiles and reuses each weight tile over more rows. BLOCK_N and BLOCK_K grow with it. float32
+    elements (``itemsize`` 4) keep at most 2 pipeline stages, so that every tile's
+    ``shared_memory_estimate`` stays under the H100's 227 KiB per block. The tiles are reasonable
+    starting points, not tuned ones."""
+    rows_per_expert = num_tokens * top_k / num_experts
+    tile = next(tile for bound, tile in MOE_TILES if rows_per_expert <= bound)
+    if itemsize >= 4:
+        tile = tile._replace(num_stages=min(tile.num_stages, 2))
+    return tile
+
+
+def shared_memory_estimate(tile: MoeTile, itemsize: int) -> int:
+    """Shared memory of a gate/up program (the larger kernel): per stage, an activation tile and
+    the gate and up weight tiles."""
+    return tile.num_stages * (tile.block_m * tile.block_k + 2 * tile.block_k * tile.block_n) * itemsize
+
+
+def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """The most rows the grouped layout can need: every pair, plus fewer than ``block_m`` padding rows
+    for each expert that gets a pair (at most min(num_experts, num_pairs) of them), rounded down to
+    a multiple of ``block_m`` (the layout is made of whole blocks)."""
+    return (num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m * block_m
+
+
+class ExpertGroups(NamedTuple):
+    """The (token, k) pairs laid out by expert. Pair p is token p // top_k's k = p % top_k.
+
+    ``sorted_pairs`` [max_padded_rows]: int32 pair ids, expert 0's pairs first (in pair order), each
+    expert's group padded to a multiple of block_m with the sentinel ``num_pairs``; rows past the
+    end of the last group hold the sentinel too. ``block_experts`` [max_padded_rows // block_m]:
+    int32 expert of each block of block_m rows (num_experts past the end). ``expert_ends``
+    [num_experts]: int32 cumulative padded group sizes; the last is the number of rows in use."""
+
+    sorted_pairs: torch.Tensor
+    block_experts: torch.Tensor
+    expert_ends: torch.Tensor
+
+
+def group_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertGroups:
+    """Group the pairs by expert with device-side torch ops only (no host synchronisation)."""
+    device = topk_ids.device
+    expert_of_pair = topk_ids.flatten().long()  # [num_pairs]
+    num_pairs = expert_of_pair.numel()
+    num_rows = max_padded_rows(num_pairs, num_experts, block_m)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
+    counts.scatter_add_(0, expert_of_pair, torch.ones(num_pairs, dtype=torch.int32, device=device))
+    padded_counts = (counts + block_m - 1) // block_m * block_m
+    expert_ends = torch.cumsum(padded_counts, 0, dtype=torch.int32)
+    padded_starts = expert_ends - padded_counts
+    starts = torch.cumsum(counts, 0, dtype=torch.int32) - counts
+
+    order = torch.argsort(expert_of_pair, stable=True)  # [num_pairs] pair ids by expert
+    sorted_experts = expert_of_pair[order]
+    rank = torch.arange(num_pairs, device=device) - starts[sorted_experts]  # position within its expert
+    rows = padded_starts[sorted_experts] + rank
+    sorted_pairs = torch.full((num_rows,), num_pairs, dtype=torch.int32, device=device)
+    sorted_pairs.scatter_(0, rows, order.to(torch.int32))
+
+    block_starts = torch.arange(0, num_rows, block_m, dtype=torch.int32, device=device)
+    block_experts = torch.searchsorted(expert_ends, block_starts, right=True, out_int32=True)
+    return ExpertGroups(sorted_pairs, block_experts, expert_ends)
+
+
+def check_moe_inputs(hidden_states, w13, w2, topk_weights, topk_ids) -> None:
+    """ValueError naming the argument, its value and what is allowed; the ids' range is not checked
+    (that would synchronise with the device): they must lie in [0, num_experts)."""
+    if hidden_states.dim() != 2:
+        raise ValueError(f"hidden_states must be [num_tokens, hidden], got shape {tuple(hidden_states.shape)}")
+    if hidden_states.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"hidden_states.dtype must be one of {SUPPORTED_DTYPES}, got {hidden_states.dtype}")
+    num_tokens, hidden = hidden_states.shape
+    if w13.dim() != 3 or w13.shape[2] != hidden or w13.shape[1] == 0 or w13.shape[1] % 2:
+        raise ValueError(f"w13 must be [num_experts, 2 * inter, hidden={hidden}], got shape {tuple(w13.shape)}")
+    num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    if tuple(w2.shape) != (num_experts, hidden, inter):
+        raise ValueError(
+            f"w2 must be [num_experts={num_experts}, hidden={hidden}, inter={inter}] to match w13 and "
+            f"hidden_states, got shape {tuple(w2.shape)}"
+        )
+    for name, weight in (("w13", w13), ("w2", w2)):
+        if weight.dtype != hidden_states.dtype:
+            raise ValueError(f"{name}.dtype must equal hidden_states.dtype ({hidden_states.dtype}), got {weight.dtype}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != num_tokens:
+        raise ValueError(f"topk_ids must be [num_tokens={num_tokens}, top_k], got shape {tuple(topk_ids.shape)}")
+    if topk_ids.dtype not in ID_DTYPES:
+        raise ValueError(f"topk_ids.dtype must be torch.int32 or torch.int64, got {topk_ids.dtype}")
+    if topk_weights.shape != topk_ids.shape:
+        raise ValueError(
+            f"topk_weights must have topk_ids' shape {tuple(topk_ids.shape)}, got {tuple(topk_weights.shape)}"
+        )
+    if topk_weights.dtype != torch.float32:
+        raise ValueError(f"topk_weights.dtype must be torch.float32, got {topk_weights.dtype}")
+    top_k = topk_ids.shape[1]
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be between 1 and num_experts ({num_experts}), got {top_k}")
+    devices = {t.device for t in (hidden_states, w13, w2, topk_weights, topk_ids)}
+    if len(devices) > 1:
+        raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devices))}")
+
+
+def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, tile: MoeTile | None = None) -> torch.Tensor:
+    """The Triton path: [num_tokens, hidden] in hidden_states' dtype. ``tile`` replaces the one
+    ``moe_tile`` would choose. The GEMMs accumulate in float32; the intermediate and each pair's
+    weighted output are held in the input dtype, and the top_k outputs of a token are summed by
+    torch (accumulating in float32). CUDA-graph safe: no host synchronisation."""
+    from nanovllm.layers.fused_moe_kernels import launch_down, launch_gate_up
+
+    check_moe_inputs(hidden_states, w13, w2, topk_weights, topk_ids)
+    num_tokens, hidden = hidden_states.shape
+    num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    top_k = topk_ids.shape[1]
+    if num_tokens == 0:
+        return torch.zeros_like(hidden_states)
+    tile = tile or moe_tile(num_tokens, top_k, num_experts, hidden_states.element_size())
+    groups = group_by_expert(topk_ids, num_experts, tile.block_m)
+    num_pairs = num_tokens * top_k
+
+    # [max_padded_rows, inter]: row r is the SiLU-and-mul of the pair at sorted_pairs[r]
+    like = dict(dtype=hidden_states.dtype, device=hidden_states.device)
+    intermediate = torch.empty(groups.sorted_pairs.numel(), inter, **like)
+    launch_gate_up(hidden_states, w13, intermediate, groups, top_k, num_pairs, tile)
+    pair_out = torch.empty(num_pairs, hidden, **like)  # pair p's weighted output, p = token * top_k + k
+    launch_down(intermediate, w2, pair_out, topk_weights.reshape(-1), groups, num_pairs, tile)
+    return pair_out.view(num_tokens, top_k, hidden).sum(dim=1)
+
+
+def fused_moe_torch(hidden_states, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+    """The reference and the CPU path: float32 matmuls, one expert at a time (only those routed to).
+    Synchronises with the device, so it is not for CUDA graphs."""
+    check_moe_inputs(hidden_states, w13, w2, topk_weights, topk_ids)
+    num_tokens, hidden = hidden_states.shape
+    inter = w13.shape[1] // 2
+    top_k = topk_ids.shape[1]
+    x = hidden_states.float()
+    out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
+    expert_of_pair = topk_ids.flatten()
+    token_of_pair = torch.arange(num_tokens, device=x.device).repeat_interleave(top_k)
+    weight_of_pair = topk_weights.flatten()
+    for expert in expert_of_pair.unique().tolist():
+        pairs = (expert_of_pair == expert).nonzero().squeeze(1)
+        tokens = token_of_pair[pairs]
+        gate_up = x[tokens] @ w13[expert].float().T  # [len(pairs), 2 * inter]
+        h = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        out.index_add_(0, tokens, (h @ w2[expert].float().T) * weight_of_pair[pairs, None])
+    return out.to(hidden_states.dtype)

@@ -1,0 +1,135 @@
+"""The project's own grouped-GEMM Triton kernels for the Mixture-of-Experts feed-forward, and their
+launches; ``fused_moe.py`` groups the (token, k) pairs by expert and calls them.
+
+Both kernels walk the grouped layout of ``fused_moe.ExpertGroups``: program (block, n_tile) takes
+BLOCK_M consecutive rows of it, all of one expert (the groups are padded to multiples of BLOCK_M),
+and BLOCK_N output columns. Padding rows hold the sentinel pair id ``num_pairs`` and are masked off.
+The grid covers the worst-case layout, whose size depends only on shapes; a block starting past
+the rows in use (the last of ``expert_ends``, read on the device) returns at once. Every load is
+masked at the K and N edges, so neither hidden nor inter needs to be a multiple of the tile (or a
+power of two). The dots accumulate in float32; float32 inputs use IEEE dots, not TF32.
+"""
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, w13_ptr, h_ptr, sorted_pairs_ptr, block_experts_ptr, expert_ends_ptr,
+    num_pairs, hidden, inter,
+    stride_xt, stride_xh, stride_we, stride_wn, stride_wk, stride_hr,
+    TOP_K: tl.constexpr, NUM_EXPERTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """h[r, n] = silu(x[t] @ w13[e, n]) * (x[t] @ w13[e, inter + n]) for the rows r of one block,
+    where row r holds pair p = sorted_pairs[r] of token t = p // TOP_K and e is the block's expert.
+    Padding rows get zeros. grid: (max_padded_rows // BLOCK_M, cdiv(inter, BLOCK_N))"""
+    block = tl.program_id(0)
+    n_tile = tl.program_id(1)
+    if block * BLOCK_M >= tl.load(expert_ends_ptr + NUM_EXPERTS - 1):
+        return
+    expert = tl.load(block_experts_ptr + block).to(tl.int64)
+    offs_r = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_pairs_ptr + offs_r)
+    row_mask = pairs < num_pairs
+    tokens = (pairs // TOP_K).to(tl.int64)
+    offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < inter
+    offs_k = tl.arange(0, BLOCK_K)
+
+    x_ptrs = x_ptr + tokens[:, None] * stride_xt + offs_k[None, :] * stride_xh  # [BLOCK_M, BLOCK_K]
+    # the gate rows as a [BLOCK_K, BLOCK_N] tile; the up rows sit inter rows further
+    gate_ptrs = w13_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    up_ptrs = gate_ptrs + inter * stride_wn
+    gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, hidden, BLOCK_K):
+        k_mask = offs_k < hidden - k
+        x = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        w_mask = k_mask[:, None] & n_mask[None, :]
+        gate += tl.dot(x, tl.load(gate_ptrs, mask=w_mask, other=0.0), input_precision=DOT_PRECISION)
+        up += tl.dot(x, tl.load(up_ptrs, mask=w_mask, other=0.0), input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K * stride_xh
+        gate_ptrs += BLOCK_K * stride_wk
+        up_ptrs += BLOCK_K * stride_wk
+
+    h = gate * tl.sigmoid(gate) * up  # silu(gate) * up, in float32
+    h_ptrs = h_ptr + offs_r.to(tl.int64)[:, None] * stride_hr + offs_n[None, :]
+    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=n_mask[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr, w2_ptr, out_ptr, topk_weights_ptr, sorted_pairs_ptr, block_experts_ptr, expert_ends_ptr,
+    num_pairs, hidden, inter,
+    stride_hr, stride_we, stride_wn, stride_wk, stride_op,
+    NUM_EXPERTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """out[p, n] = topk_weights[p] * (h[r] @ w2[e, n]) for the rows r of one block, with p =
+    sorted_pairs[r] and e the block's expert; padding rows are not stored.
+    grid: (max_padded_rows // BLOCK_M, cdiv(hidden, BLOCK_N))"""
+    block = tl.program_id(0)
+    n_tile = tl.program_id(1)
+    if block * BLOCK_M >= tl.load(expert_ends_ptr + NUM_EXPERTS - 1):
+        return
+    expert = tl.load(block_experts_ptr + block).to(tl.int64)
+    offs_r = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_pairs_ptr + offs_r)
+    row_mask = pairs < num_pairs
+    offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < hidden
+    offs_k = tl.arange(0, BLOCK_K)
+
+    h_ptrs = h_ptr + offs_r.to(tl.int64)[:, None] * stride_hr + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+    # [BLOCK_K, BLOCK_N]
+    w_ptrs = w2_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, inter, BLOCK_K):
+        k_mask = offs_k < inter - k
+        h = tl.load(h_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc += tl.dot(h, w, input_precision=DOT_PRECISION)
+        h_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wk
+
+    weight = tl.load(topk_weights_ptr + pairs, mask=row_mask, other=0.0)
+    acc = acc * weight[:, None]
+    out_ptrs = out_ptr + pairs.to(tl.int64)[:, None] * stride_op + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    """IEEE float32 dots for a float32 model; 16-bit inputs ignore the setting (TF32 is the default)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def launch_gate_up(x, w13, intermediate, groups, top_k: int, num_pairs: int, tile) -> None:
+    """Fill ``intermediate`` [max_padded_rows, inter] (contiguous) from x [num_tokens, hidden] and
+    w13 [num_experts, 2 * inter, hidden]; ``groups`` is a ``fused_moe.ExpertGroups``."""
+    num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    grid = (groups.block_experts.numel(), triton.cdiv(inter, tile.block_n))
+    _gate_up_kernel[grid](
+        x, w13, intermediate, groups.sorted_pairs, groups.block_experts, groups.expert_ends,
+        num_pairs, x.shape[1], inter,
+        x.stride(0), x.stride(1), *w13.stride(), intermediate.stride(0),
+        TOP_K=top_k, NUM_EXPERTS=num_experts, DOT_PRECISION=_dot_precision(x.dtype),
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )
+
+
+def launch_down(intermediate, w2, pair_out, topk_weights, groups, num_pairs: int, tile) -> None:
+    """Fill ``pair_out`` [num_pairs, hidden] (contiguous) from ``gate_up``'s intermediate, w2
+    [num_experts, hidden, inter] and the flat float32 ``topk_weights`` [num_pairs]."""
+    num_experts, hidden, inter = w2.shape
+    grid = (groups.block_experts.numel(), triton.cdiv(hidden, tile.block_n))
+    _down_kernel[grid](
+        intermediate, w2, pair_out, topk_weights, groups.sorted_pairs, groups.block_experts, groups.expert_ends,
+        num_pairs, hidden, inter,
+        intermediate.stride(0), *w2.stride(), pair_out.stride(0),
+        NUM_EXPERTS=num_experts, DOT_PRECISION=_dot_precision(intermediate.dtype),
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )

@@ -1,0 +1,110 @@
+"""A sparse Mixture-of-Experts feed-forward block: a softmax top-k router and SwiGLU experts whose
+weights live in two fused tensors, run by the fused Triton kernel on the GPU and by its torch
+reference on the CPU (``fused_moe.py``). With tensor parallelism every rank holds a slice of every
+expert's intermediate dimension, and the block's output is summed with one all-reduce."""
+import re
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from nanovllm.layers.fused_moe import fused_moe, fused_moe_torch
+from nanovllm.layers.linear import ReplicatedLinear
+from nanovllm.utils.distributed import get_tp_rank, get_tp_size
+
+# one expert's tensor in a Hugging Face checkpoint: "...experts.<id>.<gate_proj|up_proj|down_proj>.weight"
+EXPERT_TENSOR = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over the experts in float32, the ``top_k`` largest, optionally divided by their sum.
+    -> (weights [num_tokens, top_k] float32, expert ids [num_tokens, top_k])"""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = probs.topk(top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+class Experts(nn.Module):
+    """``gate_up_proj`` [num_experts, 2 * inter, hidden] ([gate | up] per expert) and ``down_proj``
+    [num_experts, hidden, inter], ``inter`` being this rank's slice of ``intermediate_size``. They
+    load from per-expert checkpoint tensors (``load_expert``) or from fused ones of the full size."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        tp_size = get_tp_size()
+        if intermediate_size % tp_size:
+            raise ValueError(f"moe_intermediate_size ({intermediate_size}) must be divisible by "
+                             f"tensor_parallel_size ({tp_size})")
+        self.num_experts = num_experts
+        self.inter = intermediate_size // tp_size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, self.inter))
+        self.gate_up_proj.weight_loader = self.load_gate_up
+        self.down_proj.weight_loader = self.load_down
+        self.loaded: set[tuple[str, int, int]] = set()  # (parameter, expert, shard) seen by load_expert
+
+    def _slice(self, loaded: torch.Tensor, dim: int) -> torch.Tensor:
+        return loaded.narrow(dim, get_tp_rank() * self.inter, self.inter)
+
+    def load_gate_up(self, param: nn.Parameter, loaded: torch.Tensor, expert: int | None = None,
+                     shard: int | None = None) -> None:
+        """One expert's gate (shard 0) or up (shard 1) projection [intermediate, hidden], or, with no
+        expert, the fused [num_experts, 2 * intermediate, hidden] tensor."""
+        if expert is None:
+            gate, up = loaded.chunk(2, dim=1)
+            param.data.copy_(torch.cat((self._slice(gate, 1), self._slice(up, 1)), dim=1))
+            self.loaded.update(("gate_up_proj", e, s) for e in range(self.num_experts) for s in (0, 1))
+            return
+        param.data[expert, shard * self.inter:(shard + 1) * self.inter].copy_(self._slice(loaded, 0))
+        self.loaded.add(("gate_up_proj", expert, shard))
+
+    def load_down(self, param: nn.Parameter, loaded: torch.Tensor, expert: int | None = None) -> None:
+        """One expert's down projection [hidden, intermediate], or the fused [num_experts, hidden, intermediate]."""
+        if expert is None:
+            param.data.copy_(self._slice(loaded, 2))
+            self.loaded.update(("down_proj", e, 0) for e in range(self.num_experts))
+            return
+        param.data[expert].copy_(self._slice(loaded, 1))
+        self.loaded.add(("down_proj", expert, 0))
+
+    def missing(self) -> list[str]:
+        """The expert tensors not loaded yet, by checkpoint name (after the ``experts.`` prefix)."""
+        want = [("gate_up_proj", e, s) for e in range(self.num_experts) for s in (0, 1)]
+        want += [("down_proj", e, 0) for e in range(self.num_experts)]
+        names = {("gate_up_proj", 0): "gate_proj", ("gate_up_proj", 1): "up_proj", ("down_proj", 0): "down_proj"}
+        return [f"{e}.{names[p, s]}.weight" for p, e, s in want if (p, e, s) not in self.loaded]
+
+
+def map_expert_tensor(name: str) -> tuple[str, tuple] | None:
+    """A per-expert checkpoint name -> (fused parameter name, loader arguments), else None."""
+    match = EXPERT_TENSOR.match(name)
+    if match is None:
+        return None
+    prefix, expert, proj = match.group(1), int(match.group(2)), match.group(3)
+    if proj == "down_proj":
+        return f"{prefix}.down_proj", (expert,)
+    return f"{prefix}.gate_up_proj", (expert, 0 if proj == "gate_proj" else 1)
+
+
+class SparseMoeBlock(nn.Module):
+    """Router ``gate`` (hidden -> num_experts, replicated) and ``experts``; the output is the
+    routing-weighted sum of each token's ``top_k`` experts."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool):
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok must be in [1, num_experts={num_experts}], got {top_k}")
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.gate = ReplicatedLinear(hidden_size, num_experts)
+        self.experts = Experts(num_experts, hidden_size, intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
+        run = fused_moe if x.is_cuda else fused_moe_torch
+        out = run(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+        if get_tp_size() > 1:
+            dist.all_reduce(out)
+        return out

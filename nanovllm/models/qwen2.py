@@ -1,0 +1,7 @@
+"""Qwen2 and Qwen2.5: the Llama decoder with biases on the q/k/v projections (none on the output)."""
+from nanovllm.models.llama import LlamaForCausalLM
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    def attention_biases(self, config) -> tuple[bool, bool]:
+        return True, False

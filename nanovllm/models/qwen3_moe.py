@@ -1,0 +1,27 @@
+"""Qwen3-MoE (e.g. Qwen3-30B-A3B): Qwen3's attention, and in most layers a sparse MoE block in
+place of the dense MLP. A layer is sparse unless it is listed in ``mlp_only_layers``, when the
+model has experts and its 1-based index is a multiple of ``decoder_sparse_step``."""
+from torch import nn
+
+from nanovllm.layers.moe import SparseMoeBlock, map_expert_tensor
+from nanovllm.models.llama import GatedMLP
+from nanovllm.models.qwen3 import Qwen3ForCausalLM
+
+
+def is_sparse_layer(config, layer_idx: int) -> bool:
+    mlp_only = getattr(config, "mlp_only_layers", None) or []
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    return layer_idx not in mlp_only and config.num_experts > 0 and (layer_idx + 1) % step == 0
+
+
+class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+    def make_mlp(self, config, layer_idx: int) -> nn.Module:
+        if is_sparse_layer(config, layer_idx):
+            return SparseMoeBlock(config.hidden_size, config.num_experts, config.num_experts_per_tok,
+                                  config.moe_intermediate_size, config.norm_topk_prob)
+        return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+
+    @staticmethod
+    def map_checkpoint_name(name: str) -> tuple[str, tuple] | None:
+        """Per-expert checkpoint tensors go to the fused expert parameters (see ``load_model``)."""
+        return map_expert_tensor(name)
