@@ -7,16 +7,18 @@ shapes against ``fused_moe_torch`` in float32 and bf16, and a CUDA-graph capture
 replayed through the static buffers.
 """
 import json
+import re
 
 import pytest
 import torch
 from triton_interpreter import results_under_interpreter, run_cases, squeeze_interpreter_loop_bounds
 
 from nanovllm.layers.fused_moe import (
-    MoeTile, fused_moe_torch, group_by_expert, max_padded_rows, moe_tile, shared_memory_estimate,
+    MoeTile, fused_moe, fused_moe_torch, group_by_expert, max_padded_rows, moe_tile, shared_memory_estimate,
 )
 
 HAS_CUDA = torch.cuda.is_available()
+I32, I64 = torch.int32, torch.int64
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -35,7 +37,7 @@ def reference_moe(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
     return (y * topk_weights.double()[..., None]).sum(dim=1)
 
 
-def make_routing(num_tokens, top_k, num_experts, *, skew=True, id_dtype=torch.int64, device="cpu"):
+def make_routing(num_tokens, top_k, num_experts, *, skew=True, id_dtype=I64, device="cpu"):
     """Distinct experts per token and positive weights summing to 1. With ``skew`` expert 0 is
     drawn 40 times as often as the others and the last expert never; otherwise uniform."""
     probs = torch.ones(num_experts)
@@ -59,17 +61,15 @@ def make_weights(num_experts, hidden, inter, dtype, device="cpu", transposed=Fal
 
 
 def check_fused(num_tokens, top_k, *, hidden=40, inter=24, num_experts=16, dtype=torch.float32, tile=None,
-                id_dtype=torch.int64, skew=True, routing=None, strided=False, transposed=False) -> dict:
+                id_dtype=I64, skew=True, routing=None, strided=False, transposed=False) -> dict:
     """fused_moe against ``reference_moe``. ``strided``: hidden_states a column view of a wider tensor."""
-    from nanovllm.layers.fused_moe import fused_moe
-
     w13, w2 = make_weights(num_experts, hidden, inter, dtype, transposed=transposed)
     x = torch.randn(num_tokens, 2 * hidden if strided else hidden).to(dtype)
     x = x[:, ::2] if strided else x
     topk_weights, topk_ids = routing or make_routing(num_tokens, top_k, num_experts, skew=skew, id_dtype=id_dtype)
     out = fused_moe(x, w13, w2, topk_weights, topk_ids, tile=tile)
     ref = reference_moe(x, w13, w2, topk_weights, topk_ids)
-    loads = torch.zeros(num_experts, dtype=torch.int64).scatter_add_(0, topk_ids.flatten().long(), torch.ones(topk_ids.numel(), dtype=torch.int64))
+    loads = torch.bincount(topk_ids.flatten(), minlength=num_experts)  # pairs per expert
     return {
         "rel_err": relative_error(out, ref) if num_tokens else 0.0,
         "shape_ok": out.shape == x.shape and out.dtype == dtype,
@@ -79,26 +79,25 @@ def check_fused(num_tokens, top_k, *, hidden=40, inter=24, num_experts=16, dtype
 
 
 SMALL_TILE = MoeTile(16, 16, 16, 4, 1)  # several N tiles and K steps, with partial edges, on the small dims
-ALL_TO_EXPERT_5 = lambda: (torch.ones(64, 1), torch.full((64, 1), 5, dtype=torch.int32))  # noqa: E731
 CPU_TOL = 1e-5  # float32 against float64
 FP16_TOL = 2e-3  # fp16 rounding of x, weights, intermediate and per-pair outputs: a few units of 2**-11
 INTERPRETER_CASES = {
     "tokens1_top1": lambda: check_fused(1, 1),
     "tokens1_top2": lambda: check_fused(1, 2),
-    "tokens1_top8": lambda: check_fused(1, 8, id_dtype=torch.int32),
+    "tokens1_top8": lambda: check_fused(1, 8, id_dtype=I32),
     "tokens2_top2": lambda: check_fused(2, 2),
-    "tokens7_top1": lambda: check_fused(7, 1, id_dtype=torch.int32),
+    "tokens7_top1": lambda: check_fused(7, 1, id_dtype=I32),
     "tokens7_top8": lambda: check_fused(7, 8),
     "tokens64_top1": lambda: check_fused(64, 1),
     "tokens64_top2": lambda: check_fused(64, 2, skew=False),
     "tokens64_top8": lambda: check_fused(64, 8),
-    "tokens300_top8": lambda: check_fused(300, 8, id_dtype=torch.int32),
+    "tokens300_top8": lambda: check_fused(300, 8, id_dtype=I32),
     "tokens700_top2": lambda: check_fused(700, 2),
     "tokens0": lambda: check_fused(0, 2),
-    "all_to_one_expert": lambda: check_fused(64, 1, routing=ALL_TO_EXPERT_5()),
+    "all_to_one_expert": lambda: check_fused(64, 1, routing=(torch.ones(64, 1), torch.full((64, 1), 5, dtype=I32))),
     "small_tile_tokens7_top8": lambda: check_fused(7, 8, tile=SMALL_TILE),
     "small_tile_tokens64_top8": lambda: check_fused(64, 8, tile=SMALL_TILE),
-    "small_tile_tokens300_top2": lambda: check_fused(300, 2, tile=SMALL_TILE, id_dtype=torch.int32),
+    "small_tile_tokens300_top2": lambda: check_fused(300, 2, tile=SMALL_TILE, id_dtype=I32),
     # hidden 80 and inter 72 over 64-wide tiles: two K steps with a partial second one
     "wide_tokens600_top2": lambda: check_fused(600, 2, hidden=80, inter=72),
     "wide_tokens64_top8": lambda: check_fused(64, 8, hidden=80, inter=72),
@@ -203,55 +202,44 @@ def test_moe_tile_choice():
             assert shared_memory_estimate(moe_tile(n, 8, 128, itemsize), itemsize) <= 232448, (n, itemsize)
 
 
-def valid_inputs(num_tokens=3, hidden=8, inter=4, num_experts=4, top_k=2):
-    w13, w2 = make_weights(num_experts, hidden, inter, torch.float32)
-    topk_weights, topk_ids = make_routing(num_tokens, top_k, num_experts, skew=False)
-    return dict(hidden_states=torch.randn(num_tokens, hidden), w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids)
+def valid_inputs() -> dict:
+    """3 tokens, hidden 8, inter 4, 4 experts, top-2."""
+    w13, w2 = make_weights(4, 8, 4, torch.float32)
+    topk_weights, topk_ids = make_routing(3, 2, 4, skew=False)
+    return dict(hidden_states=torch.randn(3, 8), w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids)
 
 
-BAD_INPUTS = {
-    "hidden_3d": ("hidden_states", torch.randn(3, 8, 1), r"hidden_states must be \[num_tokens, hidden\], got shape \(3, 8, 1\)"),
-    "hidden_int": ("hidden_states", torch.ones(3, 8, dtype=torch.int32), r"hidden_states.dtype must be one of .*got torch.int32"),
-    "w13_hidden": ("w13", torch.randn(4, 8, 9), r"w13 must be \[num_experts, 2 \* inter, hidden=8\], got shape \(4, 8, 9\)"),
-    "w13_odd": ("w13", torch.randn(4, 7, 8), r"w13 must be .*got shape \(4, 7, 8\)"),
-    "w2_shape": ("w2", torch.randn(4, 8, 5), r"w2 must be \[num_experts=4, hidden=8, inter=4\].*got shape \(4, 8, 5\)"),
-    "w2_experts": ("w2", torch.randn(3, 8, 4), r"w2 must be \[num_experts=4,.*got shape \(3, 8, 4\)"),
-    "w13_dtype": ("w13", torch.randn(4, 8, 8).half(), r"w13.dtype must equal hidden_states.dtype \(torch.float32\), got torch.float16"),
-    "ids_tokens": ("topk_ids", torch.zeros(2, 2, dtype=torch.int64), r"topk_ids must be \[num_tokens=3, top_k\], got shape \(2, 2\)"),
-    "ids_dtype": ("topk_ids", torch.zeros(3, 2), r"topk_ids.dtype must be torch.int32 or torch.int64, got torch.float32"),
-    "weights_shape": ("topk_weights", torch.ones(3, 1), r"topk_weights must have topk_ids' shape \(3, 2\), got \(3, 1\)"),
-    "weights_dtype": ("topk_weights", torch.ones(3, 2).half(), r"topk_weights.dtype must be torch.float32, got torch.float16"),
-}
+DTYPES = "(torch.bfloat16, torch.float16, torch.float32)"
+# (argument, bad value over valid_inputs(), the message it must raise)
+BAD_INPUTS = [
+    ("hidden_states", torch.randn(3, 8, 1), "hidden_states must be [num_tokens, hidden], got shape (3, 8, 1)"),
+    ("hidden_states", torch.ones(3, 8, dtype=I32), f"hidden_states.dtype must be one of {DTYPES}, got torch.int32"),
+    ("w13", torch.randn(4, 8, 9), "w13 must be [num_experts, 2 * inter, hidden=8], got shape (4, 8, 9)"),
+    ("w13", torch.randn(4, 7, 8), "w13 must be [num_experts, 2 * inter, hidden=8], got shape (4, 7, 8)"),
+    ("w13", torch.randn(4, 8, 8).half(), "w13.dtype must equal hidden_states.dtype (torch.float32), got torch.float16"),
+    ("w2", torch.randn(4, 8, 5), "w2 must be [num_experts=4, hidden=8, inter=4] like w13, got shape (4, 8, 5)"),
+    ("w2", torch.randn(3, 8, 4), "w2 must be [num_experts=4, hidden=8, inter=4] like w13, got shape (3, 8, 4)"),
+    ("topk_ids", torch.zeros(2, 2, dtype=I64), "topk_ids must be [num_tokens=3, top_k], got shape (2, 2)"),
+    ("topk_ids", torch.zeros(3, 2), "topk_ids.dtype must be torch.int32 or torch.int64, got torch.float32"),
+    ("topk_ids", torch.zeros(3, 5, dtype=I64), "top_k must be between 1 and num_experts (4), got 5"),
+    ("topk_ids", torch.zeros(3, 0, dtype=I64), "top_k must be between 1 and num_experts (4), got 0"),
+    ("topk_weights", torch.ones(3, 1), "topk_weights must have topk_ids' shape (3, 2), got (3, 1)"),
+    ("topk_weights", torch.ones(3, 2).half(), "topk_weights.dtype must be torch.float32, got torch.float16"),
+]
 
 
-@pytest.mark.parametrize("fn_name", ["fused_moe", "fused_moe_torch"])
-@pytest.mark.parametrize("case", list(BAD_INPUTS))
-def test_rejects_bad_inputs(fn_name, case):
-    from nanovllm.layers import fused_moe as module
-
-    name, value, message = BAD_INPUTS[case]
-    inputs = valid_inputs()
-    inputs[name] = value
-    with pytest.raises(ValueError, match=message):
-        getattr(module, fn_name)(**inputs)
-
-
-@pytest.mark.parametrize("fn_name", ["fused_moe", "fused_moe_torch"])
-def test_rejects_top_k_above_num_experts(fn_name):
-    from nanovllm.layers import fused_moe as module
-
-    inputs = valid_inputs(num_experts=4, top_k=4)
-    inputs["topk_ids"] = torch.zeros(3, 5, dtype=torch.int64)
-    inputs["topk_weights"] = torch.ones(3, 5)
-    with pytest.raises(ValueError, match=r"top_k must be between 1 and num_experts \(4\), got 5"):
-        getattr(module, fn_name)(**inputs)
+@pytest.mark.parametrize("fn", [fused_moe, fused_moe_torch], ids=["fused_moe", "fused_moe_torch"])
+@pytest.mark.parametrize("name,value,message", BAD_INPUTS, ids=[f"{i}-{case[0]}" for i, case in enumerate(BAD_INPUTS)])
+def test_rejects_bad_inputs(fn, name, value, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        fn(**{**valid_inputs(), name: value})
 
 
 # ---- GPU: Qwen3-30B-A3B shapes against fused_moe_torch --------------------------------------------
 
 gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 GPU_TOKENS = [1, 2, 7, 64, 333, 1024, 4096]
-QWEN3_MOE = dict(num_experts=128, hidden=2048, top_k=8)
+NUM_EXPERTS, HIDDEN, TOP_K = 128, 2048, 8  # Qwen3-30B-A3B
 GPU_FP32_TOL = 1e-5  # IEEE float32 dots on both sides; only the summation order differs
 # bf16 keeps 8 significant bits (unit roundoff 2**-9). Both sides see the same bf16 inputs; the
 # kernel also rounds the intermediate and each pair's output to bf16, the final output is rounded
@@ -262,22 +250,22 @@ GPU_BF16_TOL = 1e-2
 
 def _gpu_weights(inter: int, dtype: torch.dtype):
     torch.manual_seed(inter)
-    return make_weights(QWEN3_MOE["num_experts"], QWEN3_MOE["hidden"], inter, dtype, device="cuda")
+    return make_weights(NUM_EXPERTS, HIDDEN, inter, dtype, device="cuda")
 
 
 @gpu
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, GPU_FP32_TOL), (torch.bfloat16, GPU_BF16_TOL)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "dtype,tol", [(torch.float32, GPU_FP32_TOL), (torch.bfloat16, GPU_BF16_TOL)], ids=["fp32", "bf16"]
+)
 @pytest.mark.parametrize("inter", [768, 384])  # Qwen3-30B-A3B's moe_intermediate_size at TP 1 and 2
 def test_gpu_fused_moe(dtype, tol, inter):
-    from nanovllm.layers.fused_moe import fused_moe
-
     w13, w2 = _gpu_weights(inter, dtype)
     for num_tokens in GPU_TOKENS:
         for skew in (False, True):
-            x = torch.randn(num_tokens, QWEN3_MOE["hidden"], device="cuda").to(dtype)
-            topk_weights, topk_ids = make_routing(num_tokens, 8, 128, skew=skew, id_dtype=torch.int32, device="cuda")
-            out = fused_moe(x, w13, w2, topk_weights, topk_ids)
-            ref = fused_moe_torch(x, w13, w2, topk_weights, topk_ids)
+            x = torch.randn(num_tokens, HIDDEN, device="cuda").to(dtype)
+            routing = make_routing(num_tokens, TOP_K, NUM_EXPERTS, skew=skew, id_dtype=I32, device="cuda")
+            out = fused_moe(x, w13, w2, *routing)
+            ref = fused_moe_torch(x, w13, w2, *routing)
             assert out.shape == x.shape and out.dtype == dtype and out.isfinite().all()
             assert relative_error(out, ref) < tol, (num_tokens, skew)
 
@@ -286,18 +274,16 @@ def test_gpu_fused_moe(dtype, tol, inter):
 @pytest.mark.parametrize("num_tokens", [1, 64, 512])
 def test_gpu_fused_moe_cuda_graph(num_tokens):
     """Capture once over static inputs, then replay with new hidden states and routings copied in."""
-    from nanovllm.layers.fused_moe import fused_moe
-
     w13, w2 = _gpu_weights(384, torch.bfloat16)
-    x = torch.zeros(num_tokens, QWEN3_MOE["hidden"], dtype=torch.bfloat16, device="cuda")
-    topk_weights, topk_ids = make_routing(num_tokens, 8, 128, id_dtype=torch.int32, device="cuda")
+    x = torch.zeros(num_tokens, HIDDEN, dtype=torch.bfloat16, device="cuda")
+    topk_weights, topk_ids = make_routing(num_tokens, TOP_K, NUM_EXPERTS, id_dtype=I32, device="cuda")
     fused_moe(x, w13, w2, topk_weights, topk_ids)  # compile before capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = fused_moe(x, w13, w2, topk_weights, topk_ids)
     for skew in (False, True, False):
-        new_weights, new_ids = make_routing(num_tokens, 8, 128, skew=skew, id_dtype=torch.int32, device="cuda")
+        new_weights, new_ids = make_routing(num_tokens, TOP_K, NUM_EXPERTS, skew=skew, id_dtype=I32, device="cuda")
         x.copy_(torch.randn_like(x))
         topk_weights.copy_(new_weights)
         topk_ids.copy_(new_ids)

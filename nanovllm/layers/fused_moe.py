@@ -44,8 +44,9 @@ def moe_tile(num_tokens: int, top_k: int, num_experts: int, itemsize: int) -> Mo
 
     BLOCK_M follows that mean: each expert's group is padded to a multiple of BLOCK_M, so a small
     batch (decode) wants BLOCK_M 16, the smallest ``tl.dot`` takes, while a long prefill fills 128-row
-    tiles and reuses each weight tile over more rows. BLOCK_N and BLOCK_K grow with it. float32
-    elements (``itemsize`` 4) keep at most 2 pipeline stages, so that every tile's
+    tiles and reuses each weight tile over more rows. Decode only streams weights, so it takes narrow
+    N tiles (more programs over the few groups) and long K steps; larger batches take wider N tiles.
+    float32 elements (``itemsize`` 4) keep at most 2 pipeline stages, so that every tile's
     ``shared_memory_estimate`` stays under the H100's 227 KiB per block. The tiles are reasonable
     starting points, not tuned ones."""
     rows_per_expert = num_tokens * top_k / num_experts
@@ -119,10 +120,8 @@ def check_moe_inputs(hidden_states, w13, w2, topk_weights, topk_ids) -> None:
         raise ValueError(f"w13 must be [num_experts, 2 * inter, hidden={hidden}], got shape {tuple(w13.shape)}")
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
     if tuple(w2.shape) != (num_experts, hidden, inter):
-        raise ValueError(
-            f"w2 must be [num_experts={num_experts}, hidden={hidden}, inter={inter}] to match w13 and "
-            f"hidden_states, got shape {tuple(w2.shape)}"
-        )
+        expected = f"[num_experts={num_experts}, hidden={hidden}, inter={inter}]"
+        raise ValueError(f"w2 must be {expected} like w13, got shape {tuple(w2.shape)}")
     for name, weight in (("w13", w13), ("w2", w2)):
         if weight.dtype != hidden_states.dtype:
             raise ValueError(f"{name}.dtype must equal hidden_states.dtype ({hidden_states.dtype}), got {weight.dtype}")
@@ -130,15 +129,15 @@ def check_moe_inputs(hidden_states, w13, w2, topk_weights, topk_ids) -> None:
         raise ValueError(f"topk_ids must be [num_tokens={num_tokens}, top_k], got shape {tuple(topk_ids.shape)}")
     if topk_ids.dtype not in ID_DTYPES:
         raise ValueError(f"topk_ids.dtype must be torch.int32 or torch.int64, got {topk_ids.dtype}")
+    top_k = topk_ids.shape[1]
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be between 1 and num_experts ({num_experts}), got {top_k}")
     if topk_weights.shape != topk_ids.shape:
         raise ValueError(
             f"topk_weights must have topk_ids' shape {tuple(topk_ids.shape)}, got {tuple(topk_weights.shape)}"
         )
     if topk_weights.dtype != torch.float32:
         raise ValueError(f"topk_weights.dtype must be torch.float32, got {topk_weights.dtype}")
-    top_k = topk_ids.shape[1]
-    if not 1 <= top_k <= num_experts:
-        raise ValueError(f"top_k must be between 1 and num_experts ({num_experts}), got {top_k}")
     devices = {t.device for t in (hidden_states, w13, w2, topk_weights, topk_ids)}
     if len(devices) > 1:
         raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devices))}")
