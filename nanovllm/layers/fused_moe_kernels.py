@@ -15,6 +15,16 @@ import triton.language as tl
 
 
 @triton.jit
+def _block_rows(block, sorted_pairs_ptr, block_experts_ptr, num_pairs, BLOCK_M: tl.constexpr):
+    """One block of grouped rows: its expert, its row offsets, the (token, k) pair of each row,
+    and which rows hold a pair (not padding)."""
+    expert = tl.load(block_experts_ptr + block).to(tl.int64)
+    offs_r = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_pairs_ptr + offs_r)
+    return expert, offs_r, pairs, pairs < num_pairs
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr, w13_ptr, h_ptr, sorted_pairs_ptr, block_experts_ptr, expert_ends_ptr,
     num_pairs, hidden, inter,
@@ -29,10 +39,7 @@ def _gate_up_kernel(
     n_tile = tl.program_id(1)
     if block * BLOCK_M >= tl.load(expert_ends_ptr + NUM_EXPERTS - 1):
         return
-    expert = tl.load(block_experts_ptr + block).to(tl.int64)
-    offs_r = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(sorted_pairs_ptr + offs_r)
-    row_mask = pairs < num_pairs
+    expert, offs_r, pairs, row_mask = _block_rows(block, sorted_pairs_ptr, block_experts_ptr, num_pairs, BLOCK_M)
     tokens = (pairs // TOP_K).to(tl.int64)
     offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < inter
@@ -74,10 +81,7 @@ def _down_kernel(
     n_tile = tl.program_id(1)
     if block * BLOCK_M >= tl.load(expert_ends_ptr + NUM_EXPERTS - 1):
         return
-    expert = tl.load(block_experts_ptr + block).to(tl.int64)
-    offs_r = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(sorted_pairs_ptr + offs_r)
-    row_mask = pairs < num_pairs
+    expert, offs_r, pairs, row_mask = _block_rows(block, sorted_pairs_ptr, block_experts_ptr, num_pairs, BLOCK_M)
     offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < hidden
     offs_k = tl.arange(0, BLOCK_K)
