@@ -11,11 +11,29 @@ model) on operands scaled into (-2, 2). q is divided by a power of two near its 
 once (exact); the K scales then multiply the scores. P is multiplied by the V scales and divided by each row's largest such
 weight, which multiplies the tile's P @ V back. Everything else stays float32.
 """
+import os
+
 import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
 MASKED = tl.constexpr(-1.0e30)  # running max before any key is seen: finite, so exp2(MASKED - MASKED) is 1, not NaN
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")  # no inline PTX there
+
+
+@triton.jit
+def _e4m3_tile(v, DOT_DTYPE: tl.constexpr):
+    """An e4m3 value tile [BLOCK_N, HEAD_DIM] in DOT_DTYPE for the P @ V dot. Converting it to
+    float16 here, in the layout it was loaded in, is what makes the dot fast: left to itself the
+    compiler converts after reading the tile in the dot's layout, which for an 8-bit operand that is
+    contiguous along N means one shared-memory read per byte. The conversion is opaque PTX (not
+    ``is_pure``), so it stays here, and the float16 tile takes the transposing 16-bit path instead."""
+    if DOT_DTYPE == tl.float16 and not INTERPRETED:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+            "=r,=r,r", [v], dtype=tl.float16, is_pure=False, pack=4,
+        )
+    return v.to(DOT_DTYPE)
 
 
 @triton.jit
@@ -31,7 +49,7 @@ def _online_softmax_step(qk, v, v_scale, m_i, l_i, acc, FP8: tl.constexpr, DOT_D
         w = p * v_scale[None, :]
         w_max = tl.max(w, 1)
         w_max = tl.where(w_max == 0.0, 1.0, w_max)
-        pv = tl.dot((w / w_max[:, None]).to(DOT_DTYPE), v.to(DOT_DTYPE))
+        pv = tl.dot((w / w_max[:, None]).to(DOT_DTYPE), _e4m3_tile(v, DOT_DTYPE))
         acc = acc * alpha[:, None] + pv * w_max[:, None]
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)

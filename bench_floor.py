@@ -1,0 +1,107 @@
+"""The memory floor of ``bench.py``'s workload: the bytes its decode steps must read from device
+memory, and the time that takes at a given bandwidth.
+
+Every decode step reads each weight it uses once and the KV cache of every running sequence. The
+model assumed here is the one ``bench.py`` runs when the cache holds every request at once: all
+256 prompts are prefilled first, then step t decodes every request with more than t + 1 output
+tokens, over its prompt plus t + 1 tokens of context. A Qwen3-MoE layer reads only the experts its
+tokens are routed to; with B tokens of top-k routing among E experts, spread uniformly (as random
+weights route), E * (1 - (1 - k/E)^B) experts are expected. Not counted: prefill, the embedding rows
+looked up (an untied embedding matrix is not read whole), activations and the sampler.
+
+    python bench_floor.py --shape qwen3-30b-a3b --bandwidth 4.3          # TB/s
+    python bench_floor.py --shape qwen3-0.6b --measure                   # bandwidth from a device copy (GPU)
+"""
+import argparse
+import math
+
+from bench import workload
+from nanovllm.utils.checkpoint import model_config, weight_shapes
+
+
+def weight_bytes_by_kind(config: dict, itemsize: int = 2) -> tuple[int, int]:
+    """(bytes of every expert of one MoE layer, bytes every decode step reads whatever its batch:
+    all other weights, the LM head included, an untied input embedding not)."""
+    expert, dense = 0, 0
+    for name, shape in weight_shapes(config).items():
+        size = math.prod(shape) * itemsize
+        if ".experts." in name:
+            expert += size
+        elif name != "model.embed_tokens.weight" or config["tie_word_embeddings"]:
+            dense += size
+    moe_layers = sum(1 for name in weight_shapes(config) if name.endswith("mlp.gate.weight"))
+    return (expert // moe_layers if moe_layers else 0), dense
+
+
+def step_bytes(config: dict, contexts: list[int], kv_bytes_per_token_head: float) -> tuple[float, float]:
+    """(weight bytes, KV bytes) one decode step reads for a batch of these context lengths.
+    ``kv_bytes_per_token_head``: what the cache stores of one token and KV head, K and V together
+    (bf16: 4 * head_dim; FP8: 2 * head_dim plus two 4-byte scales)."""
+    expert_layer, dense = weight_bytes_by_kind(config)
+    moe_layers = sum(1 for name in weight_shapes(config) if name.endswith("mlp.gate.weight"))
+    if moe_layers:
+        experts, k = config["num_experts"], config["num_experts_per_tok"]
+        touched = experts * (1 - (1 - k / experts) ** len(contexts))
+        dense += moe_layers * expert_layer * touched / experts
+    kv = sum(contexts) * config["num_hidden_layers"] * config["num_key_value_heads"] * kv_bytes_per_token_head
+    return dense, kv
+
+
+def workload_floor(config: dict, num_seqs: int, kv_bytes_per_token_head: float) -> tuple[float, float, int]:
+    """(weight bytes, KV bytes) over all decode steps of the workload, and the number of steps."""
+    prompts, params = workload(num_seqs)
+    weights = kv = 0.0
+    steps = max(p.max_tokens for p in params) - 1  # the first token of each request comes from its prefill
+    for t in range(steps):
+        contexts = [len(prompt) + t + 1 for prompt, p in zip(prompts, params) if p.max_tokens > t + 1]
+        w, c = step_bytes(config, contexts, kv_bytes_per_token_head)
+        weights, kv = weights + w, kv + c
+    return weights, kv, steps
+
+
+def measured_bandwidth() -> float:
+    """Bytes per second of a 4 GiB device-to-device copy (read + written), median of 10."""
+    import statistics
+
+    import torch
+
+    src = torch.empty(4 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(12):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * src.numel() / statistics.median(times[2:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="qwen3-0.6b")
+    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--bandwidth", type=float, default=None, help="TB/s")
+    parser.add_argument("--measure", action="store_true", help="measure the bandwidth with a device copy")
+    parser.add_argument("--kv-bytes", type=float, default=0,
+                        help="K+V bytes per token and KV head (default bf16: 4 * head_dim; FP8: 2 * head_dim + 8)")
+    args = parser.parse_args()
+    config = model_config(args.shape)
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    per_head = args.kv_bytes or 4 * head_dim
+    prompts, params = workload(args.num_seqs)
+    full = [len(p) + 1 for p in prompts]
+    w1, kv1 = step_bytes(config, full, per_head)
+    weights, kv, steps = workload_floor(config, args.num_seqs, per_head)
+    tokens = sum(p.max_tokens for p in params)
+    print(f"{args.shape}: first decode step ({len(full)} sequences): weights {w1 / 1e9:.2f} GB, KV {kv1 / 1e9:.2f} GB")
+    print(f"{steps} decode steps: weights {weights / 1e12:.2f} TB, KV {kv / 1e12:.2f} TB, {tokens} output tokens")
+    bandwidth = measured_bandwidth() if args.measure else (args.bandwidth or 0) * 1e12
+    if bandwidth:
+        floor = (weights + kv) / bandwidth
+        print(f"at {bandwidth / 1e12:.2f} TB/s: decode floor {floor:.2f} s, {tokens / floor:,.0f} tok/s")
+
+
+if __name__ == "__main__":
+    main()
