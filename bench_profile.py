@@ -20,6 +20,9 @@ CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
     ("decode attention", ("flash_fwd_splitkv", "decode")),
     # flash-attn: flash_fwd_kernel; Triton: _prefill_kernel
     ("prefill attention", ("flash_fwd_kernel", "prefill")),
+    # the fused MoE kernels' two grouped GEMMs (their routing and grouping are small torch kernels:
+    # softmax and topk land in "sampler", the rest mostly in "other")
+    ("MoE experts", ("_gate_up_kernel", "_down_kernel")),
     # cuBLAS / cuBLASLt / CUTLASS matrix multiplies (also the LM head)
     ("GEMMs", ("gemm", "sm90_xmma", "cutlass", "cublas", "nvjet")),
     # torch.compile'd RMSNorm, rotary embedding, SiLU-and-mul (Inductor's Triton kernels)

@@ -25,6 +25,8 @@ FLASH_PREFILL = ("void flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128,
     (FLASH_COMBINE, "decode attention"),
     ("_decode_kernel", "decode attention"),
     ("_decode_reduce_kernel", "decode attention"),
+    ("_gate_up_kernel", "MoE experts"),
+    ("_down_kernel", "MoE experts"),
     ("_decode_fp8_kernel", "decode attention"),
     (FLASH_PREFILL, "prefill attention"),
     ("_prefill_kernel", "prefill attention"),
@@ -88,7 +90,8 @@ def test_summarize_overlaps_gaps_and_unknown_names():
     ]
     p = summarize(events, wall=5.0)
     assert p.times == {
-        "decode attention": 0.75, "prefill attention": 0.5, "GEMMs": 0.75, "norms / rotary / activation": 0.0,
+        "decode attention": 0.75, "prefill attention": 0.5, "MoE experts": 0.0, "GEMMs": 0.75,
+        "norms / rotary / activation": 0.0,
         "sampler": 0.25, "KV store": 0.0, "copies": 0.0, OTHER: 0.75,
     }
     assert list(p.times) == [label for label, _ in CATEGORIES] + [OTHER]
