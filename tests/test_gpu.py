@@ -80,16 +80,16 @@ def hf_model(model_dir):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
 
 
-def assert_agree(hf_model, prompts, expected, got):
+def assert_agree(hf_model, prompts, expected, got, tie=near_tie):
     """Token-for-token equality, except that a sequence may diverge once where the fp32 model's
-    two candidate tokens are within ``near_tie`` of each other; the rest of it is then not compared."""
+    two candidate tokens are within ``tie(logits)`` of each other; the rest of it is then not compared."""
     for prompt, exp, out in zip(prompts, expected, got):
         if exp == out:
             continue
         j = next(i for i, (a, b) in enumerate(zip(exp, out)) if a != b)
         with torch.no_grad():
             logits = hf_model(torch.tensor([prompt + exp[:j]], device="cuda")).logits[0, -1]
-        gap, tol = (logits[exp[j]] - logits[out[j]]).abs().item(), near_tie(logits)
+        gap, tol = (logits[exp[j]] - logits[out[j]]).abs().item(), tie(logits)
         assert gap < tol, f"prompt of {len(prompt)} tokens diverges at {j} with logit gap {gap:.4f} (near tie < {tol:.4f})"
 
 

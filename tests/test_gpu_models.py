@@ -1,8 +1,11 @@
 """The architectures beyond Qwen3 dense on a CUDA GPU (skipped without one): Qwen2 with biases,
-Llama 3 with the ``llama3`` RoPE scaling and Qwen3-MoE (the fused Triton MoE kernel) in bf16, with
-the Triton and flash-attn backends and CUDA graphs, greedy, against transformers' float32 greedy
-tokens on the same GPU (a divergence must be a bf16 near-tie, as in ``test_gpu.py``); the MoE also
-with tensor parallelism over two GPUs where there are two."""
+Llama 3 with the ``llama3`` RoPE scaling and Qwen3-MoE (the fused Triton MoE kernel), greedy, against
+transformers' float32 greedy tokens on the same GPU. In float32 (Triton attention, with and without
+CUDA graphs, and over two GPUs where there are two) a divergence must be a float32 tie. In bf16
+(Triton and flash-attn, graphs) it must be a bf16 near-tie as in ``test_gpu.py``; for the dense
+models only: in an MoE a bf16 rounding can swap one of the router's top-k experts, after which the
+logits move by more than any rounding bound (the kernel's bf16 accuracy is checked in
+``test_fused_moe.py``)."""
 import pytest
 import torch
 
@@ -24,12 +27,15 @@ MODELS = {
     "qwen3_moe": dict(shape="qwen3-30b-a3b", hidden_size=256, head_dim=128, num_experts=16, num_experts_per_tok=4,
                       moe_intermediate_size=128, norm_topk_prob=True, mlp_only_layers=[1], tie_word_embeddings=False),
 }
+DENSE = [name for name in MODELS if "moe" not in name]
+# float32 reductions in another order: candidates closer than this share of max |logit| are a tie
+FP32_TIE = 1e-4
 BACKENDS = ["triton", pytest.param("flash-attn", marks=pytest.mark.skipif(not HAS_FLASH_ATTN, reason="flash-attn not installed"))]
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
 def model(request, tmp_path_factory):
-    """(checkpoint folder, transformers float32 model on the GPU, its greedy tokens for make_prompts())."""
+    """(name, checkpoint folder, transformers float32 model on the GPU, its greedy tokens for make_prompts())."""
     from transformers import AutoModelForCausalLM
 
     spec = dict(MODELS[request.param])
@@ -43,7 +49,11 @@ def model(request, tmp_path_factory):
             for _ in range(MAX_TOKENS):
                 ids.append(int(hf(torch.tensor([ids], device="cuda")).logits[0, -1].argmax()))
             expected.append(ids[len(prompt):])
-    return path, hf, expected
+    return request.param, path, hf, expected
+
+
+def fp32_tie(logits: torch.Tensor) -> float:
+    return FP32_TIE * logits.abs().max().item()
 
 
 def generate(path, **kwargs) -> list[list[int]]:
@@ -52,14 +62,23 @@ def generate(path, **kwargs) -> list[list[int]]:
         return [o["token_ids"] for o in llm.generate(make_prompts(), params, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
-def test_matches_transformers(model, backend, enforce_eager):
-    path, hf, expected = model
-    assert_agree(hf, make_prompts(), expected, generate(path, attention_backend=backend, enforce_eager=enforce_eager))
+def test_float32_matches_transformers(model, enforce_eager):
+    _, path, hf, expected = model
+    got = generate(path, dtype="float32", attention_backend="triton", enforce_eager=enforce_eager)
+    assert_agree(hf, make_prompts(), expected, got, tie=fp32_tie)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16_graphs_match_transformers(model, backend):
+    name, path, hf, expected = model
+    if name not in DENSE:
+        pytest.skip("bf16 can swap a routed expert (see the module docstring)")
+    assert_agree(hf, make_prompts(), expected, generate(path, attention_backend=backend))
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_tp2_matches_transformers(model):
-    path, hf, expected = model
-    assert_agree(hf, make_prompts(), expected, generate(path, tensor_parallel_size=2))
+def test_tp2_float32_matches_transformers(model):
+    _, path, hf, expected = model
+    got = generate(path, dtype="float32", attention_backend="triton", tensor_parallel_size=2)
+    assert_agree(hf, make_prompts(), expected, got, tie=fp32_tie)
