@@ -22,6 +22,15 @@ INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")  # no
 
 
 @triton.jit
+def _dot(a, b):
+    """a @ b, accumulated in float32; float32 operands multiply in full float32 (Triton's default
+    for them is TF32, about 1e-3 relative error, which a float32 model must not get)."""
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
 def _e4m3_tile(v, DOT_DTYPE: tl.constexpr):
     """An e4m3 value tile [BLOCK_N, HEAD_DIM] in DOT_DTYPE for the P @ V dot. Converting it to
     float16 here, in the layout it was loaded in, is what makes the dot fast: left to itself the
@@ -49,10 +58,10 @@ def _online_softmax_step(qk, v, v_scale, m_i, l_i, acc, FP8: tl.constexpr, DOT_D
         w = p * v_scale[None, :]
         w_max = tl.max(w, 1)
         w_max = tl.where(w_max == 0.0, 1.0, w_max)
-        pv = tl.dot((w / w_max[:, None]).to(DOT_DTYPE), _e4m3_tile(v, DOT_DTYPE))
+        pv = _dot((w / w_max[:, None]).to(DOT_DTYPE), _e4m3_tile(v, DOT_DTYPE))
         acc = acc * alpha[:, None] + pv * w_max[:, None]
     else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v)
     return m_new, l_i, acc
 
 
@@ -74,7 +83,7 @@ def _fp8_scores(q, row_scale, k, k_scale_ptrs, v_scale_ptrs, kv_mask, DOT_DTYPE:
     each key's scale applied to its column, and the keys' V scales (for ``_online_softmax_step``)."""
     k_scale = tl.load(k_scale_ptrs, mask=kv_mask, other=0.0)
     v_scale = tl.load(v_scale_ptrs, mask=kv_mask, other=0.0)
-    return tl.dot(q, k.to(DOT_DTYPE)) * row_scale[:, None] * k_scale[None, :], v_scale
+    return _dot(q, k.to(DOT_DTYPE)) * row_scale[:, None] * k_scale[None, :], v_scale
 
 
 @triton.jit
@@ -114,7 +123,7 @@ def _prefill_tiles(
             qk, v_scale = _fp8_scores(q, row_scale, k, k_scale_ptr + scales, v_scale_ptr + scales, kv_mask, DOT_DTYPE)
         else:
             v_scale = None
-            qk = tl.dot(q, k) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+            qk = _dot(q, k) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
         if MASK:
             visible = kv_mask[None, :] & (pos[None, :] <= q_pos[:, None])
             qk = tl.where(visible, qk, float("-inf"))
@@ -233,7 +242,7 @@ def _decode_kernel(
             qk, v_scale = _fp8_scores(q, row_scale, k, k_scale_ptr + scales, v_scale_ptr + scales, kv_mask, DOT_DTYPE)
         else:
             v_scale = None
-            qk = tl.dot(q, k) * qk_scale  # [GROUP_PAD, BLOCK_N], log2 units
+            qk = _dot(q, k) * qk_scale  # [GROUP_PAD, BLOCK_N], log2 units
         qk = tl.where(kv_mask[None, :], qk, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(qk, v, v_scale, m_i, l_i, acc, FP8, DOT_DTYPE)
 
