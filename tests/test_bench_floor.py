@@ -1,0 +1,45 @@
+"""bench_floor.py's byte counts, against sums written out independently of its loops."""
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.py and bench_floor.py live at the repo root
+
+from bench import workload  # noqa: E402
+from bench_floor import step_bytes, weight_bytes_by_kind, workload_floor  # noqa: E402
+from nanovllm.utils.checkpoint import model_config, weight_bytes  # noqa: E402
+
+
+def test_dense_weights_exclude_only_an_untied_embedding():
+    tied, untied = model_config("qwen3-0.6b"), model_config("qwen3-4b")
+    assert weight_bytes_by_kind(tied) == (0, weight_bytes(tied))  # the LM head reads the tied matrix
+    assert weight_bytes_by_kind(untied) == (0, weight_bytes(untied) - untied["vocab_size"] * untied["hidden_size"] * 2)
+
+
+def test_moe_experts_per_layer_and_routing():
+    config = model_config("qwen3-30b-a3b")
+    expert_layer, dense = weight_bytes_by_kind(config)
+    assert expert_layer == 128 * 3 * 768 * 2048 * 2
+    assert dense + 48 * expert_layer == weight_bytes(config) - 151936 * 2048 * 2
+    # one token touches exactly its 8 experts; KV: 48 layers, 4 KV heads
+    weights, kv = step_bytes(config, [100], 512)
+    assert weights == pytest.approx(dense + 48 * expert_layer * 8 / 128)
+    assert kv == 100 * 48 * 4 * 512
+    weights, _ = step_bytes(config, [1] * 256, 512)  # at 256 tokens every expert is expected
+    assert weights == pytest.approx(dense + 48 * expert_layer * (1 - (120 / 128) ** 256))
+
+
+def test_workload_kv_is_the_closed_form_sum():
+    config = model_config("qwen3-0.6b")
+    prompts, params = workload(256)
+    per_token = 28 * 8 * 4 * 128  # layers * KV heads * (K and V, bf16, head_dim 128)
+    # request i decodes max_tokens - 1 steps over contexts len(prompt) + 1 ... len(prompt) + max_tokens - 1
+    expected = sum(per_token * (len(p) * (sp.max_tokens - 1) + sp.max_tokens * (sp.max_tokens - 1) // 2)
+                   for p, sp in zip(prompts, params))
+    weights, kv, steps = workload_floor(config, 256, 4 * 128)
+    assert steps == max(sp.max_tokens for sp in params) - 1
+    assert kv == expected
+    assert weights == steps * weight_bytes(config)
+    assert math.isclose(kv / 1e12, 13.85, abs_tol=0.01)  # the figure BENCHMARKS.md quotes
