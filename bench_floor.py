@@ -20,7 +20,7 @@ from nanovllm.utils.checkpoint import model_config, weight_shapes
 
 
 def weight_bytes_by_kind(config: dict, itemsize: int = 2) -> tuple[int, int]:
-    """(bytes of every expert of one MoE layer, bytes every decode step reads whatever its batch:
+    """(bytes of all experts of all MoE layers, bytes every decode step reads whatever its batch:
     all other weights, the LM head included, an untied input embedding not)."""
     expert, dense = 0, 0
     for name, shape in weight_shapes(config).items():
@@ -29,20 +29,19 @@ def weight_bytes_by_kind(config: dict, itemsize: int = 2) -> tuple[int, int]:
             expert += size
         elif name != "model.embed_tokens.weight" or config["tie_word_embeddings"]:
             dense += size
-    moe_layers = sum(1 for name in weight_shapes(config) if name.endswith("mlp.gate.weight"))
-    return (expert // moe_layers if moe_layers else 0), dense
+    return expert, dense
 
 
-def step_bytes(config: dict, contexts: list[int], kv_bytes_per_token_head: float) -> tuple[float, float]:
+def step_bytes(config: dict, contexts: list[int], kv_bytes_per_token_head: float,
+               by_kind: tuple[int, int] | None = None) -> tuple[float, float]:
     """(weight bytes, KV bytes) one decode step reads for a batch of these context lengths.
     ``kv_bytes_per_token_head``: what the cache stores of one token and KV head, K and V together
-    (bf16: 4 * head_dim; FP8: 2 * head_dim plus two 4-byte scales)."""
-    expert_layer, dense = weight_bytes_by_kind(config)
-    moe_layers = sum(1 for name in weight_shapes(config) if name.endswith("mlp.gate.weight"))
-    if moe_layers:
+    (bf16: 4 * head_dim; FP8: 2 * head_dim plus two 4-byte scales). ``by_kind``: the config's
+    ``weight_bytes_by_kind``, if already computed."""
+    expert, dense = by_kind or weight_bytes_by_kind(config)
+    if expert:  # every MoE layer reads the same expected share of its experts
         experts, k = config["num_experts"], config["num_experts_per_tok"]
-        touched = experts * (1 - (1 - k / experts) ** len(contexts))
-        dense += moe_layers * expert_layer * touched / experts
+        dense += expert * (1 - (1 - k / experts) ** len(contexts))
     kv = sum(contexts) * config["num_hidden_layers"] * config["num_key_value_heads"] * kv_bytes_per_token_head
     return dense, kv
 
@@ -50,11 +49,12 @@ def step_bytes(config: dict, contexts: list[int], kv_bytes_per_token_head: float
 def workload_floor(config: dict, num_seqs: int, kv_bytes_per_token_head: float) -> tuple[float, float, int]:
     """(weight bytes, KV bytes) over all decode steps of the workload, and the number of steps."""
     prompts, params = workload(num_seqs)
+    by_kind = weight_bytes_by_kind(config)
     weights = kv = 0.0
     steps = max(p.max_tokens for p in params) - 1  # the first token of each request comes from its prefill
     for t in range(steps):
         contexts = [len(prompt) + t + 1 for prompt, p in zip(prompts, params) if p.max_tokens > t + 1]
-        w, c = step_bytes(config, contexts, kv_bytes_per_token_head)
+        w, c = step_bytes(config, contexts, kv_bytes_per_token_head, by_kind)
         weights, kv = weights + w, kv + c
     return weights, kv, steps
 

@@ -18,11 +18,12 @@ def test_dense_weights_exclude_only_an_untied_embedding():
     assert weight_bytes_by_kind(untied) == (0, weight_bytes(untied) - untied["vocab_size"] * untied["hidden_size"] * 2)
 
 
-def test_moe_experts_per_layer_and_routing():
+def test_moe_experts_and_routing():
     config = model_config("qwen3-30b-a3b")
-    expert_layer, dense = weight_bytes_by_kind(config)
-    assert expert_layer == 128 * 3 * 768 * 2048 * 2
-    assert dense + 48 * expert_layer == weight_bytes(config) - 151936 * 2048 * 2
+    experts, dense = weight_bytes_by_kind(config)
+    expert_layer = 128 * 3 * 768 * 2048 * 2  # 128 experts of gate, up and down in each of 48 layers
+    assert experts == 48 * expert_layer
+    assert dense + experts == weight_bytes(config) - 151936 * 2048 * 2
     # one token touches exactly its 8 experts; KV: 48 layers, 4 KV heads
     weights, kv = step_bytes(config, [100], 512)
     assert weights == pytest.approx(dense + 48 * expert_layer * 8 / 128)
