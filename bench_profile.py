@@ -50,21 +50,50 @@ def category(name: str) -> str:
     return OTHER
 
 
-def busy_time(intervals: Iterable[tuple[float, float]]) -> float:
-    """Length of the union of ``[start, end)`` intervals: overlapping kernels (several streams)
-    count once."""
-    total = 0.0
-    cur_start = cur_end = None
+def merged(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of ``[start, end)`` intervals as sorted, disjoint intervals: overlapping kernels
+    (several streams) count once."""
+    out: list[list[float]] = []
     for start, end in sorted(intervals):
-        if cur_end is None or start > cur_end:
-            if cur_end is not None:
-                total += cur_end - cur_start
-            cur_start, cur_end = start, end
+        if out and start <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], end)
         else:
-            cur_end = max(cur_end, end)
-    if cur_end is not None:
-        total += cur_end - cur_start
-    return total
+            out.append([start, end])
+    return [(start, end) for start, end in out]
+
+
+def busy_time(intervals: Iterable[tuple[float, float]]) -> float:
+    """Length of the union of ``[start, end)`` intervals."""
+    return sum(end - start for start, end in merged(intervals))
+
+
+# idle gaps between kernels, binned by length (seconds): launch gaps are microseconds, a GPU
+# waiting on the host's step preparation hundreds of microseconds or more
+GAP_BINS = (10e-6, 100e-6, 1e-3)
+
+
+def idle_gaps(busy: list[tuple[float, float]], parts: int = 10) -> tuple[list[tuple[int, float]], list[float]]:
+    """The idle gaps between the ``merged`` busy intervals: (count, seconds) per length bin of
+    GAP_BINS (the last bin open-ended), and the idle seconds in each of ``parts`` equal parts of
+    the span from the first start to the last end (a gap across a border is split there)."""
+    by_length = [[0, 0.0] for _ in range(len(GAP_BINS) + 1)]
+    by_part = [0.0] * parts
+    if not busy:
+        return [tuple(b) for b in by_length], by_part
+    first, width = busy[0][0], (busy[-1][1] - busy[0][0]) / parts
+    for (_, gap_start), (gap_end, _) in zip(busy, busy[1:]):
+        length = gap_end - gap_start
+        bin_ = sum(length >= edge for edge in GAP_BINS)
+        by_length[bin_][0] += 1
+        by_length[bin_][1] += length
+        part = min(int((gap_start - first) / width), parts - 1)
+        while length > 0:
+            part_end = first + (part + 1) * width if part < parts - 1 else gap_end
+            step = min(gap_end, part_end) - max(gap_start, first + part * width)
+            by_part[part] += step
+            length -= step
+            part += 1
+    return [tuple(b) for b in by_length], by_part
 
 
 @dataclass
@@ -76,6 +105,8 @@ class GpuProfile:
     top_other: list[tuple[str, float]] = field(default_factory=list)  # the largest OTHER kernels by time
     first: float = 0.0  # the first event's start and the last one's end (the events' clock)
     last: float = 0.0
+    gaps_by_length: list[tuple[int, float]] = field(default_factory=list)  # per GAP_BINS bin: (count, seconds)
+    gaps_by_part: list[float] = field(default_factory=list)  # idle seconds per tenth of the span
 
     @property
     def idle(self) -> float:
@@ -106,9 +137,10 @@ def summarize(events: Iterable[tuple[str, float, float]], wall: float, num_other
             other[name] += end - start
         intervals.append((start, end))
     top = sorted(other.items(), key=lambda kv: (-kv[1], kv[0]))[:num_other]
-    first = min((s for s, _ in intervals), default=0.0)
-    last = max((e for _, e in intervals), default=0.0)
-    return GpuProfile(wall, busy_time(intervals), times, counts, top, first, last)
+    busy = merged(intervals)
+    first, last = (busy[0][0], busy[-1][1]) if busy else (0.0, 0.0)
+    by_length, by_part = idle_gaps(busy)
+    return GpuProfile(wall, sum(e - s for s, e in busy), times, counts, top, first, last, by_length, by_part)
 
 
 def format_table(profile: GpuProfile) -> str:
@@ -137,6 +169,12 @@ def format_notes(profile: GpuProfile, window: tuple[float, float] | None = None,
             lines.append(f"  {seconds * 1e3:9.1f} ms  {short}")
     lines.append(f"kernels span {profile.span:.2f} s of the {profile.wall:.2f} s wall; "
                  f"busy (union) {profile.busy:.2f} s")
+    if profile.gaps_by_length:
+        edges = [f"{edge * 1e6:g}" for edge in GAP_BINS]
+        labels = [f"< {edges[0]} us"] + [f"{lo}-{hi} us" for lo, hi in zip(edges, edges[1:])] + [f">= {edges[-1]} us"]
+        cells = [f"{label}: {n:,} ({t:.3f} s)" for label, (n, t) in zip(labels, profile.gaps_by_length)]
+        lines.append("idle gaps between kernels by length: " + ", ".join(cells))
+        lines.append("idle seconds per tenth of the span: " + " ".join(f"{t:.3f}" for t in profile.gaps_by_part))
     if window is not None and profile.span:
         lines.append(f"first event {profile.first - window[0]:+.3f} s after the profiled window opened, "
                      f"last event {window[1] - profile.last:+.3f} s before it closed")

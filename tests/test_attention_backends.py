@@ -262,12 +262,14 @@ def test_triton_tiles_fit_shared_memory():
                 block_m, block_n, _, num_stages = prefill_tiles(head_dim, itemsize, max_seqlen_q)
                 assert shared_memory_estimate(block_m, block_n, head_dim, num_stages, itemsize) <= H100_SHARED_MEMORY
             for group_pad in (16, 64):
-                block_n, num_stages = decode_tiles(head_dim, itemsize, group_pad)
-                assert shared_memory_estimate(group_pad, block_n, head_dim, num_stages, itemsize) <= H100_SHARED_MEMORY
+                for fp8 in (False, True):
+                    block_n, num_stages = decode_tiles(head_dim, itemsize, group_pad, fp8)
+                    assert shared_memory_estimate(group_pad, block_n, head_dim, num_stages, itemsize) <= H100_SHARED_MEMORY
     for head_dim in (64, 128):
         assert prefill_tiles(head_dim, 2, 4096) == (128, 64, 8, 3)
         assert prefill_tiles(head_dim, 2, 64) == (64, 64, 4, 3)
-        assert decode_tiles(head_dim, 2, 16) == (128, 3)
+        assert decode_tiles(head_dim, 2, 16) == (128, 2)
+        assert decode_tiles(head_dim, 2, 16, fp8=True) == (128, 3)
     assert prefill_tiles(128, 4, 4096) != (128, 64, 8, 3)
 
 

@@ -9,7 +9,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench_profile.py lives at the repo root
 
 from bench_profile import (  # noqa: E402
-    CATEGORIES, IDLE, OTHER, busy_time, category, device_events, format_notes, format_table, summarize,
+    CATEGORIES, IDLE, OTHER, busy_time, category, device_events, format_notes, format_table, idle_gaps, merged,
+    summarize,
 )
 
 FLASH_DECODE = ("void flash::flash_fwd_splitkv_kernel<Flash_fwd_kernel_traits<128, 64, 128, 4, false, false, "
@@ -114,6 +115,23 @@ def test_summarize_empty_and_clamped():
         summarize([("gemm", 2.0, 1.0)], wall=2.0)
 
 
+def test_idle_gaps_by_length_and_by_part():
+    # busy [0, 1), [1.000004, 2), [2.00005, 5), [5.0005, 8), [8.002, 10): gaps of 4 us, 50 us,
+    # 500 us and 2 ms; the span 0-10 s in tenths of 1 s
+    busy = merged([(0.0, 1.0), (1.000004, 2.0), (2.00005, 5.0), (5.0005, 8.0), (8.002, 10.0), (3.0, 4.0)])
+    assert busy == [(0.0, 1.0), (1.000004, 2.0), (2.00005, 5.0), (5.0005, 8.0), (8.002, 10.0)]
+    by_length, by_part = idle_gaps(busy)
+    assert [n for n, _ in by_length] == [1, 1, 1, 1]
+    assert [t for _, t in by_length] == pytest.approx([4e-6, 50e-6, 500e-6, 2e-3])
+    expected = [0.0] * 10
+    expected[1], expected[2], expected[5], expected[8] = 4e-6, 50e-6, 500e-6, 2e-3
+    assert by_part == pytest.approx(expected)
+    # a gap across a border is split there: busy [0, 0.5) and [1.5, 2) over tenths of 0.2 s
+    _, by_part = idle_gaps([(0.0, 0.5), (1.5, 2.0)])
+    assert by_part == pytest.approx([0.0, 0.0, 0.1, 0.2, 0.2, 0.2, 0.2, 0.1, 0.0, 0.0])
+    assert idle_gaps([]) == ([(0, 0.0)] * 4, [0.0] * 10)
+
+
 def test_format_table():
     events = [("_decode_kernel", 0.0, 2.0), ("nvjet_x", 2.0, 3.0), ("Memcpy DtoH (Device -> Pinned)", 3.0, 3.5),
               ("what_is_this", 3.5, 4.0)]
@@ -133,6 +151,8 @@ def test_format_notes_lists_other_kernels_and_warns_on_sparse_coverage():
     notes = format_notes(summarize([("x" * 300, 0.0, 0.5)], wall=2.0), width=40)
     assert "largest 'other' kernels:" in notes and ("x" * 37 + "...") in notes and "x" * 38 not in notes
     assert "warning" in notes  # 0.5 s of events over a 2 s run
+    notes = format_notes(summarize([("a", 0.0, 1.0), ("b", 1.00002, 2.0)], wall=2.0))
+    assert "idle gaps between kernels by length: < 10 us: 0 (0.000 s), 10-100 us: 1 (0.000 s)," in notes
     notes = format_notes(summarize([("gemm", 10.25, 10.5), ("gemm", 11.5, 12.0)], wall=2.0), window=(10.0, 12.125))
     assert "warning" not in notes
     assert "first event +0.250 s after the profiled window opened, last event +0.125 s before it closed" in notes

@@ -505,7 +505,9 @@ def check_step(sched, seqs, is_prefill):
         if chunked:
             assert sched.waiting[0] is chunked[0] and chunked[0].status == WAITING
     else:
-        assert seqs == list(sched.running)[: len(seqs)]
+        # the head of running (FIFO), listed longest context first
+        assert {id(s) for s in seqs} == {id(s) for s in list(sched.running)[: len(seqs)]}
+        assert [len(s) for s in seqs] == sorted((len(s) for s in seqs), reverse=True)
         assert all(s.num_scheduled_tokens == 1 and s.num_cached_tokens == len(s) - 1 for s in seqs)
     check_block_invariants(sched.block_manager, list(sched.waiting) + list(sched.running))
 

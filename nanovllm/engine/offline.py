@@ -26,18 +26,24 @@ class OfflineCalls:
         returns one dict per prompt, in input order. ``sampling_params``: one for all, one per
         prompt, or None for ``get_default_sampling_params()``."""
         requests = self._make_requests(prompts, sampling_params)
+        where = {seq.seq_id: i for i, request in enumerate(requests) for seq in request.seqs}
+        results: list[dict | None] = [None] * len(requests)
         pbar = tqdm(total=len(requests), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         with pbar, closing(self._run(requests)) as steps:
-            done, shown = 0, perf_counter()
-            for _ in steps:
-                now_done = sum(r.is_finished for r in requests) if use_tqdm else 0
-                pbar.update(now_done - done)
-                done = now_done
+            shown = perf_counter()
+            for finished in steps:
+                # a request's output (its text decoded) is made when it finishes, while the device
+                # computes the next step, not after the last one
+                for seq_id in finished:
+                    i = where[seq_id]
+                    if results[i] is None and requests[i].is_finished:
+                        results[i] = self._request_output(requests[i])
+                        pbar.update(1)
                 if use_tqdm and perf_counter() - shown > PROGRESS_INTERVAL:
                     shown = perf_counter()
                     t = self.last_throughput
                     pbar.set_postfix(prefill=f"{t['prefill']:.0f}tok/s", decode=f"{t['decode']:.0f}tok/s")
-        return [self._request_output(r) for r in requests]
+        return [result or self._request_output(request) for result, request in zip(results, requests)]
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params=None, use_tqdm: bool = True,
              chat_template_kwargs: dict | None = None) -> list[dict]:
@@ -111,9 +117,10 @@ class OfflineCalls:
             sampling_params = [sampling_params] * len(prompts)
         return [self._make_request(p, sp, f"prompts[{i}]", stream) for i, (p, sp) in enumerate(zip(prompts, sampling_params))]
 
-    def _run(self, requests: list[Request]) -> Iterator[None]:
-        """Queue ``requests`` and step until all are finished, yielding after each step. Left early
-        (an exception, or closed), it aborts whatever of them is unfinished."""
+    def _run(self, requests: list[Request]) -> Iterator[list[int]]:
+        """Queue ``requests`` and step until all are finished, yielding after each step the ids of
+        their sequences whose results became complete in it. Left early (an exception, or
+        closed), it aborts whatever of them is unfinished."""
         own = {seq.seq_id for r in requests for seq in r.seqs}
         self._collected |= own
         for request in requests:
@@ -130,14 +137,16 @@ class OfflineCalls:
                 tokens[kind] += abs(num_tokens)
                 seconds[kind] += perf_counter() - t
                 self.last_throughput[kind] = tokens[kind] / seconds[kind]
+                finished = []
                 for seq_id, token_ids in outputs:
                     if seq_id in own:
-                        remaining -= 1
+                        finished.append(seq_id)
                     elif seq_id not in self._collected:
                         self._unclaimed.append((seq_id, token_ids))  # an add_request's: for step()'s caller
+                remaining -= len(finished)
                 if num_tokens == 0:  # nothing ran: some of ours were aborted meanwhile
                     remaining = sum(not seq.is_complete for r in requests for seq in r.seqs)
-                yield
+                yield finished
             self._settle()
         finally:
             self._collected -= own

@@ -32,23 +32,26 @@ def prompt_token_ids(prompt, tokenizer, vocab_size: int, where: str) -> list[int
     if isinstance(prompt, str):
         token_ids = tokenizer.encode(prompt)
     elif isinstance(prompt, (list, tuple)) or getattr(prompt, "ndim", None) == 1:
-        values = prompt.tolist() if hasattr(prompt, "tolist") else list(prompt)
-        token_ids = []
-        for i, t in enumerate(values):
-            if isinstance(t, bool) or not isinstance(t, Integral):
-                raise TypeError(f"{where}: token {i} must be an int, got {t!r} ({type(t).__name__})")
-            token_ids.append(int(t))
+        token_ids = prompt.tolist() if hasattr(prompt, "tolist") else list(prompt)
+        if set(map(type, token_ids)) - {int}:  # the common case (plain ints) takes this one pass
+            token_ids = [_token_id(t, i, where) for i, t in enumerate(token_ids)]
     else:
         shape = f" with shape {tuple(prompt.shape)}" if hasattr(prompt, "shape") else ""
         raise TypeError(
             f"{where}: a prompt must be a str or a 1-D sequence of token ids, got {type(prompt).__name__}{shape}"
         )
-    for i, t in enumerate(token_ids):
-        if not 0 <= t < vocab_size:
-            raise ValueError(f"{where}: token {i} is {t}, outside the vocabulary [0, {vocab_size})")
     if not token_ids:
         raise ValueError(f"{where}: the prompt is empty")
+    if min(token_ids) < 0 or max(token_ids) >= vocab_size:
+        i, t = next((i, t) for i, t in enumerate(token_ids) if not 0 <= t < vocab_size)
+        raise ValueError(f"{where}: token {i} is {t}, outside the vocabulary [0, {vocab_size})")
     return token_ids
+
+
+def _token_id(t, i: int, where: str) -> int:
+    if isinstance(t, bool) or not isinstance(t, Integral):
+        raise TypeError(f"{where}: token {i} must be an int, got {t!r} ({type(t).__name__})")
+    return int(t)
 
 
 class Request:

@@ -43,7 +43,8 @@ class Scheduler:
         Returns ``(seqs, is_prefill)``. Prefill takes waiting sequences in order while the
         sequence limit, the token budget (uncached tokens only) and free blocks allow; only the
         first sequence of a step may be chunked. Without prefill work, every running sequence
-        decodes one token, preempting the newest ones when blocks run out.
+        decodes one token, preempting the newest ones when blocks run out; a decode step lists
+        its sequences longest first.
         """
         scheduled: list[Sequence] = []
         budget = self.max_num_batched_tokens
@@ -87,7 +88,9 @@ class Scheduler:
                 seq.num_scheduled_tokens = 1
                 scheduled.append(seq)
         self.running.extendleft(reversed(scheduled))
-        return scheduled, False
+        # longest context first: the decode kernels then start their longest programs first, which
+        # evens out the SMs' work (the order of a step's sequences means nothing else)
+        return sorted(scheduled, key=len, reverse=True), False
 
     def preempt(self, seq: Sequence) -> None:
         """Free ``seq``'s blocks and put it back at the head of ``waiting`` for recomputation."""

@@ -22,7 +22,13 @@ SHARED_MEMORY_BUDGET = 200 * 1024
 PREFILL_TILES = ((128, 64, 8, 3), (64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 2), (16, 16, 4, 1))
 # where no sequence has more than 64 new tokens, or head_dim > 128
 SHORT_PREFILL_TILES = ((64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 2), (16, 16, 4, 1))
-DECODE_TILES = ((128, 3), (64, 2), (32, 2), (16, 2), (16, 1))  # (BLOCK_N, num_stages); BLOCK_M is the padded group
+DECODE_TILES = ((128, 2), (64, 2), (32, 2), (16, 2), (16, 1))  # (BLOCK_N, num_stages); BLOCK_M is the padded group
+# An FP8 cache gains from one more key tile in flight (its tiles are half the bytes); bf16 loses.
+FP8_DECODE_TILES = ((128, 3),) + DECODE_TILES
+# Decode holds a sequence's block ids in registers when a key tile lies within one cache block and
+# the block table is at most this wide: the key and value loads then depend on no other load in
+# the loop, so the compiler can buffer them ``num_stages - 1`` tiles ahead.
+MAX_TABLE_IN_REGISTERS = 1024
 
 
 class DecodeTile(NamedTuple):
@@ -44,9 +50,10 @@ def prefill_tiles(head_dim: int, itemsize: int, max_seqlen_q: int) -> tuple[int,
     return _first_fitting(SHORT_PREFILL_TILES if short else PREFILL_TILES, head_dim, itemsize)
 
 
-def decode_tiles(head_dim: int, itemsize: int, group_pad: int) -> tuple[int, int]:
+def decode_tiles(head_dim: int, itemsize: int, group_pad: int, fp8: bool = False) -> tuple[int, int]:
     """BLOCK_N, num_stages for a decode over ``group_pad`` query heads per program."""
-    candidates = tuple((group_pad, block_n, 4, num_stages) for block_n, num_stages in DECODE_TILES)
+    tiles = FP8_DECODE_TILES if fp8 else DECODE_TILES
+    candidates = tuple((group_pad, block_n, 4, num_stages) for block_n, num_stages in tiles)
     _, block_n, _, num_stages = _first_fitting(candidates, head_dim, itemsize)
     return block_n, num_stages
 
@@ -100,6 +107,7 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
 
     MIN_TILES_PER_SPLIT = 4  # split-K only where each split still has this many key tiles to read
+    PROGRAMS_PER_SM = 2  # split-K until the launch has this many programs per SM
 
     def __init__(self, num_splits: int | None = None, decode_tile: DecodeTile | None = None):
         """``num_splits``: key splits per sequence in decode (a power of two); None picks one from the
@@ -151,12 +159,15 @@ class TritonAttentionBackend(AttentionBackend):
         num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
         group = num_heads // num_kv_heads
         group_pad = max(16, triton.next_power_of_2(group))
-        tile = self.decode_tile or DecodeTile(*decode_tiles(head_dim, q.element_size(), group_pad))
         fp8, k_scale, v_scale, scale_strides, dot_dtype = _fp8_args(q, k_cache, k_scale, v_scale)
+        tile = self.decode_tile or DecodeTile(*decode_tiles(head_dim, q.element_size(), group_pad, fp8))
         tables = context.block_tables
         out = torch.empty(num_seqs, num_heads, head_dim, dtype=q.dtype, device=q.device)
         if num_seqs == 0:
             return out
+        width = tables.shape[1]
+        in_registers = block_size % tile.block_n == 0 and width <= MAX_TABLE_IN_REGISTERS
+        table_pad = triton.next_power_of_2(width) if in_registers else 0
         num_splits = self.num_splits or self._pick_num_splits(
             num_seqs * num_kv_heads, tables.shape[1] * block_size, tile.block_n, q.device
         )
@@ -171,7 +182,8 @@ class TritonAttentionBackend(AttentionBackend):
             scale * LOG2E,
             k_scale, v_scale, *scale_strides,
             NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
-            BLOCK_SIZE=block_size, BLOCK_N=tile.block_n, NUM_SPLITS=num_splits, FP8=fp8, DOT_DTYPE=dot_dtype,
+            BLOCK_SIZE=block_size, BLOCK_N=tile.block_n, NUM_SPLITS=num_splits, TABLE_PAD=table_pad,
+            FP8=fp8, DOT_DTYPE=dot_dtype,
             num_warps=tile.num_warps, num_stages=tile.num_stages,
         )
         if num_splits > 1:
@@ -182,11 +194,11 @@ class TritonAttentionBackend(AttentionBackend):
         return out
 
     def _pick_num_splits(self, num_programs: int, max_context: int, block_n: int, device: torch.device) -> int:
-        """Enough splits to give every SM about two programs, while each split keeps at least
+        """Enough splits to give every SM about PROGRAMS_PER_SM programs, while each split keeps at least
         MIN_TILES_PER_SPLIT key tiles of ``block_n`` keys of the longest context the block tables
         can address."""
         max_tiles = math.ceil(max_context / block_n)
-        target = 2 * _num_sms(device)
+        target = self.PROGRAMS_PER_SM * _num_sms(device)
         splits = 1
         while splits < 64 and num_programs * splits < target and max_tiles >= 2 * splits * self.MIN_TILES_PER_SPLIT:
             splits *= 2

@@ -200,12 +200,15 @@ def _decode_kernel(
     qk_scale,
     k_scale_ptr, v_scale_ptr, stride_sb, stride_st,  # FP8 only
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, TABLE_PAD: tl.constexpr,
     FP8: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
     """One program: all GROUP query heads sharing one KV head, over one split of one sequence's
     context. With NUM_SPLITS == 1 it writes the output; otherwise unnormalised partial sums for
-    ``_decode_reduce_kernel``. grid: (num_seqs, num_kv_heads, NUM_SPLITS)"""
+    ``_decode_reduce_kernel``. TABLE_PAD > 0 (a power of two at least the block table's width;
+    only where every key tile lies within one cache block): the block ids are loaded once and
+    picked from registers, so no load in the loop waits on another and the pipeline can fetch
+    tiles ahead. grid: (num_seqs, num_kv_heads, NUM_SPLITS)"""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -227,13 +230,21 @@ def _decode_kernel(
     if FP8:
         q, row_scale = _fp8_query(q, qk_scale, DOT_DTYPE)
 
+    if TABLE_PAD:  # the sequence's block ids, held in registers
+        offs_t = tl.arange(0, TABLE_PAD)
+        num_blocks = tl.cdiv(context_len, BLOCK_SIZE)
+        table = tl.load(block_tables_ptr + seq * stride_bt + offs_t, mask=offs_t < num_blocks, other=0)
+
     m_i = tl.full([GROUP_PAD], MASKED, tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     for start in range(lo, hi, BLOCK_N):
         pos = start + offs_n
         kv_mask = pos < hi
-        block = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=kv_mask, other=0)
+        if TABLE_PAD:
+            block = tl.sum(tl.where(offs_t == start // BLOCK_SIZE, table, 0))
+        else:
+            block = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=kv_mask, other=0)
         row = block.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
         k = tl.load(k_cache_ptr + row[None, :] + offs_d[:, None], mask=kv_mask[None, :], other=0.0)
         v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask[:, None], other=0.0)
