@@ -4,8 +4,8 @@ The cache is paged (block size 256, block ids shuffled) and filled with N(0, 1) 
 ``--num-seqs`` sequences has a context length drawn uniformly from [--min-len, --max-len] (seed 0);
 the defaults resemble a mid-run step of ``bench.py``'s workload. Every candidate is first checked
 against the torch backend in float32 over the same cache (dequantized for FP8), then captured in a
-CUDA graph and timed with CUDA events (median of --iters replays after warm-up). "GB/s" counts the K/V bytes the step must read
-(and the scales of an FP8 cache) over the median time. GPU only.
+CUDA graph and timed with CUDA events (median of --iters replays after warm-up). "GB/s" counts the
+K/V bytes the step must read (and the scales of an FP8 cache) over the median time. GPU only.
 
     python bench_attention.py                       # flash-attn, Triton bf16 and FP8 at their defaults
     python bench_attention.py --sweep               # also every Triton tile of SWEEP
@@ -16,8 +16,8 @@ CUDA graph and timed with CUDA events (median of --iters replays after warm-up).
 ``--run`` replays the decode steps of ``bench.py``'s workload (its seed, prompt and output lengths;
 sequence i has context prompt_len + j at its j-th decode step and leaves after its last) and sums
 the median time of every ``--stride``-th step times the stride and 28 layers: the decode attention of
-the whole run, for each candidate; "sorted" runs the same steps with the batch ordered longest
-context first.
+the whole run, for each candidate; "as is" keeps the workload's order of sequences, "sorted" orders
+each step longest context first (as the scheduler does).
 """
 import argparse
 import itertools
@@ -92,6 +92,7 @@ def make_backend(name: str, tile: DecodeTile | None, rule: tuple[int, int] | Non
 
 
 GRAPH_BATCHES = (1, 2, 4, 8) + tuple(range(16, 257, 16))  # the engine's decode graphs for 256 sequences
+RUN_BUCKETS = ((192, 257), (128, 192), (64, 128), (32, 64), (0, 32))  # --run's batch sizes [lo, hi)
 
 
 def run_steps(stride: int) -> list[list[int]]:
@@ -126,23 +127,12 @@ def time_run(args, candidates: list, dtype: torch.dtype) -> None:
     read = median_ms(lambda: torch.sum(k, dtype=torch.float32), args.iters)
     print(f"reference: torch.sum over the bf16 K cache ({k.nbytes / 1e9:.2f} GB) reads at {k.nbytes / read / 1e9:.2f} TB/s")
     width = -(-4096 // args.block_size)  # the graphs' block tables span max_model_len
-    buckets = ((192, 257), (128, 192), (64, 128), (32, 64), (0, 32))
-    totals = {}  # (candidate, order) -> {bucket: [seconds, bytes]}
+    totals = {}  # (name, fp8, tile, rule, order) -> {bucket: [seconds, bytes]}
     for lens in steps:
-        batch = next(b for b in GRAPH_BATCHES if b >= len(lens))
+        bucket = next(b for b in RUN_BUCKETS if b[0] <= len(lens) < b[1])
         for order in ("as is", "sorted"):
-            step_lens = sorted(lens, reverse=True) if order == "sorted" else lens
-            counts = [-(-n // args.block_size) for n in step_lens]
-            ids = torch.randperm(blocks, generator=torch.Generator().manual_seed(len(lens)))
-            tables = torch.zeros(batch, width, dtype=torch.int32)
-            start = 0
-            for i, n in enumerate(counts):
-                tables[i, :n] = ids[start:start + n]
-                start += n
-            context_lens = torch.tensor(step_lens + [0] * (batch - len(lens)), dtype=torch.int32)
-            context = Context(context_lens=context_lens.cuda(), block_tables=tables.cuda())
-            q = torch.randn(batch, args.heads, args.head_dim, generator=gen, device="cuda", dtype=dtype)
-            bucket = next(b for b in buckets if b[0] <= len(lens) < b[1])
+            context = run_context(sorted(lens, reverse=True) if order == "sorted" else lens, blocks, width, args.block_size)
+            q = torch.randn(context.block_tables.shape[0], args.heads, args.head_dim, generator=gen, device="cuda", dtype=dtype)
             for name, fp8, tile, rule in candidates:
                 kc, vc, ks, vs = caches[fp8]
                 backend = backends[name, tile, rule]
@@ -152,13 +142,27 @@ def time_run(args, candidates: list, dtype: torch.dtype) -> None:
                 acc[0] += ms * 1e-3 * args.stride * 28
                 acc[1] += sum(lens) * args.kv_heads * row_bytes * args.stride * 28
     print(f"{len(steps)} steps (every {args.stride}th), x{args.stride} x 28 layers; seconds (TB/s) by batch size")
-    print(f"{'candidate':<44} {'order':<7} {'total':>14} " + " ".join(f"{f'{lo}-{hi - 1}':>14}" for lo, hi in buckets))
+    print(f"{'candidate':<44} {'order':<7} {'total':>14} " + " ".join(f"{f'{lo}-{hi - 1}':>14}" for lo, hi in RUN_BUCKETS))
     for (name, fp8, tile, rule, order), by in totals.items():
         label = f"{name} {'fp8' if fp8 else 'bf16'} {tuple(tile) if tile else 'default'}" + (f" split {rule}" if rule else "")
-        cells = [by.get(b, [0.0, 0]) for b in buckets]
+        cells = [by.get(b, [0.0, 0]) for b in RUN_BUCKETS]
         secs, nbytes = sum(c[0] for c in cells), sum(c[1] for c in cells)
         fmt = lambda s, n: f"{s:6.3f} ({n / s / 1e12 if s else 0:4.2f})"
         print(f"{label:<44} {order:<7} {fmt(secs, nbytes):>14} " + " ".join(f"{fmt(*c):>14}" for c in cells), flush=True)
+
+
+def run_context(lens: list[int], blocks: int, width: int, block_size: int) -> Context:
+    """A decode step's context as the engine's graphs see it: padded to a graph batch size (rows of
+    context 0), block tables ``width`` wide, each sequence's blocks drawn at random from ``blocks``."""
+    batch = next(b for b in GRAPH_BATCHES if b >= len(lens))
+    ids = torch.randperm(blocks, generator=torch.Generator().manual_seed(len(lens)))
+    tables = torch.zeros(batch, width, dtype=torch.int32)
+    start = 0
+    for i, n in enumerate(-(-n // block_size) for n in lens):
+        tables[i, :n] = ids[start:start + n]
+        start += n
+    context_lens = torch.tensor(lens + [0] * (batch - len(lens)), dtype=torch.int32)
+    return Context(context_lens=context_lens.cuda(), block_tables=tables.cuda())
 
 
 def main() -> None:

@@ -940,6 +940,29 @@ def test_generate_without_params_uses_defaults(ckpt_tied, hf_ref, tmp_path):
     assert_greedy_match(out["token_ids"], ref, "generate(prompts) with the folder's defaults (temperature 0)")
 
 
+def test_generate_makes_each_output_when_its_request_finishes(llm):
+    """A request's output (its text decoded) is made in the step loop once it finishes, while the
+    others still run, not after the last step; the returned list is still in prompt order."""
+    prompts = random_prompts(131, [5, 7, 9])
+    made = []
+    make = llm._request_output
+
+    def record(request):
+        made.append((request.prompt_token_ids, len(llm.scheduler.running)))
+        return make(request)
+
+    llm._request_output = record
+    try:
+        outputs = llm.generate(prompts, [greedy(20), greedy(2), greedy(20)], use_tqdm=False)
+    finally:
+        del llm._request_output
+    assert made[0] == (prompts[1], 2)  # the short request, while both long ones still decode
+    assert sorted(p for p, _ in made) == sorted(prompts) and len(made) == 3
+    assert [len(o["token_ids"]) for o in outputs] == [20, 2, 20]
+    assert [o["prompt_token_ids"] for o in outputs] == prompts
+    assert_idle(llm)
+
+
 # ---- 11. prompts as arrays and tensors ----------------------------------------------------------
 
 

@@ -43,7 +43,7 @@ class OfflineCalls:
                     shown = perf_counter()
                     t = self.last_throughput
                     pbar.set_postfix(prefill=f"{t['prefill']:.0f}tok/s", decode=f"{t['decode']:.0f}tok/s")
-        return [result or self._request_output(request) for result, request in zip(results, requests)]
+        return [self._request_output(r) if out is None else out for out, r in zip(results, requests)]
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params=None, use_tqdm: bool = True,
              chat_template_kwargs: dict | None = None) -> list[dict]:

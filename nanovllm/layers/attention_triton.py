@@ -23,7 +23,8 @@ PREFILL_TILES = ((128, 64, 8, 3), (64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 2)
 # where no sequence has more than 64 new tokens, or head_dim > 128
 SHORT_PREFILL_TILES = ((64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 2), (16, 16, 4, 1))
 DECODE_TILES = ((128, 2), (64, 2), (32, 2), (16, 2), (16, 1))  # (BLOCK_N, num_stages); BLOCK_M is the padded group
-# An FP8 cache gains from one more key tile in flight (its tiles are half the bytes); bf16 loses.
+# An FP8 cache gains from one more key tile in flight (its tiles are half the bytes), bf16 loses
+# (over bench.py's decode steps on an H100: FP8 -4.5%, bf16 +3% of the time; BENCHMARKS.md).
 FP8_DECODE_TILES = ((128, 3),) + DECODE_TILES
 # Decode holds a sequence's block ids in registers when a key tile lies within one cache block and
 # the block table is at most this wide: the key and value loads then depend on no other load in
@@ -169,7 +170,7 @@ class TritonAttentionBackend(AttentionBackend):
         in_registers = block_size % tile.block_n == 0 and width <= MAX_TABLE_IN_REGISTERS
         table_pad = triton.next_power_of_2(width) if in_registers else 0
         num_splits = self.num_splits or self._pick_num_splits(
-            num_seqs * num_kv_heads, tables.shape[1] * block_size, tile.block_n, q.device
+            num_seqs * num_kv_heads, width * block_size, tile.block_n, q.device
         )
         if num_splits == 1:
             part_acc = part_ml = out  # unused
