@@ -18,13 +18,14 @@ import json
 from collections import Counter
 from dataclasses import dataclass, replace
 
+import numpy as np
 import pytest
 import torch
 
 from hf_reference import random_prompts
 from triton_interpreter import results_under_interpreter, run_cases, squeeze_interpreter_loop_bounds
 from nanovllm.engine.requests import Request
-from nanovllm.engine.sampling_batch import NUM_CANDIDATES, draw_seed, make_sampling_batch
+from nanovllm.engine.sampling_batch import NUM_CANDIDATES, draw_seed, make_sampling_batch, plain_sampling
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers import sampling_torch
 from nanovllm.layers.sampler import Filters, Sampler, SamplingBatch
@@ -619,7 +620,24 @@ def triton_case(vocab: int, dtype: torch.dtype, seed: int, rows_per_temperature:
     return dict(rows=n, near_ties=near_ties, mismatches=mismatches, distinct=len(set(want.tolist())))
 
 
+def triton_skip_case() -> dict:
+    """Rows with a negative temperature are skipped: their ``out`` entries keep what was there; the
+    others get the torch draw's tokens."""
+    from nanovllm.layers import sampling_triton
+
+    g = torch.Generator().manual_seed(30)
+    logits = torch.randn(6, 3000, generator=g) * 2
+    temps = torch.tensor([0.7, -1.0, 0.0, -1.0, 1.3, -0.5])
+    seeds = seed_tensor(6, 30)
+    out = torch.full((6,), -7, dtype=torch.int64)
+    got = sampling_triton.gumbel_argmax(logits, temps, seeds, out=out)
+    drawn = [0, 2, 4]
+    want = sampling_torch.gumbel_argmax(logits[drawn], temps[drawn], seeds[drawn])
+    return dict(returned_out=got is out, out=out.tolist(), want=want.tolist())
+
+
 TRITON_CASES = {
+    "skipped_rows": triton_skip_case,
     "float32_vocab2000": lambda: triton_case(2000, torch.float32, 20),
     "bfloat16_vocab2000": lambda: triton_case(2000, torch.bfloat16, 21),
     "float32_vocab5000": lambda: triton_case(5000, torch.float32, 22),
@@ -644,7 +662,16 @@ def triton_results() -> dict:
     return results_under_interpreter(__file__)
 
 
-@pytest.mark.parametrize("case", list(TRITON_CASES))
+def test_triton_gumbel_argmax_skips_negative_temperatures(triton_results):
+    """What a CUDA graph relies on: padding rows and rows the full sampler draws are left alone."""
+    r = triton_results["skipped_rows"]
+    assert "error" not in r, r
+    assert r["returned_out"]
+    assert [r["out"][i] for i in (1, 3, 5)] == [-7, -7, -7]
+    assert [r["out"][i] for i in (0, 2, 4)] == r["want"]
+
+
+@pytest.mark.parametrize("case", [c for c in TRITON_CASES if c != "skipped_rows"])
 def test_triton_gumbel_argmax_matches_torch(triton_results, case):
     """The same token as the torch draw on every row; a sampled row may differ only at a near-tie
     (Gumbel scores within TIE_GAP), a greedy row never."""
@@ -753,3 +780,46 @@ def test_make_sampling_batch_candidates(top_ks, vocab, num_candidates, all_top_k
 
 if __name__ == "__main__":
     print(json.dumps(run_triton_cases()))
+
+
+# ---- plain_sampling: what a CUDA graph draws by itself ---------------------------------------------
+
+
+def test_plain_sampling_temperatures_and_seeds():
+    """Greedy rows get temperature 0; a seeded row the same draw seed as make_sampling_batch gives
+    it; unseeded rows a seed from the generator in [0, 2**32)."""
+    seqs = [
+        *request_seqs([1, 2], SamplingParams(temperature=0.0), [3]),
+        *request_seqs([4], SamplingParams(temperature=0.8, seed=9), [5, 6]),
+        *request_seqs([7], SamplingParams(temperature=1.5), []),
+        *request_seqs([2], SamplingParams(temperature=0.6, seed=4, n=2), [8]),
+    ]
+    temperatures, seeds = plain_sampling(seqs, np.random.default_rng(0))
+    assert temperatures == pytest.approx([0.0, 0.8, 1.5, 0.6, 0.6])
+    assert seeds[1] == draw_seed(9, 2) and seeds[3] == draw_seed(4, 1) and seeds[4] == draw_seed(5, 1)
+    assert all(isinstance(s, int) and 0 <= s < 1 << 32 for s in seeds)
+    batch = make_batch(seqs, 1000)
+    assert batch.seeds[[1, 3, 4]].tolist() == [seeds[1], seeds[3], seeds[4]]
+    assert batch.temperatures.tolist() == pytest.approx(temperatures)
+
+
+@pytest.mark.parametrize("params, completion", [
+    (SamplingParams(temperature=0.7, top_p=0.9), []),
+    (SamplingParams(temperature=0.7, top_k=5), []),
+    (SamplingParams(temperature=0.7, min_p=0.1), []),
+    (SamplingParams(temperature=0.0, repetition_penalty=1.1), []),
+    (SamplingParams(temperature=0.7, presence_penalty=0.2), []),
+    (SamplingParams(temperature=0.7, logprobs=0), []),
+    (SamplingParams(temperature=0.7, min_tokens=2), [5]),
+])
+def test_plain_sampling_refuses_any_other_setting(params, completion):
+    """One row that needs more than a temperature and a seed sends the whole batch to the sampler."""
+    seqs = request_seqs([1], SamplingParams(temperature=0.5), []) + request_seqs([2, 3], params, completion)
+    assert plain_sampling(seqs, np.random.default_rng(0)) is None
+    assert plain_sampling(seqs[:1], np.random.default_rng(0)) is not None
+
+
+def test_plain_sampling_after_min_tokens():
+    """min_tokens only matters until it is reached."""
+    seqs = request_seqs([1], SamplingParams(temperature=0.7, min_tokens=2), [5, 6])
+    assert plain_sampling(seqs, np.random.default_rng(0)) is not None

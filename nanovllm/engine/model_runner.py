@@ -7,18 +7,19 @@ from collections.abc import Callable
 from multiprocessing.shared_memory import SharedMemory
 from multiprocessing.synchronize import Event
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
 from nanovllm.engine.cuda_graphs import DecodeGraphs
 from nanovllm.engine.kv_cache import KVCacheAllocator
-from nanovllm.engine.sampling_batch import make_sampling_batch
+from nanovllm.engine.sampling_batch import make_sampling_batch, plain_sampling
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step_inputs import prepare_decode, prepare_prefill
 from nanovllm.engine.step_output import StepOutput
 from nanovllm.layers.attention import Attention, get_attention_backend, resolve_backend_name
-from nanovllm.layers.sampler import Sampler
+from nanovllm.layers.sampler import Sampler, SamplerOutput
 from nanovllm.models.llama import head_dim
 from nanovllm.models.registry import model_class
 from nanovllm.utils.context import Context, step_context
@@ -83,6 +84,9 @@ class ModelRunner(KVCacheAllocator):
         # CUDA graphs need a capturable backend on a GPU; the torch backend syncs on the host
         self.enforce_eager = config.enforce_eager or self.device.type == "cpu" or self.backend.name == "torch"
         self.sampler = Sampler()
+        self.rng = np.random.default_rng()  # the draw seeds of unseeded requests
+        # each step's sampled ids, where the next step reads the tokens the host does not know yet
+        self.sampled = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
         self.num_kvcache_blocks = self.allocate_kv_cache()
         if not self.enforce_eager:
             self.capture_cudagraph()
@@ -204,31 +208,48 @@ class ModelRunner(KVCacheAllocator):
 
     @torch.inference_mode()
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Context) -> torch.Tensor:
-        if context.is_prefill or self.graphs is None or not self.graphs.fits(input_ids.size(0)):
-            hidden_states = None
-        else:
-            hidden_states = self.graphs.replay(input_ids, positions, context)
+        """The logits of an eager step (on ranks other than 0 with tensor parallelism: None)."""
         with step_context(context):
-            if hidden_states is None:
-                hidden_states = self.model(input_ids, positions)
-            return self.model.compute_logits(hidden_states)
+            return self.model.compute_logits(self.model(input_ids, positions))
 
     def run(self, seqs: list[Sequence], is_prefill: bool, prev_rows: list[int] | None = None) -> StepOutput | None:
         """Launch one step; rank 0 returns its sampled tokens on their way to the host.
         ``prev_rows``: where a sequence's input token is a placeholder, its row in the previous
         step's sampled ids, which stay on the device (-1: the host sent the token)."""
+        if not is_prefill and self.graphs is not None and self.graphs.fits(len(seqs)):
+            return self._run_graph(seqs, prev_rows)
         prepare = prepare_prefill if is_prefill else prepare_decode
         input_ids, positions, context = prepare(seqs, self.block_size, self._tensor)
         if prev_rows is not None:
             rows = self._tensor(prev_rows, torch.int64)
             input_ids = torch.where(rows >= 0, self.sampled[rows.clamp(min=0)], input_ids)
-        logits = self.run_model(input_ids, positions, context)
-        output = self.sample(seqs, logits) if self.rank == 0 else None
-        if self.config.async_scheduling:  # every rank keeps the sampled ids for the next step's inputs
-            sampled = output.device_token_ids if self.rank == 0 else torch.empty(len(seqs), dtype=torch.int64, device=self.device)
-            if self.world_size > 1:
-                dist.broadcast(sampled, 0)
-            self.sampled = sampled
+        return self._finish(seqs, self.run_model(input_ids, positions, context))
+
+    def _run_graph(self, seqs: list[Sequence], prev_rows: list[int] | None) -> StepOutput | None:
+        """A decode step as a graph replay. Where every row samples plainly (temperature and seed),
+        the graph has drawn the tokens; otherwise the sampler runs on the graph's logits."""
+        plain = self.rank == 0 and self.graphs.sample
+        sampling = plain_sampling(seqs, self.rng) if plain else None
+        out = self.graphs.replay(seqs, self.block_size, prev_rows, sampling)
+        if not self.graphs.sample:  # the hidden states: tensor parallelism gathers the logits on rank 0
+            with torch.inference_mode(), step_context(Context(is_prefill=False)):
+                out = self.model.compute_logits(out)
+        return self._finish(seqs, out, drawn=sampling is not None)
+
+    def _finish(self, seqs: list[Sequence], logits: torch.Tensor | None, drawn: bool = False) -> StepOutput | None:
+        """Sample on rank 0 (unless the graph has drawn: ``drawn``) and keep the ids in ``sampled``,
+        where the next step's placeholders are read on every rank."""
+        n = len(seqs)
+        output = None
+        if self.rank == 0:
+            if drawn:
+                output = StepOutput(seqs, SamplerOutput(self.sampled[:n]), self.wait_event)
+            else:
+                output = self.sample(seqs, logits)
+                if self.config.async_scheduling:
+                    self.sampled[:n] = output.device_token_ids
+        if self.config.async_scheduling and self.world_size > 1:
+            dist.broadcast(self.sampled[:n], 0)
         return output
 
     @torch.inference_mode()
@@ -248,5 +269,6 @@ class ModelRunner(KVCacheAllocator):
         cfg = self.config
         self.graphs = DecodeGraphs(
             self.model, min(cfg.max_num_seqs, 512), -(-cfg.max_model_len // self.block_size),
-            cfg.hf_config.hidden_size, self.dtype, self.device, self.sync, largest_only,
+            cfg.hf_config.hidden_size, self.vocab_size, self.dtype, self.device, self.sync, self.sampled,
+            sample=self.world_size == 1, largest_only=largest_only,
         )

@@ -2,6 +2,7 @@
 
 One pass over the sequences; a setting nobody in the batch uses adds no tensor and no work.
 """
+import numpy as np
 import torch
 
 from nanovllm.engine.sequence import Sequence
@@ -21,6 +22,21 @@ def draw_seed(seed: int, step: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
     return (x ^ (x >> 31)) & 0xFFFFFFFF
+
+
+def plain_sampling(seqs: list[Sequence], rng: np.random.Generator) -> tuple[list[float], list[int]] | None:
+    """(temperatures, seeds) when every row samples with a temperature (0: greedy) and a seed
+    alone, as the fused draw does on its own; None when any row needs more of the sampler (filters,
+    penalties, min_tokens suppression, logprobs). Unseeded rows get seeds from ``rng``."""
+    temperatures, seeds = [], rng.integers(0, 1 << 32, len(seqs)).tolist()
+    for i, seq in enumerate(seqs):
+        sp = seq.sampling_params
+        if sp.has_filters or sp.has_penalties or sp.logprobs is not None or seq.num_completion_tokens < sp.min_tokens:
+            return None
+        temperatures.append(0.0 if sp.is_greedy else sp.temperature)
+        if sp.seed is not None:
+            seeds[i] = draw_seed(sp.seed, seq.num_completion_tokens)
+    return temperatures, seeds
 
 
 def make_sampling_batch(

@@ -1,7 +1,9 @@
 """Per-step model inputs: token ids, positions and the attention context of a prefill or decode
 step, built on the host from the scheduled sequences (every rank builds its own)."""
 from collections.abc import Callable
+from itertools import chain
 
+import numpy as np
 import torch
 
 from nanovllm.engine.sequence import Sequence
@@ -60,3 +62,77 @@ def prepare_decode(
     )
     input_ids = to_device([seq.last_token for seq in seqs], torch.int64)
     return input_ids, to_device(positions, torch.int64), context
+
+
+# ---- decode inputs staged for a CUDA graph ---------------------------------------------------------
+
+# A decode graph's inputs, one row per sequence, as fields of one buffer: (name, element type, fill
+# value of a padding row). Block tables, [rows, max_blocks] int32, come last. The host fills a pinned
+# copy of the buffer and sends it with one copy; the graph reads the device copy's fields in place.
+DECODE_FIELDS = (
+    ("input_ids", np.int64, 0),
+    ("prev_rows", np.int64, -1),  # the row of the previous step's sampled ids that holds the input token, or -1
+    ("positions", np.int64, 0),
+    ("seeds", np.int64, 0),  # the draw's noise seed (see sampling_batch.draw_seed)
+    ("slot_mapping", np.int32, -1),
+    ("context_lens", np.int32, 0),
+    ("temperatures", np.float32, -1.0),  # < 0: the graph does not sample this row
+)
+
+
+class DecodeLayout:
+    """Byte offsets of ``DECODE_FIELDS`` and the block tables for up to ``max_rows`` rows."""
+
+    def __init__(self, max_rows: int, max_blocks: int):
+        self.max_rows, self.max_blocks = max_rows, max_blocks
+        self.offsets, offset = {}, 0
+        for name, dtype, _ in DECODE_FIELDS:
+            self.offsets[name] = offset
+            offset += max_rows * np.dtype(dtype).itemsize
+        self.offsets["block_tables"] = offset
+        self.nbytes = offset + max_rows * max_blocks * 4
+
+    def used_bytes(self, rows: int) -> int:
+        """The prefix of the buffer that a step of ``rows`` rows (padded) fills."""
+        return self.offsets["block_tables"] + rows * self.max_blocks * 4
+
+    def fields(self, buffer, view) -> dict:
+        """Each field over ``buffer`` (uint8; a NumPy array or a torch tensor): ``view(part, dtype)``
+        reinterprets a byte slice as that field's type."""
+        out = {}
+        for name, dtype, _ in DECODE_FIELDS:
+            start = self.offsets[name]
+            out[name] = view(buffer[start : start + self.max_rows * np.dtype(dtype).itemsize], dtype)
+        start = self.offsets["block_tables"]
+        out["block_tables"] = view(buffer[start : self.nbytes], np.int32).reshape(self.max_rows, self.max_blocks)
+        return out
+
+
+def fill_decode(fields: dict[str, np.ndarray], seqs: list[Sequence], rows: int, block_size: int,
+                prev_rows: list[int] | None, sampling: tuple[list[float], list[int]] | None) -> None:
+    """Write a decode step of ``seqs`` into ``fields`` (NumPy arrays of ``DecodeLayout.fields``):
+    the values of ``prepare_decode``, the previous-step rows of pending tokens, and ``sampling``'s
+    (temperatures, seeds) when the graph samples; rows ``len(seqs)`` to ``rows`` are padding."""
+    n = len(seqs)
+    lens = [seq.num_tokens for seq in seqs]
+    fields["input_ids"][:n] = [seq.last_token for seq in seqs]
+    fields["context_lens"][:n] = lens
+    fields["positions"][:n] = lens
+    fields["positions"][:n] -= 1
+    fields["slot_mapping"][:n] = [seq.block_table[(k - 1) // block_size] * block_size + (k - 1) % block_size
+                                  for seq, k in zip(seqs, lens)]
+    fields["prev_rows"][:n] = -1 if prev_rows is None else prev_rows
+    if sampling is None:
+        fields["temperatures"][:n] = -1.0
+        fields["seeds"][:n] = 0
+    else:
+        fields["temperatures"][:n], fields["seeds"][:n] = sampling
+    for name, _, pad in DECODE_FIELDS:
+        fields[name][n:rows] = pad
+    tables = [seq.block_table for seq in seqs]
+    widths = np.fromiter(map(len, tables), np.int64, n)
+    block_tables = fields["block_tables"][:rows]
+    block_tables.fill(0)
+    block_tables[:n][np.arange(block_tables.shape[1]) < widths[:, None]] = np.fromiter(
+        chain.from_iterable(tables), np.int32, int(widths.sum())
+    )

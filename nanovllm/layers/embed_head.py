@@ -39,13 +39,14 @@ class ParallelLMHead(VocabParallelEmbedding):
     several ranks the vocabulary slices are gathered on rank 0, the only rank that samples.
     Returns None on the other ranks."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor | None:
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """``out``: where to write the logits (one rank only)."""
         context = get_context()
         if context.is_prefill:
             x = x[context.cu_seqlens_q[1:] - 1].contiguous()
-        logits = F.linear(x, self.weight)
         if self.tp_size == 1:
-            return logits
+            return F.linear(x, self.weight) if out is None else torch.mm(x, self.weight.t(), out=out)
+        logits = F.linear(x, self.weight)
         parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
         dist.gather(logits, parts, dst=0)
         return torch.cat(parts, dim=-1) if self.tp_rank == 0 else None

@@ -20,6 +20,8 @@ def _mix32(x):
 def _gumbel_argmax_kernel(logits_ptr, stride, temperatures_ptr, seeds_ptr, out_ptr, vocab, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     t = tl.load(temperatures_ptr + row)
+    if t < 0:  # a row this launch does not sample (a CUDA graph's padding, or sampled elsewhere)
+        return
     seed = tl.load(seeds_ptr + row).to(tl.uint32)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     best_id = tl.zeros([BLOCK], tl.int32)
@@ -40,12 +42,15 @@ def _gumbel_argmax_kernel(logits_ptr, stride, temperatures_ptr, seeds_ptr, out_p
     tl.store(out_ptr + row, first.to(tl.int64))
 
 
-def gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
+def gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     """logits [rows, vocab] (last dim contiguous, any float dtype), temperatures [rows] float32 (0 =
-    greedy), seeds [rows] int64 in [0, 2**32). Returns [rows] int64 token ids."""
+    greedy; below 0: the row is skipped, its ``out`` entry left as it was), seeds [rows] int64 in
+    [0, 2**32). Returns ``out`` (or a new [rows] int64 tensor) holding the token ids."""
     rows, vocab = logits.shape
     assert logits.stride(1) == 1 and temperatures.dtype == torch.float32 and seeds.dtype == torch.int64
-    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if out is None:
+        out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows:
         _gumbel_argmax_kernel[(rows,)](logits, logits.stride(0), temperatures, seeds, out, vocab, BLOCK=BLOCK, num_warps=8)
     return out

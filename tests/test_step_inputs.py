@@ -1,0 +1,96 @@
+"""A decode step's inputs as a CUDA graph receives them (``DecodeLayout``, ``fill_decode``): exact
+values for hand-built sequences, the same values as ``prepare_decode``, and padding rows that
+write no cache slot and draw nothing."""
+import numpy as np
+import pytest
+import torch
+
+from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.step_inputs import DECODE_FIELDS, DecodeLayout, fill_decode, prepare_decode
+from nanovllm.sampling_params import SamplingParams
+
+BLOCK_SIZE = 4
+
+
+def decode_seq(num_tokens: int, block_table: list[int], pending_row: int | None = None) -> Sequence:
+    """A running sequence of ``num_tokens`` tokens (the last a placeholder of ``pending_row``)."""
+    seq = Sequence(list(range(100, 100 + num_tokens - (pending_row is not None))), SamplingParams(), BLOCK_SIZE)
+    if pending_row is not None:
+        seq.append_placeholder(pending_row)
+    seq.block_table = list(block_table)
+    seq.num_cached_tokens = num_tokens - 1
+    return seq
+
+
+def host_fields(layout: DecodeLayout) -> tuple[np.ndarray, dict]:
+    buffer = np.full(layout.nbytes, 0xAB, dtype=np.uint8)  # garbage: every used byte must be written
+    return buffer, layout.fields(buffer, lambda part, dtype: part.view(dtype))
+
+
+def test_layout_fields_are_disjoint_and_aligned():
+    layout = DecodeLayout(max_rows=48, max_blocks=5)
+    ends = []
+    for name, dtype, _ in DECODE_FIELDS:
+        start = layout.offsets[name]
+        assert start % np.dtype(dtype).itemsize == 0
+        ends.append((start, start + 48 * np.dtype(dtype).itemsize))
+    ends.append((layout.offsets["block_tables"], layout.nbytes))
+    assert all(a[1] == b[0] for a, b in zip(ends, ends[1:])) and ends[0][0] == 0
+    assert layout.used_bytes(48) == layout.nbytes
+    assert layout.used_bytes(16) == layout.offsets["block_tables"] + 16 * 5 * 4
+
+
+def test_fill_decode_exact_values_and_padding():
+    seqs = [
+        decode_seq(5, [3, 7]),  # position 4: block 1 (id 7), offset 0
+        decode_seq(12, [1, 2, 8], pending_row=2),  # position 11: block 2 (id 8), offset 3
+        decode_seq(1, [5]),
+    ]
+    layout = DecodeLayout(max_rows=8, max_blocks=4)
+    _, f = host_fields(layout)
+    fill_decode(f, seqs, 4, BLOCK_SIZE, [-1, 2, -1], ([0.0, 0.7, 1.2], [11, 22, 33]))
+    assert f["input_ids"][:4].tolist() == [104, -1, 100, 0]
+    assert f["prev_rows"][:4].tolist() == [-1, 2, -1, -1]
+    assert f["positions"][:4].tolist() == [4, 11, 0, 0]
+    assert f["context_lens"][:4].tolist() == [5, 12, 1, 0]
+    assert f["slot_mapping"][:4].tolist() == [28, 35, 20, -1]
+    assert f["temperatures"][:4].tolist() == pytest.approx([0.0, 0.7, 1.2, -1.0])
+    assert f["seeds"][:4].tolist() == [11, 22, 33, 0]
+    assert f["block_tables"][:4].tolist() == [[3, 7, 0, 0], [1, 2, 8, 0], [5, 0, 0, 0], [0, 0, 0, 0]]
+    # rows past the padded batch are not touched
+    assert f["input_ids"].view(np.uint8)[4 * 8 :].tolist() == [0xAB] * (4 * 8)
+
+
+def test_fill_decode_without_sampling_or_placeholders():
+    """No draw in the graph: every temperature is negative; no previous step: every row -1."""
+    seqs = [decode_seq(3, [0]), decode_seq(9, [4, 6, 2])]
+    _, f = host_fields(DecodeLayout(max_rows=2, max_blocks=3))
+    fill_decode(f, seqs, 2, BLOCK_SIZE, None, None)
+    assert f["temperatures"].tolist() == [-1.0, -1.0]
+    assert f["prev_rows"].tolist() == [-1, -1]
+    assert f["seeds"].tolist() == [0, 0]
+
+
+def test_fill_decode_matches_prepare_decode():
+    """The same values as the eager path for a batch of random shapes."""
+    rng = np.random.default_rng(0)
+    seqs = []
+    for _ in range(37):
+        n = int(rng.integers(1, 40))
+        blocks = rng.permutation(200)[: -(-n // BLOCK_SIZE)].tolist()
+        seqs.append(decode_seq(n, blocks))
+    max_blocks = max(len(s.block_table) for s in seqs)
+    buffer, f = host_fields(DecodeLayout(max_rows=48, max_blocks=max_blocks))
+    fill_decode(f, seqs, 48, BLOCK_SIZE, None, None)
+    input_ids, positions, context = prepare_decode(seqs, BLOCK_SIZE, lambda v, dtype: torch.tensor(v, dtype=dtype))
+    assert f["input_ids"][:37].tolist() == input_ids.tolist()
+    assert f["positions"][:37].tolist() == positions.tolist()
+    assert f["slot_mapping"][:37].tolist() == context.slot_mapping.tolist()
+    assert f["context_lens"][:37].tolist() == context.context_lens.tolist()
+    tables = context.block_tables.clamp(min=0)  # prepare_decode pads with -1, fill_decode with 0
+    assert f["block_tables"][:37, : tables.size(1)].tolist() == tables.tolist()
+    # the same bytes read as torch tensors (what the device copy holds)
+    t = torch.from_numpy(buffer)
+    fields = DecodeLayout(48, max_blocks).fields(t, lambda part, dtype: part.view(torch.from_numpy(np.zeros(0, dtype)).dtype))
+    assert fields["positions"][:37].tolist() == positions.tolist()
+    assert fields["block_tables"][:37, : tables.size(1)].tolist() == tables.tolist()
