@@ -29,7 +29,9 @@ from hf_reference import BLOCK_SIZE, random_prompts
 from test_attention_backends import (
     CHUNKED_SEQS, DECODE_LENS, PREFILL_SEQS, PREFIX_SEQS, paged_layout, qkv_views, relative_error,
 )
-from triton_interpreter import results_under_interpreter, run_cases, squeeze_interpreter_loop_bounds
+from triton_interpreter import (
+    results_under_interpreter, round_interpreter_casts_to_nearest, run_cases, squeeze_interpreter_loop_bounds,
+)
 from nanovllm.layers.attention_torch import TorchAttentionBackend, quantize_fp8
 from nanovllm.utils.context import Context
 
@@ -259,30 +261,10 @@ INTERPRETER_CASES = {
 }
 
 
-def round_interpreter_e4m3_casts_to_nearest() -> None:
-    """The Triton interpreter (3.9) narrows float32 to e4m3 by adding the first cut-off bit to the
-    mantissa, without carrying into the exponent (124.7 becomes 64, not 128) and without ties to
-    even. A GPU converts in hardware, correctly. Convert float32 -> e4m3 through torch (round to
-    nearest even) instead, so the interpreter runs the kernels as the GPU does."""
-    import numpy as np
-    from triton import language as tl
-    from triton.runtime import interpreter
-
-    original = interpreter.InterpreterBuilder.create_fp_to_fp
-
-    def create_fp_to_fp(self, src, dst_type, rounding_mode):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.float8e4nv:
-            data = torch.from_numpy(np.ascontiguousarray(src.data)).to(E4M3).view(torch.uint8).numpy()
-            return interpreter.TensorHandle(data, dst_type.scalar)
-        return original(self, src, dst_type, rounding_mode)
-
-    interpreter.InterpreterBuilder.create_fp_to_fp = create_fp_to_fp
-
-
 def run_interpreter_cases() -> dict:
     """Runs in the subprocess, with TRITON_INTERPRET=1 already in the environment."""
     squeeze_interpreter_loop_bounds()
-    round_interpreter_e4m3_casts_to_nearest()
+    round_interpreter_casts_to_nearest()
     from nanovllm.layers.attention_triton import TritonAttentionBackend
 
     torch.manual_seed(0)

@@ -47,3 +47,35 @@ def squeeze_interpreter_loop_bounds() -> None:
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
 
     interpreter._patch_lang_tensor = patched
+
+
+def round_interpreter_casts_to_nearest() -> None:
+    """The Triton interpreter (3.9) narrows float32 to e4m3 by adding the first cut-off bit to the
+    mantissa, without carrying into the exponent (124.7 becomes 64, not 128) and without ties to
+    even, and to bfloat16 by truncation, whatever the rounding mode asked for. A GPU rounds both to
+    nearest even, in hardware. Narrow through torch (round to nearest even) instead, so the
+    interpreter runs the kernels as the GPU does."""
+    import numpy as np
+    import torch
+    from triton import language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    to_fp, trunc = builder.create_fp_to_fp, builder.create_fp_trunc
+
+    def through_torch(src, dst_type, target: torch.dtype, bits: type):
+        data = torch.from_numpy(np.ascontiguousarray(src.data)).to(target)
+        return interpreter.TensorHandle(data.view(torch.uint8 if bits is np.uint8 else torch.int16).numpy().view(bits),
+                                        dst_type.scalar)
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):  # the e4m3 casts
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.float8e4nv:
+            return through_torch(src, dst_type, torch.float8_e4m3fn, np.uint8)
+        return to_fp(self, src, dst_type, rounding_mode)
+
+    def create_fp_trunc(self, src, dst_type):  # the bfloat16 casts
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            return through_torch(src, dst_type, torch.bfloat16, np.uint16)
+        return trunc(self, src, dst_type)
+
+    builder.create_fp_to_fp, builder.create_fp_trunc = create_fp_to_fp, create_fp_trunc

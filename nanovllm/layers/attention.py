@@ -153,9 +153,30 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         context = get_context()
-        scales = (self.k_scale, self.v_scale)
         if self.k_cache.numel():
-            self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, context.slot_mapping, *scales)
+            self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, context.slot_mapping, self.k_scale, self.v_scale)
+        return self._attend(q, k, v, context)
+
+    def fuses_rope(self, x: torch.Tensor) -> bool:
+        """Whether ``rope_store_attend`` takes ``x``'s step: on a GPU, for the kernel backends (the
+        torch backend stays the plain reference path)."""
+        return x.is_cuda and self.backend.name != "torch"
+
+    def rope_store_attend(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                          norm: tuple[torch.Tensor, torch.Tensor, float] | None) -> torch.Tensor:
+        """``forward`` from the fused projection: QK-norm (``norm``), RoPE and the cache store in
+        one kernel (``kv_store.rope_and_store``), then attention."""
+        from nanovllm.layers.kv_store import rope_and_store
+
+        context = get_context()
+        q, k, v = rope_and_store(
+            qkv, positions, self.num_heads, self.num_kv_heads, cos_sin_cache, norm, self.k_cache, self.v_cache,
+            context.slot_mapping, self.k_scale, self.v_scale, write_k=context.is_prefill,
+        )
+        return self._attend(q, k, v, context)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor, context: Context) -> torch.Tensor:
+        scales = (self.k_scale, self.v_scale)
         if context.is_prefill:
             return self.backend.prefill(q, k, v, self.k_cache, self.v_cache, context, self.scale, *scales)
         return self.backend.decode(q, self.k_cache, self.v_cache, context, self.scale, *scales)

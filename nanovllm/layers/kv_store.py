@@ -1,5 +1,6 @@
 """Triton kernels that write new K/V rows into the paged cache (used on the GPU by every backend):
-a plain copy for a cache in the model's dtype, and a quantizing store for an FP8 cache."""
+a plain copy for a cache in the model's dtype, and a quantizing store for an FP8 cache; and
+``rope_and_store``, which also does the QK-norm and RoPE of the new tokens in the same pass."""
 import torch
 import triton
 import triton.language as tl
@@ -28,13 +29,24 @@ def _store_kvcache_kernel(
 
 
 @triton.jit
+def _fp8_scale(amax):
+    """Each row's scale from its max |x|, as ``attention_torch.quantize_fp8`` computes it."""
+    return tl.maximum(tl.math.div_rn(amax, _FP8_MAX), _FP8_MIN_SCALE)
+
+
+@triton.jit
+def _to_e4m3(x, scale):
+    """A float32 [rows, cols] tile divided by its rows' scales (correctly rounded), then rounded
+    to nearest even in e4m3."""
+    return tl.math.div_rn(x, scale[:, None]).to(tl.float8e4nv, fp_downcast_rounding="rtne")
+
+
+@triton.jit
 def _quantize_store(src, dst, scale_dst, mask, head_mask):
-    """Quantize one token's [HEADS_PAD, DIM_PAD] tile with one scale per head (row), as
-    ``attention_torch.quantize_fp8`` does: correctly rounded divisions, then round to nearest even."""
+    """Quantize one token's [HEADS_PAD, DIM_PAD] tile with one scale per head (row) and store it."""
     x = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), 1), _FP8_MAX), _FP8_MIN_SCALE)  # [HEADS_PAD]
-    values = tl.math.div_rn(x, scale[:, None]).to(dst.dtype.element_ty, fp_downcast_rounding="rtne")
-    tl.store(dst, values, mask=mask)
+    scale = _fp8_scale(tl.max(tl.abs(x), 1))
+    tl.store(dst, _to_e4m3(x, scale), mask=mask)
     tl.store(scale_dst, scale, mask=head_mask)
 
 
@@ -86,3 +98,119 @@ def store_kvcache(
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         HEADS_PAD=triton.next_power_of_2(num_kv_heads), DIM_PAD=triton.next_power_of_2(head_dim),
     )
+
+
+@triton.jit
+def _rotate_half(x1, x2, cos, sin, OUT_DTYPE: tl.constexpr):
+    """Rotate-half RoPE of a [heads, dim] tile given as its two halves, in float32."""
+    return (x1 * cos - x2 * sin).to(OUT_DTYPE), (x2 * cos + x1 * sin).to(OUT_DTYPE)
+
+
+@triton.jit
+def _norm_rope(ptr, rows, row_mask, d, w_ptr, eps, cos, sin, HALF: tl.constexpr, HAS_NORM: tl.constexpr):
+    """One token's heads [rows, 2 * HALF] read from ``ptr``: per-head RMSNorm (HAS_NORM), then
+    RoPE, with ``rotary_embedding``'s arithmetic and roundings. Returns the two halves."""
+    mask = row_mask[:, None]
+    x1 = tl.load(ptr + rows[:, None] * (2 * HALF) + d[None, :], mask=mask, other=0.0)
+    x2 = tl.load(ptr + rows[:, None] * (2 * HALF) + HALF + d[None, :], mask=mask, other=0.0)
+    dtype = x1.dtype
+    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+    if HAS_NORM:
+        r = tl.math.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)
+        w1 = tl.load(w_ptr + d).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + d).to(tl.float32)
+        x1 = (w1[None, :] * (x1 * r[:, None]).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        x2 = (w2[None, :] * (x2 * r[:, None]).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    return _rotate_half(x1, x2, cos[None, :], sin[None, :], dtype)
+
+
+@triton.jit
+def _store_halves(ptr, rows, row_mask, d, x1, x2, HALF: tl.constexpr):
+    tl.store(ptr + rows[:, None] * (2 * HALF) + d[None, :], x1, mask=row_mask[:, None])
+    tl.store(ptr + rows[:, None] * (2 * HALF) + HALF + d[None, :], x2, mask=row_mask[:, None])
+
+
+@triton.jit
+def _cache_store(cache_ptr, scale_ptr, slot, rows, row_mask, d, x1, x2,
+                 NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, FP8: tl.constexpr):
+    """One token's K or V heads, given as their two halves, into its cache slot (for FP8
+    quantized, one scale per head)."""
+    row = cache_ptr + slot * (NUM_KV_HEADS * 2 * HALF)
+    if FP8:
+        x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+        scale = _fp8_scale(tl.maximum(tl.max(tl.abs(x1), 1), tl.max(tl.abs(x2), 1)))
+        _store_halves(row, rows, row_mask, d, _to_e4m3(x1, scale), _to_e4m3(x2, scale), HALF)
+        tl.store(scale_ptr + slot * NUM_KV_HEADS + rows, scale, mask=row_mask)
+    else:
+        dtype = cache_ptr.dtype.element_ty
+        _store_halves(row, rows, row_mask, d, x1.to(dtype), x2.to(dtype), HALF)
+
+
+@triton.jit
+def _rope_store_kernel(
+    qkv_ptr, stride_qkv, positions_ptr, q_weight_ptr, k_weight_ptr, cos_sin_ptr, eps,
+    q_out_ptr, k_out_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_mapping_ptr,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr,
+    HALF: tl.constexpr, HAS_NORM: tl.constexpr, WRITE_K: tl.constexpr, STORE: tl.constexpr, FP8: tl.constexpr,
+):
+    """One program per token: its q and k heads normalised (HAS_NORM) and rotated, q (and k, with
+    WRITE_K) written out, k and v stored into the cache slot (STORE; slot -1 skips)."""
+    token = tl.program_id(0)
+    pos = tl.load(positions_ptr + token)
+    d = tl.arange(0, HALF)
+    cos = tl.load(cos_sin_ptr + pos * (2 * HALF) + d).to(tl.float32)
+    sin = tl.load(cos_sin_ptr + pos * (2 * HALF) + HALF + d).to(tl.float32)
+    src = qkv_ptr + token.to(tl.int64) * stride_qkv
+    heads = tl.arange(0, HEADS_PAD)
+    kv_heads = tl.arange(0, KV_HEADS_PAD)
+    q_mask, kv_mask = heads < NUM_HEADS, kv_heads < NUM_KV_HEADS
+    q1, q2 = _norm_rope(src, heads, q_mask, d, q_weight_ptr, eps, cos, sin, HALF, HAS_NORM)
+    _store_halves(q_out_ptr + token.to(tl.int64) * (NUM_HEADS * 2 * HALF), heads, q_mask, d, q1, q2, HALF)
+    k_src = src + NUM_HEADS * 2 * HALF
+    k1, k2 = _norm_rope(k_src, kv_heads, kv_mask, d, k_weight_ptr, eps, cos, sin, HALF, HAS_NORM)
+    if WRITE_K:
+        _store_halves(k_out_ptr + token.to(tl.int64) * (NUM_KV_HEADS * 2 * HALF), kv_heads, kv_mask, d, k1, k2, HALF)
+    if STORE:
+        slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+        if slot != -1:
+            v_src = k_src + NUM_KV_HEADS * 2 * HALF
+            offs = kv_heads[:, None] * (2 * HALF) + d[None, :]
+            v1 = tl.load(v_src + offs, mask=kv_mask[:, None], other=0.0)
+            v2 = tl.load(v_src + HALF + offs, mask=kv_mask[:, None], other=0.0)
+            _cache_store(k_cache_ptr, k_scale_ptr, slot, kv_heads, kv_mask, d, k1, k2, NUM_KV_HEADS, HALF, FP8)
+            _cache_store(v_cache_ptr, v_scale_ptr, slot, kv_heads, kv_mask, d, v1, v2, NUM_KV_HEADS, HALF, FP8)
+
+
+def rope_and_store(
+    qkv: torch.Tensor, positions: torch.Tensor, num_heads: int, num_kv_heads: int, cos_sin_cache: torch.Tensor,
+    norm: tuple[torch.Tensor, torch.Tensor, float] | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor | None, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    write_k: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """A step's new tokens from the fused projection qkv [num_tokens, (num_heads + 2 * num_kv_heads)
+    * head_dim]: QK-norm (``norm`` = (q weight, k weight, eps); None: none), rotate-half RoPE from
+    ``cos_sin_cache`` [max_position, 1, head_dim] float32, and the store of k and v into their cache
+    slots (an empty ``k_cache``: no store), in one kernel. Returns q [num_tokens, num_heads,
+    head_dim], k (rotated; None unless ``write_k``) and v (a view of qkv)."""
+    num_tokens = qkv.shape[0]
+    head_dim = cos_sin_cache.shape[-1]
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    assert qkv.stride(-1) == 1 and qkv.shape[1] == q_size + 2 * kv_size and cos_sin_cache.is_contiguous()
+    q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty(num_tokens, num_kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device) if write_k else None
+    v = qkv[:, q_size + kv_size :].view(num_tokens, num_kv_heads, head_dim)
+    store = k_cache.numel() > 0
+    fp8 = store and k_cache.dtype == FP8_DTYPE
+    if store:
+        assert k_cache.is_contiguous() and v_cache.is_contiguous() and slot_mapping.numel() == num_tokens
+        assert not fp8 or (k_scale is not None and v_scale is not None and k_scale.is_contiguous())
+    q_weight, k_weight, eps = norm if norm is not None else (None, None, 0.0)
+    if num_tokens:
+        _rope_store_kernel[(num_tokens,)](
+            qkv, qkv.stride(0), positions, q_weight, k_weight, cos_sin_cache, eps,
+            q, k, k_cache, v_cache, k_scale if fp8 else None, v_scale if fp8 else None, slot_mapping,
+            NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEADS_PAD=triton.next_power_of_2(num_heads),
+            KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads), HALF=head_dim // 2, HAS_NORM=norm is not None,
+            WRITE_K=write_k, STORE=store, FP8=fp8, num_warps=4,
+        )
+    return q, k, v
