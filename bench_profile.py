@@ -25,8 +25,9 @@ CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
     ("MoE experts", ("_gate_up_kernel", "_down_kernel")),
     # cuBLAS / cuBLASLt / CUTLASS matrix multiplies (also the LM head)
     ("GEMMs", ("gemm", "sm90_xmma", "cutlass", "cublas", "nvjet")),
-    # torch.compile'd RMSNorm, rotary embedding, SiLU-and-mul (Inductor's Triton kernels)
-    ("norms / rotary / activation", ("triton_poi_fused", "triton_red_fused", "triton_per_fused")),
+    # torch.compile'd RMSNorm and SiLU-and-mul (Inductor's Triton kernels); the fused QK-norm, RoPE
+    # and KV-cache store of the new tokens (kv_store.rope_and_store)
+    ("norms / rotary / activation", ("triton_poi_fused", "triton_red_fused", "triton_per_fused", "_rope_store")),
     # the fused Gumbel-max draw; greedy argmax; top-k/top-p/min-p (topk, sort, cumsum, logsumexp);
     # log-probabilities (log_softmax)
     ("sampler", ("gumbel", "argmax", "topk", "kthvalue", "radix", "sort", "softmax", "logsumexp",
