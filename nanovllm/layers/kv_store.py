@@ -107,12 +107,18 @@ def _rotate_half(x1, x2, cos, sin, OUT_DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _load_halves(ptr, rows, row_mask, d, HALF: tl.constexpr):
+    """One token's heads [rows, 2 * HALF] read from ``ptr``, as their two halves."""
+    offs = rows[:, None] * (2 * HALF) + d[None, :]
+    return (tl.load(ptr + offs, mask=row_mask[:, None], other=0.0),
+            tl.load(ptr + HALF + offs, mask=row_mask[:, None], other=0.0))
+
+
+@triton.jit
 def _norm_rope(ptr, rows, row_mask, d, w_ptr, eps, cos, sin, HALF: tl.constexpr, HAS_NORM: tl.constexpr):
-    """One token's heads [rows, 2 * HALF] read from ``ptr``: per-head RMSNorm (HAS_NORM), then
-    RoPE, with ``rotary_embedding``'s arithmetic and roundings. Returns the two halves."""
-    mask = row_mask[:, None]
-    x1 = tl.load(ptr + rows[:, None] * (2 * HALF) + d[None, :], mask=mask, other=0.0)
-    x2 = tl.load(ptr + rows[:, None] * (2 * HALF) + HALF + d[None, :], mask=mask, other=0.0)
+    """One token's heads read from ``ptr``: per-head RMSNorm (HAS_NORM), then RoPE, with
+    ``rotary_embedding``'s arithmetic and roundings. Returns the two halves."""
+    x1, x2 = _load_halves(ptr, rows, row_mask, d, HALF)
     dtype = x1.dtype
     x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
     if HAS_NORM:
@@ -173,10 +179,7 @@ def _rope_store_kernel(
     if STORE:
         slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
         if slot != -1:
-            v_src = k_src + NUM_KV_HEADS * 2 * HALF
-            offs = kv_heads[:, None] * (2 * HALF) + d[None, :]
-            v1 = tl.load(v_src + offs, mask=kv_mask[:, None], other=0.0)
-            v2 = tl.load(v_src + HALF + offs, mask=kv_mask[:, None], other=0.0)
+            v1, v2 = _load_halves(k_src + NUM_KV_HEADS * 2 * HALF, kv_heads, kv_mask, d, HALF)
             _cache_store(k_cache_ptr, k_scale_ptr, slot, kv_heads, kv_mask, d, k1, k2, NUM_KV_HEADS, HALF, FP8)
             _cache_store(v_cache_ptr, v_scale_ptr, slot, kv_heads, kv_mask, d, v1, v2, NUM_KV_HEADS, HALF, FP8)
 
