@@ -27,7 +27,7 @@ import torch
 
 from bench import workload
 
-from nanovllm.layers.attention import FP8_DTYPE, KV_SCALE_DTYPE, get_attention_backend
+from nanovllm.layers.attention import FP8_DTYPE, KV_SCALE_DTYPE, empty_kv_scales, get_attention_backend
 from nanovllm.layers.attention_torch import TorchAttentionBackend
 from nanovllm.layers.attention_triton import DecodeTile, TritonAttentionBackend
 from nanovllm.layers.kv_store import store_kvcache
@@ -58,10 +58,17 @@ def decode_step(args, dtype: torch.dtype, fp8: bool):
     if not fp8:
         return q, (k, v, None, None), context, rows * args.head_dim * 2 * dtype.itemsize
     k8, v8 = torch.empty(shape, dtype=FP8_DTYPE, device="cuda"), torch.empty(shape, dtype=FP8_DTYPE, device="cuda")
-    ks, vs = (torch.empty(shape[:3], dtype=KV_SCALE_DTYPE, device="cuda") for _ in range(2))
+    ks, vs = (fp8_scales(shape[:3], args.token_major_scales) for _ in range(2))
     slots = torch.arange(num_blocks * args.block_size, dtype=torch.int32, device="cuda")
     store_kvcache(k.flatten(0, 1), v.flatten(0, 1), k8, v8, slots, ks, vs)
     return q, (k8, v8, ks, vs), context, rows * (args.head_dim * 2 + 2 * ks.element_size())
+
+
+def fp8_scales(shape: tuple, token_major: bool) -> torch.Tensor:
+    """Scales [num_blocks, block_size, num_kv_heads] as the engine stores them, or contiguous."""
+    if token_major:
+        return torch.empty(shape, dtype=KV_SCALE_DTYPE, device="cuda")
+    return empty_kv_scales(*shape, device="cuda")
 
 
 def median_ms(fn, iters: int) -> float:
@@ -120,7 +127,7 @@ def time_run(args, candidates: list, dtype: torch.dtype) -> None:
     caches = {False: (k, v, None, None)}
     if any(c[1] for c in candidates):
         k8, v8 = (torch.empty(shape, dtype=FP8_DTYPE, device="cuda") for _ in range(2))
-        ks, vs = (torch.empty(shape[:3], dtype=KV_SCALE_DTYPE, device="cuda") for _ in range(2))
+        ks, vs = (fp8_scales(shape[:3], args.token_major_scales) for _ in range(2))
         slots = torch.arange(blocks * args.block_size, dtype=torch.int32, device="cuda")
         store_kvcache(k.flatten(0, 1), v.flatten(0, 1), k8, v8, slots, ks, vs)
         caches[True] = (k8, v8, ks, vs)
@@ -181,6 +188,8 @@ def main() -> None:
                         help="also time this Triton tile (repeatable)")
     parser.add_argument("--split-rule", action="append", default=[], metavar="PROGRAMS_PER_SM,MIN_TILES",
                         help="also time the default tile with this split-K rule (repeatable)")
+    parser.add_argument("--token-major-scales", action="store_true",
+                        help="FP8: store the scales token-major (contiguous [blocks, block_size, kv_heads])")
     parser.add_argument("--run", action="store_true", help="time the decode steps of bench.py's whole run")
     parser.add_argument("--stride", type=int, default=16, help="with --run: time every stride-th step")
     args = parser.parse_args()

@@ -28,9 +28,9 @@ CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
     # torch.compile'd RMSNorm and SiLU-and-mul (Inductor's Triton kernels); the fused QK-norm, RoPE
     # and KV-cache store of the new tokens (kv_store.rope_and_store)
     ("norms / rotary / activation", ("triton_poi_fused", "triton_red_fused", "triton_per_fused", "_rope_store")),
-    # the fused Gumbel-max draw; greedy argmax; top-k/top-p/min-p (topk, sort, cumsum, logsumexp);
-    # log-probabilities (log_softmax)
-    ("sampler", ("gumbel", "argmax", "topk", "kthvalue", "radix", "sort", "softmax", "logsumexp",
+    # the fused Gumbel-max draw (its chunks, then the best of them); greedy argmax; top-k/top-p/min-p
+    # (topk, sort, cumsum, logsumexp); log-probabilities (log_softmax)
+    ("sampler", ("gumbel", "best_of_chunks", "argmax", "topk", "kthvalue", "radix", "sort", "softmax", "logsumexp",
                  "devicescan", "exponential")),
     ("KV store", ("store_kvcache",)),
     # CUPTI names these "Memcpy HtoD (Pinned -> Device)", "Memset (Device)", ...

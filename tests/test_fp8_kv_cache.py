@@ -32,6 +32,7 @@ from test_attention_backends import (
 from triton_interpreter import (
     results_under_interpreter, round_interpreter_casts_to_nearest, run_cases, squeeze_interpreter_loop_bounds,
 )
+from nanovllm.layers.attention import empty_kv_scales
 from nanovllm.layers.attention_torch import TorchAttentionBackend, quantize_fp8
 from nanovllm.utils.context import Context
 
@@ -74,10 +75,10 @@ def cache_rows(n: int, num_kv_heads: int, head_dim: int, device) -> torch.Tensor
 
 
 def fp8_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, device):
-    """k_cache, v_cache (NaN bytes) and k_scale, v_scale (NaN) as views of one tensor each, like
-    the model runner's layout."""
+    """k_cache, v_cache (NaN bytes) and k_scale, v_scale (NaN) as views of one tensor each, in
+    the model runner's layout (the scales head-major)."""
     cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), E4M3_NAN, dtype=torch.uint8, device=device)
-    scales = torch.full((2, num_blocks, block_size, num_kv_heads), float("nan"), device=device)
+    scales = empty_kv_scales(2, num_blocks, block_size, num_kv_heads, device=device).fill_(float("nan"))
     cache = cache.view(E4M3)
     return cache[0], cache[1], scales[0], scales[1]
 
@@ -95,7 +96,13 @@ def write_rows(k_cache, v_cache, k_scale, v_scale, slots: torch.Tensor, k: torch
     for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
         values, scales = reference_quantize(x)
         cache.view(torch.uint8).flatten(0, 1)[slots] = values.view(torch.uint8)
-        scale.flatten(0, 1)[slots] = scales
+        set_scales(scale, slots, scales)
+
+
+def set_scales(scale: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+    """scale[slot] = values for a [num_blocks, block_size, num_kv_heads] scale tensor of any strides."""
+    slots = slots.long()
+    scale[slots // scale.shape[1], slots % scale.shape[1]] = values
 
 
 # ---- the checks, run on the CPU under the interpreter and on a GPU ----------------------------------
@@ -121,13 +128,23 @@ STORE_CASES = {
     "heads_and_dim_not_power_of_two": dict(num_tokens=9, num_kv_heads=3, head_dim=20),
     "one_kv_head": dict(num_tokens=6, num_kv_heads=1, head_dim=32),
     "qkv_slices_float16": dict(num_tokens=12, num_kv_heads=2, head_dim=32, from_qkv=True, dtype=torch.float16),
+    "token_major_scales": dict(num_tokens=10, num_kv_heads=3, head_dim=16, head_major=False),
 }
 
 
-def check_store(store, num_tokens, num_kv_heads, head_dim, from_qkv=False, dtype=torch.float32, device="cpu") -> dict:
+def guarded_scales(shape: tuple, head_major: bool) -> torch.Tensor:
+    """``guarded`` scales [num_blocks, block_size, num_kv_heads], stored head-major as the model
+    runner stores them (``empty_kv_scales``), or contiguous."""
+    if not head_major:
+        return guarded(shape, torch.float32)
+    return guarded((shape[0], shape[2], shape[1]), torch.float32).transpose(1, 2)
+
+
+def check_store(store, num_tokens, num_kv_heads, head_dim, from_qkv=False, dtype=torch.float32, device="cpu",
+                head_major=True) -> dict:
     """Quantize-and-store into guarded caches: bytes and scales must be the reference's exactly,
     slot -1 skipped, nothing written outside the caches. Row 0 head 0 is all zeros; the other
-    rows span six orders of magnitude."""
+    rows span six orders of magnitude. ``head_major``: the scales in the model runner's layout."""
     g = torch.Generator().manual_seed(num_tokens * 100 + head_dim)
     num_blocks, block_size = 3, 8
     if from_qkv:
@@ -144,7 +161,7 @@ def check_store(store, num_tokens, num_kv_heads, head_dim, from_qkv=False, dtype
     k, v, slots = k.to(device), v.to(device), slots.to(device=device, dtype=torch.int32)
     shape = (num_blocks, block_size, num_kv_heads)
     caches = [guarded(shape + (head_dim,), E4M3), guarded(shape + (head_dim,), E4M3)]
-    scales = [guarded(shape, torch.float32), guarded(shape, torch.float32)]
+    scales = [guarded_scales(shape, head_major), guarded_scales(shape, head_major)]
     if device != "cpu":  # the guards are checked on the CPU copies only
         caches, scales = [c.to(device) for c in caches], [s.to(device) for s in scales]
     expected = [(c.clone(), s.clone()) for c, s in zip(caches, scales)]
@@ -152,7 +169,7 @@ def check_store(store, num_tokens, num_kv_heads, head_dim, from_qkv=False, dtype
         valid = slots >= 0
         values, row_scales = reference_quantize(x[valid])
         cache.view(torch.uint8).flatten(0, 1)[slots[valid].long()] = values.view(torch.uint8)
-        scale.flatten(0, 1)[slots[valid].long()] = row_scales
+        set_scales(scale, slots[valid], row_scales)
     store(k, v, caches[0], caches[1], slots, scales[0], scales[1])
     problems = []
     for name, got, (ref_cache, ref_scale), got_scale in zip("kv", caches, expected, scales):

@@ -53,7 +53,9 @@ def run_case(num_heads, num_kv_heads, head_dim, dtype=torch.float32, norm=True, 
         k_cache, v_cache = (torch.full(shape, float("nan")).to(cache_dtype) for _ in range(2))
     else:
         k_cache, v_cache = (guarded_cache(shape, dtype) for _ in range(2))
-    k_scale, v_scale = (guarded_cache(shape[:3], torch.float32) for _ in range(2)) if fp8 else (None, None)
+    # scales head-major, as the model runner stores them (``empty_kv_scales``)
+    k_scale, v_scale = (guarded_cache((num_blocks, num_kv_heads, block_size), torch.float32).transpose(1, 2)
+                        for _ in range(2)) if fp8 else (None, None)
     if not store:
         k_cache = v_cache = torch.tensor([], dtype=dtype)
 

@@ -584,10 +584,11 @@ def test_sampler_logprobs_from_raw_logits(model_logits):
 
 
 def triton_case(vocab: int, dtype: torch.dtype, seed: int, rows_per_temperature: int = 6, stride_pad: int = 0,
-                ties: bool = False, shift: float = 0.0) -> dict:
+                ties: bool = False, shift: float = 0.0, chunk_blocks: int | None = None) -> dict:
     """``sampling_triton.gumbel_argmax`` against ``sampling_torch.gumbel_argmax`` on the same inputs
     (logits around ``shift``); a differing token is a near-tie when the two tokens' Gumbel scores are
-    within TIE_GAP."""
+    within TIE_GAP. ``chunk_blocks``: programs of that many BLOCKs each (default: the kernel's CHUNK),
+    so that a small vocabulary spans several programs."""
     from nanovllm.layers import sampling_triton
 
     g = torch.Generator().manual_seed(seed)
@@ -599,7 +600,8 @@ def triton_case(vocab: int, dtype: torch.dtype, seed: int, rows_per_temperature:
         wide[:, [5, 5 + sampling_triton.BLOCK, vocab - 1]] = 30.0
     logits = wide[:, :vocab]
     seeds = seed_tensor(n, seed)
-    got = sampling_triton.gumbel_argmax(logits, temps, seeds)
+    chunk = sampling_triton.BLOCK * chunk_blocks if chunk_blocks else sampling_triton.CHUNK
+    got = sampling_triton.gumbel_argmax(logits, temps, seeds, chunk=chunk)
     want = sampling_torch.gumbel_argmax(logits, temps, seeds)
     mismatches, near_ties = [], 0
     for i in torch.nonzero(got != want).flatten().tolist():
@@ -620,7 +622,7 @@ def triton_case(vocab: int, dtype: torch.dtype, seed: int, rows_per_temperature:
     return dict(rows=n, near_ties=near_ties, mismatches=mismatches, distinct=len(set(want.tolist())))
 
 
-def triton_skip_case() -> dict:
+def triton_skip_case(chunk_blocks: int | None = None) -> dict:
     """Rows with a negative temperature are skipped: their ``out`` entries keep what was there; the
     others get the torch draw's tokens."""
     from nanovllm.layers import sampling_triton
@@ -630,7 +632,8 @@ def triton_skip_case() -> dict:
     temps = torch.tensor([0.7, -1.0, 0.0, -1.0, 1.3, -0.5])
     seeds = seed_tensor(6, 30)
     out = torch.full((6,), -7, dtype=torch.int64)
-    got = sampling_triton.gumbel_argmax(logits, temps, seeds, out=out)
+    chunk = sampling_triton.BLOCK * chunk_blocks if chunk_blocks else sampling_triton.CHUNK
+    got = sampling_triton.gumbel_argmax(logits, temps, seeds, out=out, chunk=chunk)
     drawn = [0, 2, 4]
     want = sampling_torch.gumbel_argmax(logits[drawn], temps[drawn], seeds[drawn])
     return dict(returned_out=got is out, out=out.tolist(), want=want.tolist())
@@ -638,6 +641,7 @@ def triton_skip_case() -> dict:
 
 TRITON_CASES = {
     "skipped_rows": triton_skip_case,
+    "skipped_rows_two_chunks": lambda: triton_skip_case(chunk_blocks=1),
     "float32_vocab2000": lambda: triton_case(2000, torch.float32, 20),
     "bfloat16_vocab2000": lambda: triton_case(2000, torch.bfloat16, 21),
     "float32_vocab5000": lambda: triton_case(5000, torch.float32, 22),
@@ -646,6 +650,11 @@ TRITON_CASES = {
     "bfloat16_vocab4100_ties": lambda: triton_case(4100, torch.bfloat16, 25, ties=True),
     "float32_vocab3000_all_negative": lambda: triton_case(3000, torch.float32, 27, shift=-60.0),
     "float32_qwen3_vocab": lambda: triton_case(151936, torch.float32, 26, rows_per_temperature=1),
+    # a row over several programs: ties across chunks (5 and 5 + BLOCK) and a short last chunk
+    "float32_vocab4100_ties_chunks_of_one_block": lambda: triton_case(4100, torch.float32, 28, ties=True, chunk_blocks=1),
+    "bfloat16_vocab5000_strided_chunks_of_two_blocks": lambda: triton_case(
+        5000, torch.bfloat16, 29, stride_pad=13, chunk_blocks=2),
+    "float32_vocab3000_all_negative_chunks": lambda: triton_case(3000, torch.float32, 31, shift=-60.0, chunk_blocks=1),
 }
 
 
@@ -662,16 +671,17 @@ def triton_results() -> dict:
     return results_under_interpreter(__file__)
 
 
-def test_triton_gumbel_argmax_skips_negative_temperatures(triton_results):
+@pytest.mark.parametrize("case", ["skipped_rows", "skipped_rows_two_chunks"])
+def test_triton_gumbel_argmax_skips_negative_temperatures(triton_results, case):
     """What a CUDA graph relies on: padding rows and rows the full sampler draws are left alone."""
-    r = triton_results["skipped_rows"]
+    r = triton_results[case]
     assert "error" not in r, r
     assert r["returned_out"]
     assert [r["out"][i] for i in (1, 3, 5)] == [-7, -7, -7]
     assert [r["out"][i] for i in (0, 2, 4)] == r["want"]
 
 
-@pytest.mark.parametrize("case", [c for c in TRITON_CASES if c != "skipped_rows"])
+@pytest.mark.parametrize("case", [c for c in TRITON_CASES if not c.startswith("skipped_rows")])
 def test_triton_gumbel_argmax_matches_torch(triton_results, case):
     """The same token as the torch draw on every row; a sampled row may differ only at a near-tie
     (Gumbel scores within TIE_GAP), a greedy row never."""

@@ -7,7 +7,9 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.engine.sequence import Sequence
-from nanovllm.layers.attention import KV_SCALE_DTYPE, Attention, is_fp8_kv_cache, kv_cache_storage_dtype
+from nanovllm.layers.attention import (
+    KV_SCALE_DTYPE, Attention, empty_kv_scales, is_fp8_kv_cache, kv_cache_storage_dtype,
+)
 from nanovllm.sampling_params import SamplingParams
 
 # share of GPU memory kept out of the KV cache for what sizing cannot see: allocator fragmentation
@@ -104,14 +106,15 @@ class KVCacheAllocator:
     def bind_kv_cache(self, num_blocks: int) -> None:
         """The one place that knows the cache layout: one tensor
         [2, layers, blocks, block_size, kv_heads, head_dim]; each layer gets its K and V views.
-        An FP8 cache holds e4m3 values, and a second tensor [2, layers, blocks, block_size, kv_heads]
-        their float32 scales; only the layers' k_scale/v_scale views hold it (it goes with the model)."""
+        An FP8 cache holds e4m3 values, and a second tensor (``empty_kv_scales``, [2, layers, blocks,
+        block_size, kv_heads]) their float32 scales; only the layers' k_scale/v_scale views hold it
+        (it goes with the model)."""
         shape = (2, self.config.hf_config.num_hidden_layers, num_blocks, self.block_size, self.num_kv_heads)
         cache_dtype = kv_cache_storage_dtype(self.config.kv_cache_dtype, self.dtype)
         self.kv_cache = torch.empty(*shape, self.head_dim, dtype=cache_dtype, device=self.device)
         scales = None
         if is_fp8_kv_cache(self.config.kv_cache_dtype):
-            scales = torch.empty(shape, dtype=KV_SCALE_DTYPE, device=self.device)
+            scales = empty_kv_scales(*shape, device=self.device)
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for i, module in enumerate(layers):
             module.k_cache = self.kv_cache[0, i]

@@ -7,8 +7,9 @@ num_kv_heads, head_dim]``; each layer sees ``k_cache``/``v_cache`` views of shap
 ``s // block_size``, offset ``s % block_size``.
 
 FP8 cache (``kv_cache_dtype="fp8"``): the cache holds ``float8_e4m3fn`` values, and a second tensor
-``[2, num_layers, num_blocks, block_size, num_kv_heads]`` of float32 holds one scale per (token,
-KV head) row, seen by each layer as ``k_scale``/``v_scale`` ``[num_blocks, block_size, num_kv_heads]``.
+of float32 holds one scale per (token, KV head) row, seen by each layer as ``k_scale``/``v_scale``
+``[num_blocks, block_size, num_kv_heads]`` (``empty_kv_scales``: stored head-major, so those views
+are not contiguous; the kernels take any strides).
 A row ``x`` is stored as ``x / s`` in e4m3 with ``s = max(max|x| / FP8_MAX, FP8_MIN_SCALE)``; it
 reads back as ``stored * s``.
 """
@@ -27,6 +28,14 @@ KV_SCALE_DTYPE = torch.float32
 
 def is_fp8_kv_cache(kv_cache_dtype: str) -> bool:
     return kv_cache_dtype in ("fp8", "fp8_e4m3")
+
+
+def empty_kv_scales(*shape: int, device=None) -> torch.Tensor:
+    """Scales of shape ``[..., num_blocks, block_size, num_kv_heads]``, stored as ``[..., num_blocks,
+    num_kv_heads, block_size]``: the scales of one KV head's consecutive tokens are then contiguous,
+    so a decode tile of keys reads them in a few wide loads (token-major, each token's scale would
+    come from a 32-byte sector of its own)."""
+    return torch.empty(*shape[:-2], shape[-1], shape[-2], dtype=KV_SCALE_DTYPE, device=device).transpose(-1, -2)
 
 
 def kv_cache_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:

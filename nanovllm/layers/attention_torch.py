@@ -69,7 +69,8 @@ class TorchAttentionBackend(AttentionBackend):
             rows = x[valid]  # [num_valid, num_kv_heads, head_dim]
             if scale is not None:
                 rows, row_scales = quantize_fp8(rows)
-                scale.flatten(0, 1).index_copy_(0, slots, row_scales)
+                block_size = scale.shape[1]  # the scales may be stored head-major: index, not flatten
+                scale[slots // block_size, slots % block_size] = row_scales
                 cache, rows = cache.view(torch.uint8), rows.view(torch.uint8)  # index_copy_ takes no e4m3
             cache.flatten(0, 1).index_copy_(0, slots, rows.to(cache.dtype))
 

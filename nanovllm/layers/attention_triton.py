@@ -93,15 +93,15 @@ def _fp8_args(q: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | No
     dtype all of them are None, which Triton takes as compile-time constants: the kernel is then
     the plain one, with the same parameters."""
     if k_cache.dtype != FP8_DTYPE:
-        return False, None, None, (None, None), None
+        return False, None, None, (None, None, None), None
     if k_scale is None or v_scale is None:
         raise ValueError("an FP8 KV cache needs k_scale and v_scale")
-    if k_scale.stride() != v_scale.stride() or k_scale.stride(-1) != 1 or k_scale.shape != k_cache.shape[:3]:
+    if k_scale.stride() != v_scale.stride() or k_scale.shape != k_cache.shape[:3]:
         raise ValueError("k_scale and v_scale must be [num_blocks, block_size, num_kv_heads] with the same strides")
     # the dots' type: float32 for a float32 model, else float16 (e4m3 converts to it in one instruction
     # per pair, and the kernels scale both dots' other operand into (-2, 2))
     dot_dtype = tl.float32 if q.dtype == torch.float32 else tl.float16
-    return True, k_scale, v_scale, k_scale.stride()[:2], dot_dtype
+    return True, k_scale, v_scale, k_scale.stride(), dot_dtype
 
 
 class TritonAttentionBackend(AttentionBackend):

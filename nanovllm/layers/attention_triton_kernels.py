@@ -90,8 +90,8 @@ def _fp8_scores(q, row_scale, k, k_scale_ptrs, v_scale_ptrs, kv_mask, DOT_DTYPE:
 def _prefill_tiles(
     q, row_scale, m_i, l_i, acc, lo, hi, k_len, q_pos, q_start, seq, kv_head,
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ct, stride_ch, stride_sb, stride_st, stride_bt,
-    qk_scale,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ct, stride_ch, stride_sb, stride_st, stride_sh,
+    stride_bt, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK: tl.constexpr, FP8: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
@@ -119,7 +119,7 @@ def _prefill_tiles(
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
         if FP8:
-            scales = block.to(tl.int64) * stride_sb + (pos % BLOCK_SIZE) * stride_st + kv_head
+            scales = block.to(tl.int64) * stride_sb + (pos % BLOCK_SIZE) * stride_st + kv_head * stride_sh
             qk, v_scale = _fp8_scores(q, row_scale, k, k_scale_ptr + scales, v_scale_ptr + scales, kv_mask, DOT_DTYPE)
         else:
             v_scale = None
@@ -137,7 +137,7 @@ def _prefill_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_cb, stride_ct, stride_ch, stride_bt,
     qk_scale,
-    k_scale_ptr, v_scale_ptr, stride_sb, stride_st,  # FP8 only
+    k_scale_ptr, v_scale_ptr, stride_sb, stride_st, stride_sh,  # FP8 only
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
@@ -176,14 +176,14 @@ def _prefill_kernel(
     m_i, l_i, acc = _prefill_tiles(
         q, row_scale, m_i, l_i, acc, 0, full_end, k_len, q_pos, q_start, seq, kv_head,
         k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr,
-        stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ct, stride_ch, stride_sb, stride_st, stride_bt,
-        qk_scale, HEAD_DIM, BLOCK_SIZE, PAGED, BLOCK_N, False, FP8, DOT_DTYPE,
+        stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ct, stride_ch, stride_sb, stride_st, stride_sh,
+        stride_bt, qk_scale, HEAD_DIM, BLOCK_SIZE, PAGED, BLOCK_N, False, FP8, DOT_DTYPE,
     )
     m_i, l_i, acc = _prefill_tiles(
         q, row_scale, m_i, l_i, acc, full_end, end, k_len, q_pos, q_start, seq, kv_head,
         k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr,
-        stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ct, stride_ch, stride_sb, stride_st, stride_bt,
-        qk_scale, HEAD_DIM, BLOCK_SIZE, PAGED, BLOCK_N, True, FP8, DOT_DTYPE,
+        stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ct, stride_ch, stride_sb, stride_st, stride_sh,
+        stride_bt, qk_scale, HEAD_DIM, BLOCK_SIZE, PAGED, BLOCK_N, True, FP8, DOT_DTYPE,
     )
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -198,7 +198,7 @@ def _decode_kernel(
     q_ptr, o_ptr, part_acc_ptr, part_ml_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
     qk_scale,
-    k_scale_ptr, v_scale_ptr, stride_sb, stride_st,  # FP8 only
+    k_scale_ptr, v_scale_ptr, stride_sb, stride_st, stride_sh,  # FP8 only
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, TABLE_PAD: tl.constexpr,
     FP8: tl.constexpr, DOT_DTYPE: tl.constexpr,
@@ -243,13 +243,15 @@ def _decode_kernel(
         kv_mask = pos < hi
         if TABLE_PAD:
             block = tl.sum(tl.where(offs_t == start // BLOCK_SIZE, table, 0))
+            offset = start % BLOCK_SIZE + offs_n  # the tile lies within one block: visibly consecutive
         else:
             block = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=kv_mask, other=0)
-        row = block.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
+            offset = pos % BLOCK_SIZE
+        row = block.to(tl.int64) * stride_cb + offset * stride_ct + kv_head * stride_ch
         k = tl.load(k_cache_ptr + row[None, :] + offs_d[:, None], mask=kv_mask[None, :], other=0.0)
         v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask[:, None], other=0.0)
         if FP8:
-            scales = block.to(tl.int64) * stride_sb + (pos % BLOCK_SIZE) * stride_st + kv_head
+            scales = block.to(tl.int64) * stride_sb + offset * stride_st + kv_head * stride_sh
             qk, v_scale = _fp8_scores(q, row_scale, k, k_scale_ptr + scales, v_scale_ptr + scales, kv_mask, DOT_DTYPE)
         else:
             v_scale = None

@@ -42,6 +42,13 @@ def _to_e4m3(x, scale):
 
 
 @triton.jit
+def _scale_offsets(slot, heads, block_size, stride_sb, stride_st, stride_sh):
+    """Where the scales of ``heads`` of cache slot ``slot`` live, in a scale tensor of any strides
+    ([num_blocks, block_size, num_kv_heads])."""
+    return (slot // block_size) * stride_sb + (slot % block_size) * stride_st + heads * stride_sh
+
+
+@triton.jit
 def _quantize_store(src, dst, scale_dst, mask, head_mask):
     """Quantize one token's [HEADS_PAD, DIM_PAD] tile with one scale per head (row) and store it."""
     x = tl.load(src, mask=mask, other=0.0).to(tl.float32)
@@ -53,6 +60,7 @@ def _quantize_store(src, dst, scale_dst, mask, head_mask):
 @triton.jit
 def _store_kvcache_fp8_kernel(
     k_ptr, k_stride, v_ptr, v_stride, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_mapping_ptr,
+    block_size, stride_sb, stride_st, stride_sh,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
 ):
     """One program per token: per-head amax, scale and cast for its K and V rows."""
@@ -66,10 +74,10 @@ def _store_kvcache_fp8_kernel(
     mask = head_mask[:, None] & (dims[None, :] < HEAD_DIM)
     cols = heads[:, None] * HEAD_DIM + dims[None, :]  # [HEADS_PAD, DIM_PAD], offsets within one token's row
     cache_row = slot * (NUM_KV_HEADS * HEAD_DIM)
-    scale_row = slot * NUM_KV_HEADS
-    _quantize_store(k_ptr + token * k_stride + cols, k_cache_ptr + cache_row + cols, k_scale_ptr + scale_row + heads,
+    scales = _scale_offsets(slot, heads, block_size, stride_sb, stride_st, stride_sh)
+    _quantize_store(k_ptr + token * k_stride + cols, k_cache_ptr + cache_row + cols, k_scale_ptr + scales,
                     mask, head_mask)
-    _quantize_store(v_ptr + token * v_stride + cols, v_cache_ptr + cache_row + cols, v_scale_ptr + scale_row + heads,
+    _quantize_store(v_ptr + token * v_stride + cols, v_cache_ptr + cache_row + cols, v_scale_ptr + scales,
                     mask, head_mask)
 
 
@@ -79,7 +87,8 @@ def store_kvcache(
 ) -> None:
     """k/v: [num_tokens, num_kv_heads, head_dim] (each token's row contiguous);
     k_cache/v_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous;
-    for an FP8 cache (e4m3) also k_scale/v_scale: [num_blocks, block_size, num_kv_heads] float32, contiguous."""
+    for an FP8 cache (e4m3) also k_scale/v_scale: [num_blocks, block_size, num_kv_heads] float32, any
+    strides (the same for both)."""
     num_tokens, num_kv_heads, head_dim = k.shape
     row = num_kv_heads * head_dim
     assert k.stride(-1) == 1 and v.stride(-1) == 1 and k.stride(1) == head_dim and v.stride(1) == head_dim
@@ -91,10 +100,11 @@ def store_kvcache(
         )
         return
     assert k_scale is not None and v_scale is not None, "an FP8 cache needs k_scale and v_scale"
-    assert k_scale.dtype == v_scale.dtype == KV_SCALE_DTYPE and k_scale.is_contiguous() and v_scale.is_contiguous()
+    assert k_scale.dtype == v_scale.dtype == KV_SCALE_DTYPE and k_scale.stride() == v_scale.stride()
     assert k_scale.shape == v_scale.shape == k_cache.shape[:3]
     _store_kvcache_fp8_kernel[(num_tokens,)](
         k, k.stride(0), v, v.stride(0), k_cache, v_cache, k_scale, v_scale, slot_mapping,
+        k_cache.shape[1], *k_scale.stride(),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         HEADS_PAD=triton.next_power_of_2(num_kv_heads), DIM_PAD=triton.next_power_of_2(head_dim),
     )
@@ -137,16 +147,16 @@ def _store_halves(ptr, rows, row_mask, d, x1, x2, HALF: tl.constexpr):
 
 
 @triton.jit
-def _cache_store(cache_ptr, scale_ptr, slot, rows, row_mask, d, x1, x2,
+def _cache_store(cache_ptr, scale_ptr, slot, rows, row_mask, d, x1, x2, scale_offsets,
                  NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, FP8: tl.constexpr):
     """One token's K or V heads, given as their two halves, into its cache slot (for FP8
-    quantized, one scale per head)."""
+    quantized, one scale per head, stored at ``scale_ptr + scale_offsets``)."""
     row = cache_ptr + slot * (NUM_KV_HEADS * 2 * HALF)
     if FP8:
         x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
         scale = _fp8_scale(tl.maximum(tl.max(tl.abs(x1), 1), tl.max(tl.abs(x2), 1)))
         _store_halves(row, rows, row_mask, d, _to_e4m3(x1, scale), _to_e4m3(x2, scale), HALF)
-        tl.store(scale_ptr + slot * NUM_KV_HEADS + rows, scale, mask=row_mask)
+        tl.store(scale_ptr + scale_offsets, scale, mask=row_mask)
     else:
         dtype = cache_ptr.dtype.element_ty
         _store_halves(row, rows, row_mask, d, x1.to(dtype), x2.to(dtype), HALF)
@@ -156,6 +166,7 @@ def _cache_store(cache_ptr, scale_ptr, slot, rows, row_mask, d, x1, x2,
 def _rope_store_kernel(
     qkv_ptr, stride_qkv, positions_ptr, q_weight_ptr, k_weight_ptr, cos_sin_ptr, eps,
     q_out_ptr, k_out_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_mapping_ptr,
+    block_size, stride_sb, stride_st, stride_sh,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr,
     HALF: tl.constexpr, HAS_NORM: tl.constexpr, WRITE_K: tl.constexpr, STORE: tl.constexpr, FP8: tl.constexpr,
 ):
@@ -180,8 +191,9 @@ def _rope_store_kernel(
         slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
         if slot != -1:
             v1, v2 = _load_halves(k_src + NUM_KV_HEADS * 2 * HALF, kv_heads, kv_mask, d, HALF)
-            _cache_store(k_cache_ptr, k_scale_ptr, slot, kv_heads, kv_mask, d, k1, k2, NUM_KV_HEADS, HALF, FP8)
-            _cache_store(v_cache_ptr, v_scale_ptr, slot, kv_heads, kv_mask, d, v1, v2, NUM_KV_HEADS, HALF, FP8)
+            scales = _scale_offsets(slot, kv_heads, block_size, stride_sb, stride_st, stride_sh)
+            _cache_store(k_cache_ptr, k_scale_ptr, slot, kv_heads, kv_mask, d, k1, k2, scales, NUM_KV_HEADS, HALF, FP8)
+            _cache_store(v_cache_ptr, v_scale_ptr, slot, kv_heads, kv_mask, d, v1, v2, scales, NUM_KV_HEADS, HALF, FP8)
 
 
 def rope_and_store(
@@ -206,12 +218,13 @@ def rope_and_store(
     fp8 = store and k_cache.dtype == FP8_DTYPE
     if store:
         assert k_cache.is_contiguous() and v_cache.is_contiguous() and slot_mapping.numel() == num_tokens
-        assert not fp8 or (k_scale is not None and v_scale is not None and k_scale.is_contiguous())
+        assert not fp8 or (k_scale is not None and v_scale is not None and k_scale.stride() == v_scale.stride())
     q_weight, k_weight, eps = norm if norm is not None else (None, None, 0.0)
     if num_tokens:
         _rope_store_kernel[(num_tokens,)](
             qkv, qkv.stride(0), positions, q_weight, k_weight, cos_sin_cache, eps,
             q, k, k_cache, v_cache, k_scale if fp8 else None, v_scale if fp8 else None, slot_mapping,
+            k_cache.shape[1] if store else 1, *(k_scale.stride() if fp8 else (0, 0, 0)),
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEADS_PAD=triton.next_power_of_2(num_heads),
             KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads), HALF=head_dim // 2, HAS_NORM=norm is not None,
             WRITE_K=write_k, STORE=store, FP8=fp8, num_warps=4,
