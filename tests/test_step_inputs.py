@@ -1,12 +1,13 @@
-"""A decode step's inputs as a CUDA graph receives them (``DecodeLayout``, ``fill_decode``): exact
-values for hand-built sequences, the same values as ``prepare_decode``, and padding rows that
-write no cache slot and draw nothing."""
+"""A step's inputs. Prefill (``prepare_prefill``): exact values for hand-built sequences with cached
+prefixes and chunks, and against a token-by-token reference. Decode as a CUDA graph receives it
+(``DecodeLayout``, ``fill_decode``): exact values for hand-built sequences, the same values as
+``prepare_decode``, and padding rows that write no cache slot and draw nothing."""
 import numpy as np
 import pytest
 import torch
 
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.step_inputs import DECODE_FIELDS, DecodeLayout, fill_decode, prepare_decode
+from nanovllm.engine.step_inputs import DECODE_FIELDS, DecodeLayout, fill_decode, prepare_decode, prepare_prefill
 from nanovllm.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
@@ -20,6 +21,66 @@ def decode_seq(num_tokens: int, block_table: list[int], pending_row: int | None 
     seq.block_table = list(block_table)
     seq.num_cached_tokens = num_tokens - 1
     return seq
+
+
+def to_tensor(data, dtype: torch.dtype) -> torch.Tensor:
+    return torch.tensor(data, dtype=dtype)
+
+
+def prefill_seq(num_tokens: int, block_table: list[int], cached: int, scheduled: int) -> Sequence:
+    """A prompt of ``num_tokens`` tokens (ids 1000 + position) whose first ``cached`` are in the
+    cache and whose next ``scheduled`` this step computes."""
+    seq = Sequence([1000 + i for i in range(num_tokens)], SamplingParams(), BLOCK_SIZE)
+    seq.block_table = list(block_table)
+    seq.num_cached_tokens = cached
+    seq.num_scheduled_tokens = scheduled
+    return seq
+
+
+def test_prepare_prefill_exact_values():
+    seqs = [
+        prefill_seq(6, [9, 2], cached=0, scheduled=6),  # positions 0-5: blocks 9 and 2
+        prefill_seq(10, [4, 7, 1], cached=4, scheduled=5),  # a cached block, then a chunk of 5 (positions 4-8)
+        prefill_seq(3, [5], cached=2, scheduled=1),  # the last token after a cached prefix
+    ]
+    input_ids, positions, context = prepare_prefill(seqs, BLOCK_SIZE, to_tensor)
+    assert input_ids.tolist() == [1000, 1001, 1002, 1003, 1004, 1005, 1004, 1005, 1006, 1007, 1008, 1002]
+    assert positions.tolist() == [0, 1, 2, 3, 4, 5, 4, 5, 6, 7, 8, 2]
+    assert context.slot_mapping.tolist() == [36, 37, 38, 39, 8, 9, 28, 29, 30, 31, 4, 22]
+    assert context.cu_seqlens_q.tolist() == [0, 6, 11, 12] and context.cu_seqlens_k.tolist() == [0, 6, 15, 18]
+    assert (context.max_seqlen_q, context.max_seqlen_k) == (6, 9)
+    assert context.block_tables.tolist() == [[9, 2, -1], [4, 7, 1], [5, -1, -1]]  # a cached prefix: tables sent
+    assert input_ids.dtype == positions.dtype == torch.int64 and context.slot_mapping.dtype == torch.int32
+    assert context.is_prefill
+
+
+def test_prepare_prefill_without_prefix_or_cache():
+    """No cached prefix: no block tables; no block tables yet (the warm-up): every slot -1."""
+    _, _, context = prepare_prefill([prefill_seq(5, [3, 0], 0, 5), prefill_seq(2, [1], 0, 2)], BLOCK_SIZE, to_tensor)
+    assert context.block_tables is None and context.slot_mapping.tolist() == [12, 13, 14, 15, 0, 4, 5]
+    _, positions, context = prepare_prefill([prefill_seq(3, [], 0, 3), prefill_seq(2, [], 0, 2)], BLOCK_SIZE, to_tensor)
+    assert positions.tolist() == [0, 1, 2, 0, 1] and context.slot_mapping.tolist() == [-1] * 5
+
+
+def test_prepare_prefill_matches_token_by_token_reference():
+    rng = np.random.default_rng(1)
+    seqs = []
+    for _ in range(23):
+        n = int(rng.integers(1, 60))
+        cached = int(rng.integers(0, n // BLOCK_SIZE + 1)) * BLOCK_SIZE if n > BLOCK_SIZE else 0
+        cached = min(cached, n - 1)
+        scheduled = int(rng.integers(1, n - cached + 1))
+        seqs.append(prefill_seq(n, rng.permutation(300)[: -(-n // BLOCK_SIZE)].tolist(), cached, scheduled))
+    input_ids, positions, context = prepare_prefill(seqs, BLOCK_SIZE, to_tensor)
+    want_ids, want_pos, want_slots = [], [], []
+    for seq in seqs:
+        for p in range(seq.num_cached_tokens, seq.num_cached_tokens + seq.num_scheduled_tokens):
+            want_ids.append(seq.token_ids[p])
+            want_pos.append(p)
+            want_slots.append(seq.block_table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE)
+    assert input_ids.tolist() == want_ids and positions.tolist() == want_pos
+    assert context.slot_mapping.tolist() == want_slots
+    assert context.max_seqlen_q == max(s.num_scheduled_tokens for s in seqs)
 
 
 def host_fields(layout: DecodeLayout) -> tuple[np.ndarray, dict]:

@@ -9,40 +9,47 @@ import torch
 from nanovllm.engine.sequence import Sequence
 from nanovllm.utils.context import Context
 
-ToDevice = Callable[[list, torch.dtype], torch.Tensor]  # a host list to a tensor on the rank's device
+ToDevice = Callable[[list | np.ndarray, torch.dtype], torch.Tensor]  # host data to a tensor on the rank's device
 
 
-def _block_tables(seqs: list[Sequence], to_device: ToDevice) -> torch.Tensor:
-    width = max(len(seq.block_table) for seq in seqs)
-    return to_device([seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs], torch.int32)
+def _block_table_array(seqs: list[Sequence]) -> np.ndarray:
+    """The sequences' block tables as one [num_seqs, width] int32 array, padded with -1."""
+    tables = np.full((len(seqs), max(len(seq.block_table) for seq in seqs)), -1, dtype=np.int32)
+    for row, seq in zip(tables, seqs):
+        row[: len(seq.block_table)] = seq.block_table
+    return tables
 
 
 def prepare_prefill(
     seqs: list[Sequence], block_size: int, to_device: ToDevice
 ) -> tuple[torch.Tensor, torch.Tensor, Context]:
-    """The ``num_scheduled_tokens`` tokens after each sequence's cached prefix."""
-    input_ids, positions, slot_mapping = [], [], []
-    cu_q, cu_k = [0], [0]
-    bs = block_size
-    for seq in seqs:
-        start = seq.num_cached_tokens
-        end = start + seq.num_scheduled_tokens
-        input_ids.extend(seq.scheduled_token_ids())
-        positions.extend(range(start, end))
-        cu_q.append(cu_q[-1] + end - start)
-        cu_k.append(cu_k[-1] + end)
-        for i in range(start // bs, (end + bs - 1) // bs) if seq.block_table else ():
-            offset = seq.block_table[i] * bs - i * bs  # slot of position p in block i: offset + p
-            slot_mapping.extend(range(offset + max(start, i * bs), offset + min(end, (i + 1) * bs)))
+    """The ``num_scheduled_tokens`` tokens after each sequence's cached prefix. Built with NumPy:
+    a step may hold ``max_num_batched_tokens`` tokens, and Python lists of them would cost
+    milliseconds per step."""
+    n = len(seqs)
+    starts = np.fromiter((seq.num_cached_tokens for seq in seqs), np.int64, n)
+    lens = np.fromiter((seq.num_scheduled_tokens for seq in seqs), np.int64, n)
+    cu_q = np.concatenate(([0], np.cumsum(lens)))
+    cu_k = np.concatenate(([0], np.cumsum(starts + lens)))
+    num_tokens = int(cu_q[-1])
+    input_ids = np.fromiter(chain.from_iterable(seq.scheduled_token_ids() for seq in seqs), np.int64, num_tokens)
+    row = np.repeat(np.arange(n), lens)  # each token's sequence
+    positions = np.arange(num_tokens) - np.repeat(cu_q[:-1] - starts, lens)
+    tables = _block_table_array(seqs)
+    if tables.shape[1]:
+        blocks = tables[row, positions // block_size].astype(np.int64)
+        slot_mapping = np.where(blocks >= 0, blocks * block_size + positions % block_size, -1)
+    else:  # no cache yet (the warm-up): nothing is stored
+        slot_mapping = np.full(num_tokens, -1)
     has_prefix = cu_k[-1] > cu_q[-1]
     context = Context(
         is_prefill=True,
         cu_seqlens_q=to_device(cu_q, torch.int32),
         cu_seqlens_k=to_device(cu_k, torch.int32),
-        max_seqlen_q=max(b - a for a, b in zip(cu_q, cu_q[1:])),
-        max_seqlen_k=max(b - a for a, b in zip(cu_k, cu_k[1:])),
+        max_seqlen_q=int(lens.max()),
+        max_seqlen_k=int((starts + lens).max()),
         slot_mapping=to_device(slot_mapping, torch.int32),
-        block_tables=_block_tables(seqs, to_device) if has_prefix else None,
+        block_tables=to_device(tables, torch.int32) if has_prefix else None,
     )
     return to_device(input_ids, torch.int64), to_device(positions, torch.int64), context
 
@@ -58,7 +65,7 @@ def prepare_decode(
         is_prefill=False,
         slot_mapping=to_device(slot_mapping, torch.int32),
         context_lens=to_device([len(seq) for seq in seqs], torch.int32),
-        block_tables=_block_tables(seqs, to_device),
+        block_tables=to_device(_block_table_array(seqs), torch.int32),
     )
     input_ids = to_device([seq.last_token for seq in seqs], torch.int64)
     return input_ids, to_device(positions, torch.int64), context
