@@ -198,11 +198,15 @@ class ModelRunner(KVCacheAllocator):
 
     # ---- per-step inputs ---------------------------------------------------------------------
 
-    def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
-        """A host list on this rank's device (pinned and non-blocking on a GPU)."""
+    def _tensor(self, data: list | np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        """A host list or NumPy array on this rank's device (pinned and non-blocking on a GPU)."""
         if self.device.type == "cpu":
             return torch.tensor(data, dtype=dtype)
-        return torch.tensor(data, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
+        if isinstance(data, np.ndarray):  # torch pins no tensor that NumPy owns: copy into a pinned one
+            pinned = torch.empty(data.shape, dtype=dtype, pin_memory=True).copy_(torch.from_numpy(data))
+        else:
+            pinned = torch.tensor(data, dtype=dtype, pin_memory=True)
+        return pinned.to(self.device, non_blocking=True)
 
     # ---- running a step ----------------------------------------------------------------------
 
