@@ -29,8 +29,9 @@ def prepare_prefill(
     n = len(seqs)
     starts = np.fromiter((seq.num_cached_tokens for seq in seqs), np.int64, n)
     lens = np.fromiter((seq.num_scheduled_tokens for seq in seqs), np.int64, n)
+    ends = starts + lens
     cu_q = np.concatenate(([0], np.cumsum(lens)))
-    cu_k = np.concatenate(([0], np.cumsum(starts + lens)))
+    cu_k = np.concatenate(([0], np.cumsum(ends)))
     num_tokens = int(cu_q[-1])
     input_ids = np.fromiter(chain.from_iterable(seq.scheduled_token_ids() for seq in seqs), np.int64, num_tokens)
     row = np.repeat(np.arange(n), lens)  # each token's sequence
@@ -47,7 +48,7 @@ def prepare_prefill(
         cu_seqlens_q=to_device(cu_q, torch.int32),
         cu_seqlens_k=to_device(cu_k, torch.int32),
         max_seqlen_q=int(lens.max()),
-        max_seqlen_k=int((starts + lens).max()),
+        max_seqlen_k=int(ends.max()),
         slot_mapping=to_device(slot_mapping, torch.int32),
         block_tables=to_device(tables, torch.int32) if has_prefix else None,
     )
