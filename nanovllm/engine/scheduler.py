@@ -75,8 +75,12 @@ class Scheduler:
         if scheduled:
             return scheduled, True
 
+        kept = []  # the running sequences looked at, in order: scheduled, or waiting for their last token
         while self.running and len(scheduled) < self.max_num_seqs:
             seq = self.running.popleft()
+            if self.at_length_limit(seq):
+                kept.append(seq)  # its last token is in flight: it finishes when that arrives
+                continue
             while not bm.can_append(seq):
                 if self.running:
                     self.preempt(self.running.pop())
@@ -87,10 +91,16 @@ class Scheduler:
                 bm.may_append(seq)
                 seq.num_scheduled_tokens = 1
                 scheduled.append(seq)
-        self.running.extendleft(reversed(scheduled))
+                kept.append(seq)
+        self.running.extendleft(reversed(kept))
         # longest context first: the decode kernels then start their longest programs first, which
         # evens out the SMs' work (the order of a step's sequences means nothing else)
         return sorted(scheduled, key=len, reverse=True), False
+
+    def at_length_limit(self, seq: Sequence) -> bool:
+        """Whether ``seq`` holds as many tokens as it may: ``max_tokens`` completion tokens, or
+        ``max_model_len`` in all."""
+        return seq.num_completion_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len
 
     def preempt(self, seq: Sequence) -> None:
         """Free ``seq``'s blocks and put it back at the head of ``waiting`` for recomputation."""
@@ -112,8 +122,9 @@ class Scheduler:
             self.block_manager.deallocate(seq)
             self.waiting.appendleft(seq)
 
-    def finish(self, seq: Sequence, finish_reason: str, stop_reason: int | str | None = None) -> None:
-        """End ``seq`` (waiting or running) and free its blocks: a stop condition, or an abort."""
+    def finish(self, seq: Sequence, finish_reason: str, stop_reason: int | None = None) -> None:
+        """End ``seq`` (waiting or running) and free its blocks; tokens still in flight for it are
+        dropped. The reasons are ``check_stop``'s, "abort", or the front end's "stop" (a stop string)."""
         if seq.is_finished:
             return
         (self.running if seq.status == SequenceStatus.RUNNING else self.waiting).remove(seq)
@@ -121,16 +132,29 @@ class Scheduler:
         seq.finish_reason, seq.stop_reason = finish_reason, stop_reason
         seq.num_scheduled_tokens = 0
         seq.wait_for = None
-        if finish_reason == "abort":
-            seq.discard_pending()
+        seq.discard_pending()
         self.block_manager.deallocate(seq)
+
+    def check_stop(self, seq: Sequence, token_id: int) -> tuple[str, int | None] | None:
+        """The one place that decides whether a sequence ends with the token just set: EOS (unless
+        ``ignore_eos``) and ``stop_token_ids`` once ``min_tokens`` are out, then the length limit.
+        Returns ``(finish_reason, stop_reason)`` or None. (Stop strings need the text: the front end
+        finds them and ends the sequence through ``finish``.)"""
+        if seq.num_known_tokens - seq.num_prompt_tokens > seq.min_tokens:
+            if not seq.ignore_eos and token_id in self.eos_token_ids:
+                return "stop", None
+            if token_id in seq.stop_token_ids:
+                return "stop", token_id
+        if seq.num_known_tokens == seq.num_tokens and self.at_length_limit(seq):
+            return "length", None
+        return None
 
     def advance(self, seqs: list[Sequence]) -> list[int]:
         """Once a step is launched: its sequences move past the tokens it computes, and each one
         that samples gets a placeholder for the token, whose value comes with ``resolve``. Returns
         each sequence's placeholder position (-1: part-way through a chunked prefill, it samples
-        nothing). A sequence that reaches ``max_tokens`` or ``max_model_len`` finishes now
-        ("length"), so it is not scheduled again; ``resolve`` still reports its last token."""
+        nothing). A sequence that reaches its length limit is not scheduled again (see
+        ``schedule``); it finishes when the token arrives."""
         positions = []
         for row, seq in enumerate(seqs):
             seq.num_cached_tokens += seq.num_scheduled_tokens
@@ -141,47 +165,23 @@ class Scheduler:
                 continue
             seq.append_placeholder(row)
             positions.append(len(seq) - 1)
-            if seq.num_completion_tokens >= seq.max_tokens or len(seq) >= self.max_model_len:
-                self.finish(seq, "length")
         return positions
 
-    def resolve(self, seqs: list[Sequence], positions: list[int], token_ids: list[int],
-                logprobs: list | None = None) -> list[Sequence]:
+    def resolve(self, seqs: list[Sequence], positions: list[int], token_ids: list[int]) -> list[Sequence]:
         """A step's sampled tokens have arrived: ``token_ids[i]`` goes to ``positions[i]`` of
-        ``seqs[i]`` (from ``advance``). Returns the sequences whose results are now complete.
-
-        EOS (unless ``ignore_eos``) and ``stop_token_ids`` end a sequence only after ``min_tokens``
-        tokens, also one that ended by length meanwhile. Tokens computed past a sequence's end (it
-        ended meanwhile, or was aborted) are dropped. ``logprobs`` (when any sequence asked for
-        them) has one ``(logprob, {id: logprob})`` or None per sequence. Stop strings are the
-        engine's to check (they need the text).
-        """
+        ``seqs[i]`` (from ``advance``); tokens computed past a sequence's end (it ended meanwhile,
+        or was aborted) are dropped. Returns the sequences that finished (``check_stop``)."""
         finished = []
-        for i, (seq, position, token_id) in enumerate(zip(seqs, positions, token_ids)):
-            if not 0 <= position < len(seq):
+        for seq, position, token_id in zip(seqs, positions, token_ids):
+            if not 0 <= position < len(seq) or seq.is_finished:
                 continue
-            seq.set_token(position, token_id, logprobs[i] if logprobs else None)
-            if not seq.is_finished:
-                self.block_manager.hash_blocks(seq)
-            past_min = position - seq.num_prompt_tokens >= seq.min_tokens
-            if past_min and not seq.ignore_eos and token_id in self.eos_token_ids:
-                self.stop(seq, "stop")
-            elif past_min and token_id in seq.stop_token_ids:
-                self.stop(seq, "stop", token_id)
-            elif not seq.is_complete:  # running, or its last token (by length) is still to come
-                continue
-            finished.append(seq)
+            seq.set_token(position, token_id)
+            self.block_manager.hash_blocks(seq)
+            if (stop := self.check_stop(seq, token_id)) is not None:
+                self.finish(seq, *stop)
+                finished.append(seq)
         return finished
 
-    def stop(self, seq: Sequence, finish_reason: str, stop_reason: int | str | None = None) -> None:
-        """End ``seq`` at its last known token (a stop condition found when its value arrived):
-        placeholders after it are dropped; one that already ended by length takes this reason."""
-        seq.discard_pending()
-        if seq.is_finished:
-            seq.finish_reason, seq.stop_reason = finish_reason, stop_reason
-        else:
-            self.finish(seq, finish_reason, stop_reason)
-
-    def postprocess(self, seqs: list[Sequence], token_ids: list[int], logprobs: list | None = None) -> list[Sequence]:
+    def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
         """``advance`` and ``resolve`` at once: a step whose tokens are known when it ends."""
-        return self.resolve(seqs, self.advance(seqs), token_ids, logprobs)
+        return self.resolve(seqs, self.advance(seqs), token_ids)

@@ -1,5 +1,6 @@
-"""One completion: its tokens, where its KV lives, how far it has been computed, and (on the
-engine's side) why it finished and its log-probabilities (pure Python)."""
+"""One completion as the scheduler sees it: its token ids, where its KV lives, how far it has been
+computed (pure Python). Its text, log-probabilities and result dict are the front end's
+(``output_processor.py``)."""
 from enum import Enum, auto
 from itertools import count
 
@@ -15,19 +16,22 @@ class SequenceStatus(Enum):
 
 
 class Sequence:
-    """A request's token ids plus its paged-KV bookkeeping.
+    """A completion's token ids plus its paged-KV bookkeeping.
 
     Invariant: the KV of ``token_ids[:num_cached_tokens]`` is stored in the cache blocks of
     ``block_table``; a step computes the next ``num_scheduled_tokens`` of them. The last
     ``num_pending`` tokens are placeholders: sampled on the device by a step still in flight, their
     values come when that step is resolved (the newest one's is row ``pending_row`` of its output).
+    A finished sequence has no placeholders: it finishes when the value that ends it is known, and
+    tokens computed past that are dropped.
     """
 
     _ids = count()
 
-    def __init__(self, token_ids: list[int], sampling_params: SamplingParams, block_size: int):
-        self.seq_id = next(Sequence._ids)
-        self.request_id = self.seq_id  # n > 1: the id of the request's first completion
+    def __init__(self, token_ids: list[int], sampling_params: SamplingParams, block_size: int,
+                 seq_id: int | None = None, request_id: int | None = None):
+        self.seq_id = next(Sequence._ids) if seq_id is None else seq_id
+        self.request_id = self.seq_id if request_id is None else request_id  # n > 1: the first completion's id
         self.status = SequenceStatus.WAITING
         self.block_size = block_size
         self.token_ids = list(token_ids)
@@ -45,15 +49,13 @@ class Sequence:
         self.ignore_eos = sampling_params.ignore_eos
         self.min_tokens = sampling_params.min_tokens
         self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
-        self.min_tokens_ids = list(sampling_params.stop_token_ids)  # suppressed before min_tokens; the engine adds EOS
+        self.min_tokens_ids = list(sampling_params.stop_token_ids)  # suppressed before min_tokens; the core adds EOS
         # n > 1: the first completion of the request; this one is admitted once that one's prompt
         # is computed, so the prompt's full blocks come from the prefix cache
         self.wait_for: Sequence | None = None
         self.finish_reason: str | None = None  # "stop", "length" or "abort" once finished
-        self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
-        self.logprobs: list[dict[int, float]] | None = None if sampling_params.logprobs is None else []
-        self.cumulative_logprob: float | None = None if sampling_params.logprobs is None else 0.0
-        self.detokenizer = None  # the engine's IncrementalDetokenizer, for stop strings and streams
+        self.stop_reason: int | None = None  # the stop token id that ended it
+        self.num_reported = 0  # completion tokens the core has handed to the front end
 
     def __len__(self) -> int:
         return self.num_tokens
@@ -64,11 +66,6 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
-
-    @property
-    def is_complete(self) -> bool:
-        """Finished, with every token's value known: its results are final."""
-        return self.status == SequenceStatus.FINISHED and not self.num_pending
 
     @property
     def num_completion_tokens(self) -> int:
@@ -88,14 +85,6 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
-    def num_text_tokens(self) -> int:
-        """Completion tokens that make up its text: all but a final EOS or stop token id, which,
-        as in vLLM, stay in ``token_ids`` but not in the text (unless include_stop_str_in_output)."""
-        n = self.num_known_tokens - self.num_prompt_tokens
-        stopped_by_id = self.finish_reason == "stop" and not isinstance(self.stop_reason, str)
-        return n - 1 if stopped_by_id and not self.sampling_params.include_stop_str_in_output else n
-
-    @property
     def num_blocks(self) -> int:
         return (self.num_tokens + self.block_size - 1) // self.block_size
 
@@ -108,10 +97,9 @@ class Sequence:
             raise IndexError(f"block index {i} out of range for {self.num_blocks} blocks")
         return self.token_ids[i * self.block_size : (i + 1) * self.block_size]
 
-    def append_token(self, token_id: int, logprobs: tuple[float, dict[int, float]] | None = None) -> None:
-        """``logprobs``: the new token's log-probability and its ``{token_id: logprob}`` entry."""
+    def append_token(self, token_id: int) -> None:
         self.append_placeholder(-1)
-        self.set_token(self.num_tokens - 1, token_id, logprobs)
+        self.set_token(self.num_tokens - 1, token_id)
 
     def append_placeholder(self, row: int) -> None:
         """A token sampled in row ``row`` of a step in flight; its value comes with ``set_token``."""
@@ -121,7 +109,7 @@ class Sequence:
         self.num_pending += 1
         self.pending_row = row
 
-    def set_token(self, position: int, token_id: int, logprobs: tuple[float, dict[int, float]] | None = None) -> None:
+    def set_token(self, position: int, token_id: int) -> None:
         """The value of the oldest pending placeholder, at ``position``."""
         if position != self.num_known_tokens:
             raise ValueError(f"sequence {self.seq_id}: token {position} set out of order (next is {self.num_known_tokens})")
@@ -130,9 +118,6 @@ class Sequence:
         if position == self.num_tokens - 1:
             self.last_token = token_id
             self.pending_row = -1
-        if self.logprobs is not None and logprobs is not None:
-            self.cumulative_logprob += logprobs[0]
-            self.logprobs.append(logprobs[1])
 
     def discard_pending(self) -> None:
         """Drop the placeholders (tokens computed past the end of a finished sequence)."""
@@ -145,24 +130,5 @@ class Sequence:
 
     def scheduled_token_ids(self) -> list[int]:
         """The tokens this step computes (after the cached prefix)."""
-        if self.token_ids:
-            start = self.num_cached_tokens
-            return self.token_ids[start : start + self.num_scheduled_tokens]
-        return self._scheduled_token_ids
-
-    # Worker processes read only what a step computes: the scheduled tokens travel, not the whole
-    # list (in decode just the last token), and nothing of sampling or results (rank 0 samples).
-    _WORKER_FIELDS = ("seq_id", "status", "block_size", "last_token", "num_tokens", "num_prompt_tokens",
-                      "num_cached_tokens", "num_scheduled_tokens", "block_table")
-
-    def __getstate__(self):
-        state = {name: getattr(self, name) for name in self._WORKER_FIELDS}
-        if self.num_scheduled_tokens > 1 or self.num_cached_tokens < self.num_tokens - 1:
-            state["_scheduled_token_ids"] = self.scheduled_token_ids()
-        return state
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-        self.token_ids = []
-        if "_scheduled_token_ids" not in state:
-            self._scheduled_token_ids = [self.last_token]
+        start = self.num_cached_tokens
+        return self.token_ids[start : start + self.num_scheduled_tokens]

@@ -1,90 +1,82 @@
-"""Per-step model inputs: token ids, positions and the attention context of a prefill or decode
-step, built on the host from the scheduled sequences (every rank builds its own)."""
+"""A step's model inputs: token ids, positions and the attention context, built on the host from
+the step's description (every rank builds its own).
+
+Prefill inputs are built with NumPy (a step may hold ``max_num_batched_tokens`` tokens). Decode
+inputs, eager or for a CUDA graph, are written into one buffer of fixed layout (``DecodeLayout``)
+whose device copy the graphs read in place: the host fills a pinned copy and sends it with one
+copy. A token the host does not know yet is read on the device from the previous step's sampled
+ids (``decode_inputs``).
+"""
 from collections.abc import Callable
-from itertools import chain
 
 import numpy as np
 import torch
 
-from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.step import Step
 from nanovllm.utils.context import Context
 
 ToDevice = Callable[[list | np.ndarray, torch.dtype], torch.Tensor]  # host data to a tensor on the rank's device
+TORCH_DTYPES = {np.int64: torch.int64, np.int32: torch.int32}
+NUM_STAGING = 2  # pinned host copies of the decode inputs, used in turn: one is filled while the last one's copy may be queued
 
 
-def _block_table_array(seqs: list[Sequence]) -> np.ndarray:
-    """The sequences' block tables as one [num_seqs, width] int32 array, padded with -1."""
-    tables = np.full((len(seqs), max(len(seq.block_table) for seq in seqs)), -1, dtype=np.int32)
-    for row, seq in zip(tables, seqs):
-        row[: len(seq.block_table)] = seq.block_table
-    return tables
+def write_block_tables(out: np.ndarray, tables: list[list[int]]) -> np.ndarray:
+    """Write ``tables`` into the first rows of ``out`` ([rows, width] int32), left-aligned; the
+    entries past each table keep their value."""
+    lens = np.fromiter(map(len, tables), np.int64, len(tables))
+    out[: len(tables)][np.arange(out.shape[1]) < lens[:, None]] = np.fromiter(
+        (b for t in tables for b in t), np.int32, int(lens.sum()))
+    return out
 
 
-def prepare_prefill(
-    seqs: list[Sequence], block_size: int, to_device: ToDevice
-) -> tuple[torch.Tensor, torch.Tensor, Context]:
-    """The ``num_scheduled_tokens`` tokens after each sequence's cached prefix. Built with NumPy:
-    a step may hold ``max_num_batched_tokens`` tokens, and Python lists of them would cost
-    milliseconds per step."""
-    n = len(seqs)
-    starts = np.fromiter((seq.num_cached_tokens for seq in seqs), np.int64, n)
-    lens = np.fromiter((seq.num_scheduled_tokens for seq in seqs), np.int64, n)
+def block_table_array(tables: list[list[int]]) -> np.ndarray:
+    """Block tables as one [rows, width] int32 array, padded with -1."""
+    return write_block_tables(np.full((len(tables), max(map(len, tables))), -1, dtype=np.int32), tables)
+
+
+def slot_mapping(tables: np.ndarray, rows: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+    """The cache slot of each token (token ``j`` of row ``rows[j]`` at ``positions[j]``): its
+    block's id · block size + its offset in the block; -1 (not stored) where the row has no block."""
+    if not tables.shape[1]:  # no cache yet (the warm-up)
+        return np.full(len(positions), -1, dtype=np.int64)
+    blocks = tables[rows, positions // block_size].astype(np.int64)
+    return np.where(blocks >= 0, blocks * block_size + positions % block_size, -1)
+
+
+def prefill_inputs(step: Step, block_size: int, to_device: ToDevice) -> tuple[torch.Tensor, torch.Tensor, Context]:
+    """The ``num_new`` tokens after each sequence's ``num_computed``; block tables go to the
+    attention layers when any sequence has a cached prefix."""
+    n = step.num_seqs
+    starts = np.array(step.num_computed, dtype=np.int64)
+    lens = np.array(step.num_new, dtype=np.int64)
     ends = starts + lens
     cu_q = np.concatenate(([0], np.cumsum(lens)))
     cu_k = np.concatenate(([0], np.cumsum(ends)))
     num_tokens = int(cu_q[-1])
-    input_ids = np.fromiter(chain.from_iterable(seq.scheduled_token_ids() for seq in seqs), np.int64, num_tokens)
     row = np.repeat(np.arange(n), lens)  # each token's sequence
     positions = np.arange(num_tokens) - np.repeat(cu_q[:-1] - starts, lens)
-    tables = _block_table_array(seqs)
-    if tables.shape[1]:
-        blocks = tables[row, positions // block_size].astype(np.int64)
-        slot_mapping = np.where(blocks >= 0, blocks * block_size + positions % block_size, -1)
-    else:  # no cache yet (the warm-up): nothing is stored
-        slot_mapping = np.full(num_tokens, -1)
-    has_prefix = cu_k[-1] > cu_q[-1]
+    tables = block_table_array(step.block_tables)
     context = Context(
         is_prefill=True,
         cu_seqlens_q=to_device(cu_q, torch.int32),
         cu_seqlens_k=to_device(cu_k, torch.int32),
         max_seqlen_q=int(lens.max()),
         max_seqlen_k=int(ends.max()),
-        slot_mapping=to_device(slot_mapping, torch.int32),
-        block_tables=to_device(tables, torch.int32) if has_prefix else None,
+        slot_mapping=to_device(slot_mapping(tables, row, positions, block_size), torch.int32),
+        block_tables=to_device(tables, torch.int32) if cu_k[-1] > cu_q[-1] else None,
     )
+    input_ids = np.array(step.token_ids, dtype=np.int64)
     return to_device(input_ids, torch.int64), to_device(positions, torch.int64), context
 
 
-def prepare_decode(
-    seqs: list[Sequence], block_size: int, to_device: ToDevice
-) -> tuple[torch.Tensor, torch.Tensor, Context]:
-    """Each sequence's newest token, whose KV goes to the slot after its cached tokens."""
-    bs = block_size
-    positions = [len(seq) - 1 for seq in seqs]
-    slot_mapping = [seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, positions)]
-    context = Context(
-        is_prefill=False,
-        slot_mapping=to_device(slot_mapping, torch.int32),
-        context_lens=to_device([len(seq) for seq in seqs], torch.int32),
-        block_tables=to_device(_block_table_array(seqs), torch.int32),
-    )
-    input_ids = to_device([seq.last_token for seq in seqs], torch.int64)
-    return input_ids, to_device(positions, torch.int64), context
-
-
-# ---- decode inputs staged for a CUDA graph ---------------------------------------------------------
-
-# A decode graph's inputs, one row per sequence, as fields of one buffer: (name, element type, fill
-# value of a padding row). Block tables, [rows, max_blocks] int32, come last. The host fills a pinned
-# copy of the buffer and sends it with one copy; the graph reads the device copy's fields in place.
+# A decode step's inputs, one row per sequence, as fields of one buffer: (name, element type, value
+# of a padding row). Block tables, [rows, max_blocks] int32, come last.
 DECODE_FIELDS = (
     ("input_ids", np.int64, 0),
     ("prev_rows", np.int64, -1),  # the row of the previous step's sampled ids that holds the input token, or -1
     ("positions", np.int64, 0),
-    ("seeds", np.int64, 0),  # the draw's noise seed (see sampling_batch.draw_seed)
     ("slot_mapping", np.int32, -1),
     ("context_lens", np.int32, 0),
-    ("temperatures", np.float32, -1.0),  # < 0: the graph does not sample this row
 )
 
 
@@ -116,31 +108,61 @@ class DecodeLayout:
         return out
 
 
-def fill_decode(fields: dict[str, np.ndarray], seqs: list[Sequence], rows: int, block_size: int,
-                prev_rows: list[int] | None, sampling: tuple[list[float], list[int]] | None) -> None:
-    """Write a decode step of ``seqs`` into ``fields`` (NumPy arrays of ``DecodeLayout.fields``):
-    the values of ``prepare_decode``, the previous-step rows of pending tokens, and ``sampling``'s
-    (temperatures, seeds) when the graph samples; rows ``len(seqs)`` to ``rows`` are padding."""
-    n = len(seqs)
-    lens = [seq.num_tokens for seq in seqs]
-    fields["input_ids"][:n] = [seq.last_token for seq in seqs]
-    fields["context_lens"][:n] = lens
-    fields["positions"][:n] = lens
-    fields["positions"][:n] -= 1
-    fields["slot_mapping"][:n] = [seq.block_table[(k - 1) // block_size] * block_size + (k - 1) % block_size
-                                  for seq, k in zip(seqs, lens)]
-    fields["prev_rows"][:n] = -1 if prev_rows is None else prev_rows
-    if sampling is None:
-        fields["temperatures"][:n] = -1.0
-        fields["seeds"][:n] = 0
-    else:
-        fields["temperatures"][:n], fields["seeds"][:n] = sampling
+def fill_decode(fields: dict[str, np.ndarray], step: Step, rows: int, block_size: int) -> None:
+    """Write a decode step into ``fields`` (NumPy arrays of ``DecodeLayout.fields``); rows
+    ``step.num_seqs`` to ``rows`` are padding, pointed at no cache slot."""
+    n = step.num_seqs
+    positions = fields["positions"]
+    positions[:n] = step.num_computed
+    fields["input_ids"][:n] = step.token_ids
+    fields["context_lens"][:n] = positions[:n] + 1
+    fields["prev_rows"][:n] = -1 if step.prev_rows is None else step.prev_rows
+    tables = fields["block_tables"][:rows]
+    tables.fill(0)
+    write_block_tables(tables, step.block_tables)
+    fields["slot_mapping"][:n] = slot_mapping(tables, np.arange(n), positions[:n], block_size)
     for name, _, pad in DECODE_FIELDS:
         fields[name][n:rows] = pad
-    tables = [seq.block_table for seq in seqs]
-    widths = np.fromiter(map(len, tables), np.int64, n)
-    block_tables = fields["block_tables"][:rows]
-    block_tables.fill(0)
-    block_tables[:n][np.arange(block_tables.shape[1]) < widths[:, None]] = np.fromiter(
-        chain.from_iterable(tables), np.int32, int(widths.sum())
-    )
+
+
+def decode_inputs(v: dict[str, torch.Tensor], sampled: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor, Context]:
+    """The model's inputs from the first ``rows`` rows of the device fields ``v``: each input
+    token from the host or, where ``prev_rows`` names one, from the previous step's ``sampled`` ids."""
+    prev = v["prev_rows"][:rows]
+    input_ids = torch.where(prev >= 0, sampled[prev.clamp(min=0)], v["input_ids"][:rows])
+    context = Context(is_prefill=False, slot_mapping=v["slot_mapping"][:rows],
+                      context_lens=v["context_lens"][:rows], block_tables=v["block_tables"][:rows])
+    return input_ids, v["positions"][:rows], context
+
+
+class DecodeBuffer:
+    """The decode inputs' device buffer and its host copies: on a GPU, ``NUM_STAGING`` pinned
+    copies used in turn; on the CPU the buffer is its own host copy."""
+
+    def __init__(self, max_rows: int, max_blocks: int, device: torch.device):
+        self.layout = DecodeLayout(max_rows, max_blocks)
+        self.buffer = torch.zeros(self.layout.nbytes, dtype=torch.uint8, device=device)
+        self.fields = self.layout.fields(self.buffer, lambda part, dtype: part.view(TORCH_DTYPES[dtype]))
+        for name, _, pad in DECODE_FIELDS:  # every row padding: a graph captured over it writes no cache slot
+            self.fields[name].fill_(pad)
+        if device.type == "cpu":
+            self.staging = [self.buffer]
+        else:
+            self.staging = [torch.zeros(self.layout.nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(NUM_STAGING)]
+        self.staged = [self.layout.fields(s.numpy(), lambda part, dtype: part.view(dtype)) for s in self.staging]
+        self.copied: list[torch.cuda.Event | None] = [None] * len(self.staging)
+        self.turn = 0
+
+    def send(self, step: Step, rows: int, block_size: int) -> dict[str, torch.Tensor]:
+        """Fill the next host copy with ``step`` padded to ``rows`` rows (once its last copy to the
+        device is done) and queue its copy to the device buffer; returns the device fields."""
+        k = self.turn = (self.turn + 1) % len(self.staging)
+        if self.copied[k] is not None:
+            self.copied[k].synchronize()
+        fill_decode(self.staged[k], step, rows, block_size)
+        if self.staging[k] is not self.buffer:
+            used = self.layout.used_bytes(rows)
+            self.buffer[:used].copy_(self.staging[k][:used], non_blocking=True)
+            self.copied[k] = torch.cuda.Event()
+            self.copied[k].record()
+        return self.fields

@@ -4,14 +4,15 @@ from collections.abc import Callable
 
 import torch
 
-from nanovllm.engine.sequence import Sequence
-from nanovllm.layers.sampler import SamplerOutput
+from nanovllm.sampling import SamplerOutput
 
 
 class StepOutput:
-    def __init__(self, seqs: list[Sequence], out: SamplerOutput, wait: Callable[[torch.cuda.Event], None]):
-        """``wait`` blocks until an event has passed on the device (and may raise when a rank died)."""
-        self.num_logprobs = None if out.logprobs is None else [seq.sampling_params.logprobs for seq in seqs]
+    def __init__(self, out: SamplerOutput, num_logprobs: list[int | None] | None,
+                 wait: Callable[[torch.cuda.Event], None]):
+        """``num_logprobs``: each row's ``logprobs`` setting (when any row asked for them). ``wait``
+        blocks until an event has passed on the device (and may raise when a rank died)."""
+        self.num_logprobs = num_logprobs
         self.device_token_ids = out.token_ids
         self.token_ids = out.token_ids.to("cpu", non_blocking=True)
         self.logprobs = None if out.logprobs is None else [t.to("cpu", non_blocking=True) for t in out.logprobs]

@@ -1,5 +1,7 @@
-"""The worker processes of tensor parallelism: ranks 1..N-1, each running a ModelRunner loop."""
+"""The worker processes of tensor parallelism: ranks 1..N-1, each running its ModelRunner on the
+calls rank 0 sends through the control channel."""
 import os
+import signal
 import threading
 import time
 from multiprocessing.connection import wait
@@ -7,19 +9,33 @@ from multiprocessing.connection import wait
 import torch.multiprocessing as mp
 
 from nanovllm.config import Config
+from nanovllm.engine.control_channel import ControlChannel
 from nanovllm.engine.model_runner import ModelRunner
 
 
-def _worker_main(config: Config, rank: int, dist_port: int, shm_name: str, event) -> None:
+def _worker_main(config: Config, rank: int, dist_port: int, channel_name: str, event) -> None:
+    # a terminal's Ctrl-C reaches every process of its group: rank 0 alone decides what it means
+    # (its call's requests end between steps) and tells the workers through the channel
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     event.set()  # started: the engine may now join the process group
-    ModelRunner(config, rank, dist_port, shm_name, event)
+    runner = ModelRunner(config, rank, dist_port)
+    channel = ControlChannel.attach(channel_name, event)
+    try:
+        while True:
+            method_name, args = channel.read()
+            if method_name == "exit":
+                runner.exit()
+                break
+            getattr(runner, method_name)(*args)
+    finally:
+        channel.close()
 
 
 class WorkerGroup:
     """Spawns ranks 1..N-1 and watches them: a worker that dies makes ``failure()`` say so, and a
     watchdog thread keeps the engine's signal to a dead worker from blocking (see ``_watch``)."""
 
-    def __init__(self, config: Config, dist_port: int, shm_name: str):
+    def __init__(self, config: Config, dist_port: int, channel_name: str):
         # NCCL's own error handling would tear the process down on the abort that turns a dead
         # worker into an exception (see ModelRunner.release); the user's choice wins if set
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
@@ -31,7 +47,7 @@ class WorkerGroup:
         for rank in range(1, config.tensor_parallel_size):
             event = ctx.Event()
             process = ctx.Process(
-                target=_worker_main, args=(config, rank, dist_port, shm_name, event),
+                target=_worker_main, args=(config, rank, dist_port, channel_name, event),
                 name=f"nanovllm-rank{rank}", daemon=True,
             )
             process.start()

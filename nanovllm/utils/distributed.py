@@ -8,6 +8,14 @@ import torch
 import torch.distributed as dist
 
 
+def init_process_group(device: torch.device, rank: int, world_size: int, port: int) -> None:
+    """Join the engine's tensor-parallel group at a local port (NCCL on GPUs, gloo on the CPU)."""
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+        world_size=world_size, rank=rank, device_id=device if device.type == "cuda" else None,
+    )
+
+
 def get_tp_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 

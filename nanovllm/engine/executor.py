@@ -1,0 +1,126 @@
+"""The executor: rank 0's ModelRunner and, with tensor parallelism, the worker processes of the
+other ranks and the control channel to them. A worker that dies turns into a clear error, after
+which the executor is released and refuses further work."""
+import os
+import socket
+import traceback
+import uuid
+
+from nanovllm.config import Config
+from nanovllm.engine.control_channel import ControlChannel, channel_bytes
+from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.engine.step import Step
+from nanovllm.engine.workers import WorkerGroup
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_parallel(config: Config) -> None:
+    """Reject a tensor_parallel_size the device or the model cannot split over, and a second
+    tensor-parallel engine in one process, before any process starts."""
+    import torch
+    import torch.distributed as dist
+
+    tp = config.tensor_parallel_size
+    if config.resolved_device() == "cuda" and tp > torch.cuda.device_count():
+        raise ValueError(f"Config.tensor_parallel_size={tp} but only {torch.cuda.device_count()} GPU(s) are visible")
+    hf = config.hf_config
+    for name in ("num_attention_heads", "num_key_value_heads", "vocab_size", "intermediate_size"):
+        value = getattr(hf, name)
+        if value % tp:
+            raise ValueError(f"Config.tensor_parallel_size={tp} must divide the model's {name} ({value})")
+    if tp > 1 and dist.is_initialized():
+        raise RuntimeError(
+            "another tensor-parallel engine is running in this process (one process group per process); "
+            "call its exit() first, or run the second engine in a process of its own"
+        )
+
+
+class Executor:
+    def __init__(self, config: Config):
+        check_parallel(config)
+        self.failure_message: str | None = None
+        self.runner = self.workers = self.channel = None
+        port = _free_port()
+        if config.tensor_parallel_size > 1:
+            name = f"nanovllm-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+            self.channel = ControlChannel.create(name, channel_bytes(config))
+            try:
+                self.workers = WorkerGroup(config, port, name)
+            except BaseException:
+                self.channel.close()
+                raise
+            self.channel.events = self.workers.events
+            self.channel.failure = self.workers.failure
+        try:
+            self.runner = ModelRunner(config, 0, port, self.workers.failure if self.workers else None)
+        except BaseException as e:  # the runner has released what it held
+            failure = self.workers.wait_failure(2.0) if self.workers else None
+            self._close_workers(timeout=1.0)
+            if failure:
+                raise RuntimeError(f"{failure} while the engine was starting") from e
+            raise
+        self.num_kvcache_blocks = self.runner.num_kvcache_blocks
+
+    def run(self, step: Step):
+        """Launch ``step`` on every rank; rank 0's sampled tokens on their way to the host."""
+        def launch():
+            if self.channel is not None:
+                self.channel.write("run", step.for_workers())
+            return self.runner.run(step)
+        return self._guarded(launch)
+
+    def result(self, output) -> tuple[list[int], list | None]:
+        """A launched step's token ids and log-probabilities, once the device has them."""
+        return self._guarded(output.result)
+
+    def _guarded(self, fn):
+        """``fn()``, where a dead worker turns into a clear error, after which the executor is
+        released and refuses further work."""
+        if self.failure_message:
+            raise RuntimeError(self.failure_message)
+        if self.workers and (failure := self.workers.failure()):
+            self._fail(failure, None)
+        try:
+            return fn()
+        except Exception as e:
+            failure = self.workers.wait_failure(2.0) if self.workers else None
+            if failure:
+                traceback.clear_frames(e.__traceback__)  # their tensors can then be freed
+                self._fail(failure, e)
+            raise
+
+    def _fail(self, failure: str, cause: BaseException | None):
+        self.failure_message = f"{failure}; the engine has stopped, create a new LLM to continue"
+        self.exit()
+        raise RuntimeError(self.failure_message) from cause
+
+    def exit(self) -> None:
+        """Every rank leaves its loop and the process group; worker processes and the shared
+        memory are released (idempotent)."""
+        healthy = self.failure_message is None and not (self.workers and self.workers.failure())
+        if self.workers:
+            self.workers.closing = True
+        if self.runner is not None:
+            try:
+                if not healthy:
+                    raise RuntimeError("a rank is gone")
+                if self.channel is not None:
+                    self.channel.write("exit")
+                self.runner.exit()
+            except Exception:
+                self.runner.release(failed=True)
+            self.runner = None
+        self._close_workers(timeout=30.0 if healthy else 1.0)
+
+    def _close_workers(self, timeout: float) -> None:
+        if self.workers:
+            self.workers.close(timeout=timeout)
+            self.workers = None
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None

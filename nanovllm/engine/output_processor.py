@@ -1,0 +1,149 @@
+"""The front end's output side: each request's completions as the engine core reports their tokens:
+text (token by token where a stream or stop strings need it), stop strings, log-probabilities,
+stream increments and the result dicts."""
+from dataclasses import dataclass, field
+
+from nanovllm.engine.core import SeqOutput
+from nanovllm.engine.detokenizer import IncrementalDetokenizer
+from nanovllm.sampling_params import SamplingParams
+
+
+@dataclass
+class Completion:
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer | None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
+    finished: bool = False
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    num_cached_tokens: int = 0
+
+    @property
+    def num_text_tokens(self) -> int:
+        """Tokens that make up its text: all but a final EOS or stop token id, which, as in vLLM,
+        stay in ``token_ids`` but not in the text (unless include_stop_str_in_output)."""
+        stopped_by_id = self.finish_reason == "stop" and not isinstance(self.stop_reason, str)
+        return len(self.token_ids) - (stopped_by_id and not self.params.include_stop_str_in_output)
+
+
+@dataclass
+class RequestState:
+    prompt_token_ids: list[int]
+    completions: list[Completion]
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.completions)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.requests: dict[int, RequestState] = {}
+
+    def add_request(self, request_id: int, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                    stream: bool) -> bool:
+        """Start the request's output state. Returns whether the core must report its tokens every
+        step (a stream, stop strings or log-probabilities), not only when a completion finishes."""
+        sp = sampling_params
+        text_each_step = stream or bool(sp.stop)
+        completions = []
+        for i in range(sp.n):
+            detokenizer = None
+            if text_each_step:
+                detokenizer = IncrementalDetokenizer(self.tokenizer, sp.stop, sp.include_stop_str_in_output,
+                                                     sp.skip_special_tokens)
+            c = Completion(sp.for_completion(i) if sp.n > 1 else sp, detokenizer)
+            if sp.logprobs is not None:
+                c.logprobs, c.cumulative_logprob = [], 0.0
+            completions.append(c)
+        self.requests[request_id] = RequestState(prompt_token_ids, completions)
+        return text_each_step or sp.logprobs is not None
+
+    def process(self, outputs: list[SeqOutput]) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """Take a step's outputs. Returns the ``(request_id, seq_id)`` of the completions that
+        finished, and those that a stop string ended while the core still runs them."""
+        finished, stopped = [], []
+        for out in outputs:
+            request = self.requests.get(out.request_id)
+            if request is None:
+                continue
+            c = request.completions[out.seq_id - out.request_id]
+            if c.finished:
+                continue
+            c.token_ids += out.new_token_ids
+            c.num_cached_tokens = out.num_cached_tokens
+            for logprob, entry in out.new_logprobs or ():
+                c.cumulative_logprob += logprob
+                c.logprobs.append(entry)
+            if out.finish_reason is not None:
+                c.finished, c.finish_reason, c.stop_reason = True, out.finish_reason, out.stop_reason
+            if c.detokenizer is not None and out.new_token_ids and self._stop_string(c, out.new_token_ids):
+                if out.finish_reason is None:
+                    stopped.append((out.request_id, out.seq_id))
+                    c.finished = True
+            if c.finished:
+                finished.append((out.request_id, out.seq_id))
+        return finished, stopped
+
+    @staticmethod
+    def _stop_string(c: Completion, new_token_ids: list[int]) -> bool:
+        """Feed the new tokens to the detokenizer; True when a stop string ends the completion
+        (also one that ended by length meanwhile). Stop strings count after ``min_tokens`` tokens."""
+        check = c.finish_reason in (None, "length") and len(c.token_ids) > c.params.min_tokens
+        stop = c.detokenizer.add_tokens(new_token_ids, check, hide_last=c.num_text_tokens < len(c.token_ids))
+        if stop is None:
+            return False
+        c.finish_reason, c.stop_reason = "stop", stop
+        return True
+
+    def abort(self, request_id: int) -> None:
+        for c in self.requests[request_id].completions:
+            if not c.finished:
+                c.finished, c.finish_reason = True, "abort"
+
+    def is_finished(self, request_id: int) -> bool:
+        request = self.requests.get(request_id)
+        return request is None or request.finished
+
+    def pop(self, request_id: int) -> RequestState | None:
+        return self.requests.pop(request_id, None)
+
+    # ---- results -----------------------------------------------------------------------------
+
+    def request_output(self, request_id: int) -> dict:
+        """The request's result dict (it keeps its state until ``pop``)."""
+        request = self.requests[request_id]
+        completions = [self._completion_output(i, c) for i, c in enumerate(request.completions)]
+        first = {k: v for k, v in completions[0].items() if k != "index"}
+        return {**first, "prompt_token_ids": request.prompt_token_ids,
+                "num_cached_tokens": request.completions[0].num_cached_tokens, "outputs": completions}
+
+    def _completion_output(self, index: int, c: Completion) -> dict:
+        if c.detokenizer is not None:
+            text = c.detokenizer.final_text()
+        else:
+            text = self.tokenizer.decode(c.token_ids[: c.num_text_tokens], skip_special_tokens=c.params.skip_special_tokens)
+        return {"index": index, "text": text, "token_ids": list(c.token_ids), "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason, "logprobs": c.logprobs, "cumulative_logprob": c.cumulative_logprob}
+
+    def increments(self, request_id: int) -> list[tuple[int, dict]]:
+        """A stream's new output of each completion of the request: ``(completion index, dict)``
+        with ``token_ids`` and ``text`` new since the last increment (text never ends inside a
+        character or a possible stop string), ``logprobs``, ``finished``, and once finished
+        ``finish_reason`` and ``stop_reason``."""
+        out = []
+        for i, c in enumerate(self.requests[request_id].completions):
+            d = c.detokenizer
+            if d.sent_final or (d.sent_tokens == len(d.token_ids) and not c.finished):
+                continue  # done, or nothing new
+            start = d.sent_tokens
+            token_ids, text = d.take_increment(c.finished)
+            inc = {"token_ids": token_ids, "text": text, "finished": c.finished,
+                   "logprobs": None if c.logprobs is None else c.logprobs[start : start + len(token_ids)]}
+            if c.finished:
+                inc["finish_reason"], inc["stop_reason"] = c.finish_reason, c.stop_reason
+            out.append((i, inc))
+        return out

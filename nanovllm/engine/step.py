@@ -1,0 +1,99 @@
+"""The plain description of one step that the engine core hands the executor (pure Python): what
+every rank computes, and on rank 0 how each row samples. Lists of ints and small dataclasses only,
+so it pickles compactly to the worker processes; no ``Sequence`` crosses that boundary."""
+from dataclasses import dataclass, replace
+from itertools import chain
+from random import Random
+
+from nanovllm.engine.sequence import Sequence
+from nanovllm.sampling_params import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+def draw_seed(seed: int, step: int) -> int:
+    """The 32-bit noise seed of a seeded request's ``step``-th token (a splitmix64 finaliser of
+    both): the draw depends on nothing else, so the batch around it does not change it."""
+    x = (seed * 0x9E3779B97F4A7C15 + (step + 1) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) & 0xFFFFFFFF
+
+
+@dataclass
+class SamplingRows:
+    """How each row of a step samples (rank 0 only). ``plain``: every row samples with a
+    temperature (0: greedy) and a draw seed alone, which the fused draw does on its own; rows of
+    any other step go through the whole sampler, with ``params`` for filters and log-probabilities."""
+
+    temperatures: list[float]  # 0 = greedy
+    seeds: list[int]  # each row's draw seed in [0, 2**32)
+    params: list[SamplingParams]
+    plain: bool
+    suppressed: list[list[int]] | None = None  # per row: ids masked before min_tokens (None: no row has any)
+    penalty_tokens: list[tuple[list[int], list[int]] | None] | None = None  # per row: (prompt, output) ids
+
+
+@dataclass
+class Step:
+    """One forward pass. Sequence ``i`` has ``num_computed[i]`` tokens in the cache and computes
+    ``num_new[i]`` more (decode: one), whose ids are ``token_ids`` (all sequences', in order); a
+    token the host does not know yet is -1, and ``prev_rows[i]`` names the row of the previous
+    step's sampled ids that holds it. ``block_tables`` are empty for a step without a cache (the
+    warm-up). ``sampling`` is set on rank 0 only."""
+
+    is_prefill: bool
+    token_ids: list[int]
+    num_computed: list[int]
+    num_new: list[int]
+    block_tables: list[list[int]]
+    prev_rows: list[int] | None = None
+    sampling: SamplingRows | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.num_new)
+
+    def for_workers(self) -> "Step":
+        """What ranks other than 0 need: everything but the sampling rows."""
+        return replace(self, sampling=None)
+
+
+def build_step(seqs: list[Sequence], is_prefill: bool, rng: Random) -> Step:
+    """The step that computes each sequence's ``num_scheduled_tokens`` (set by the scheduler)."""
+    if is_prefill:
+        token_ids = list(chain.from_iterable(seq.scheduled_token_ids() for seq in seqs))
+        num_computed = [seq.num_cached_tokens for seq in seqs]
+        num_new = [seq.num_scheduled_tokens for seq in seqs]
+        prev_rows = None
+    else:
+        token_ids = [seq.last_token for seq in seqs]
+        num_computed = [seq.num_tokens - 1 for seq in seqs]
+        num_new = [1] * len(seqs)
+        prev_rows = [seq.pending_row if seq.num_pending else -1 for seq in seqs]
+        if max(prev_rows) < 0:
+            prev_rows = None
+    return Step(is_prefill, token_ids, num_computed, num_new, [seq.block_table for seq in seqs], prev_rows,
+                sampling_rows(seqs, rng))
+
+
+def sampling_rows(seqs: list[Sequence], rng: Random) -> SamplingRows:
+    """Each sequence's sampling settings for its next token. Unseeded rows draw a seed from ``rng``."""
+    temperatures, seeds, params = [], [], []
+    plain = True
+    suppressed = penalty_tokens = None
+    for i, seq in enumerate(seqs):
+        sp = seq.sampling_params
+        params.append(sp)
+        temperatures.append(0.0 if sp.is_greedy else sp.temperature)
+        step = seq.num_completion_tokens
+        seeds.append(rng.getrandbits(32) if sp.seed is None else draw_seed(sp.seed, step))
+        if step < sp.min_tokens and seq.min_tokens_ids:
+            suppressed = suppressed or [[] for _ in seqs]
+            suppressed[i] = seq.min_tokens_ids
+        if sp.has_penalties:
+            penalty_tokens = penalty_tokens or [None] * len(seqs)
+            penalty_tokens[i] = (seq.prompt_token_ids, seq.completion_token_ids)
+        if plain and (sp.has_filters or sp.has_penalties or sp.logprobs is not None or step < sp.min_tokens):
+            plain = False
+    return SamplingRows(temperatures, seeds, params, plain, suppressed, penalty_tokens)
