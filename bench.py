@@ -12,8 +12,11 @@ ignore_eos. One short warm-up generate comes first. 133,966 output tokens in all
     python bench.py --random qwen3-0.6b --profile   # GPU time per kernel category and GPU idle share
 
 --profile runs the timed generate under torch.profiler (kineto's CUDA activity only, see
-bench_profile.py); its result line is the profiled run's, so compare it with a run without --profile
+benchmarks/bench_profile.py); its result line is the profiled run's, so compare it with a run without --profile
 (a second timed run in the same engine would be served from the prefix cache).
+
+The other measuring tools live in benchmarks/ (run them from the repository root, e.g.
+``python benchmarks/bench_floor.py``); they import this file's ``workload``.
 """
 import argparse
 import contextlib
@@ -41,14 +44,18 @@ def time_sampler(sampling: dict, num_seqs: int, vocab_size: int = 151936, iters:
     """GPU time of one sampling step at this batch size (random bf16 logits; CUDA events)."""
     import torch
 
-    from nanovllm.engine.sampling_batch import make_sampling_batch
+    from random import Random
+
     from nanovllm.engine.sequence import Sequence
-    from nanovllm.layers.sampler import Sampler
+    from nanovllm.engine.step import sampling_rows
+    from nanovllm.sampling import Sampler
+    from nanovllm.sampling.batch import make_sampling_batch
 
     params = SamplingParams(temperature=0.6, **sampling)
     seqs = [Sequence([1] * 8, params, 256) for _ in range(num_seqs)]
     logits = (torch.randn(num_seqs, vocab_size, device="cuda") * 3).to(torch.bfloat16)
-    batch = make_sampling_batch(seqs, vocab_size, logits.device, lambda v, dtype: torch.tensor(v, dtype=dtype, device="cuda"))
+    batch = make_sampling_batch(sampling_rows(seqs, Random(0)), vocab_size,
+                                lambda v, dtype: torch.tensor(v, dtype=dtype, device="cuda"))
     sampler = Sampler()
     for _ in range(10):
         sampler(logits, batch)
@@ -125,7 +132,7 @@ def main() -> None:
     profiling = args.profile or args.profile_trace is not None
     profiler = contextlib.nullcontext()
     if profiling:
-        from bench_profile import GpuProfiler
+        from benchmarks.bench_profile import GpuProfiler
 
         profiler = GpuProfiler(args.profile_trace)
 
@@ -136,7 +143,7 @@ def main() -> None:
             t = time.perf_counter()
             llm.generate(prompts, params, use_tqdm=False)
             t = time.perf_counter() - t
-        backend = llm.model_runner.backend.name
+        backend = llm.core.executor.runner.backend.name
         config = llm.config
         memory = gpu_memory_report()
     total = sum(p.max_tokens for p in params)
@@ -151,7 +158,7 @@ def main() -> None:
     if memory:
         print(memory)
     if profiling:
-        from bench_profile import format_notes, format_table
+        from benchmarks.bench_profile import format_notes, format_table
 
         summary = profiler.summary(t)
         note = " (rank 0's GPU)" if args.tp > 1 else ""

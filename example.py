@@ -6,18 +6,30 @@
 import argparse
 import os
 import tempfile
+from dataclasses import replace
 
 from nanovllm import LLM, SamplingParams
 
 DEFAULT_MODEL = os.path.expanduser("~/huggingface/Qwen3-0.6B")
 
 
-def main() -> None:
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help=f"local Hugging Face model folder (default: {DEFAULT_MODEL})")
-    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--max-tokens", type=positive_int, default=256, help="most tokens per answer (>= 1)")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
 
     path = args.model or DEFAULT_MODEL
     tmp = None
@@ -31,8 +43,7 @@ def main() -> None:
 
     with LLM(path, enforce_eager=args.enforce_eager, max_model_len=1024) as llm:
         # the model folder's generation_config.json (Qwen3: temperature 0.6, top_p 0.95, top_k 20)
-        sampling_params = llm.get_default_sampling_params()
-        sampling_params.max_tokens = args.max_tokens
+        sampling_params = replace(llm.get_default_sampling_params(), max_tokens=args.max_tokens)
         conversations = [
             [{"role": "user", "content": "introduce yourself"}],
             [{"role": "user", "content": "list all prime numbers within 100"}],

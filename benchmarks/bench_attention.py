@@ -7,31 +7,39 @@ against the torch backend in float32 over the same cache (dequantized for FP8), 
 CUDA graph and timed with CUDA events (median of --iters replays after warm-up). "GB/s" counts the
 K/V bytes the step must read (and the scales of an FP8 cache) over the median time. GPU only.
 
-    python bench_attention.py                       # flash-attn, Triton bf16 and FP8 at their defaults
-    python bench_attention.py --sweep               # also every Triton tile of SWEEP
-    python bench_attention.py --heads 32 --kv-heads 4
-    python bench_attention.py --cache fp8 --tile 256,2,4 --tile 128,3,4   # given tiles
-    python bench_attention.py --run --cache bf16    # every 16th decode step of bench.py's workload
+    python benchmarks/bench_attention.py                       # flash-attn, Triton bf16 and FP8 at their defaults
+    python benchmarks/bench_attention.py --sweep               # also every Triton tile of SWEEP
+    python benchmarks/bench_attention.py --heads 32 --kv-heads 4
+    python benchmarks/bench_attention.py --cache fp8 --tile 256,2,4 --tile 128,3,4   # given tiles
+    python benchmarks/bench_attention.py --run --cache bf16    # every 16th decode step of bench.py's workload
 
 ``--run`` replays the decode steps of ``bench.py``'s workload (its seed, prompt and output lengths;
 sequence i has context prompt_len + j at its j-th decode step and leaves after its last) and sums
 the median time of every ``--stride``-th step times the stride and 28 layers: the decode attention of
 the whole run, for each candidate; "as is" keeps the workload's order of sequences, "sorted" orders
 each step longest context first (as the scheduler does).
+
+Run it from the repository root as ``python benchmarks/bench_attention.py ...``. It imports ``bench``
+(``bench.py``'s workload) through the repository root, which the first lines below put on
+``sys.path``; tools of this folder import each other by their plain names (a script's own
+folder is on ``sys.path``).
 """
 import argparse
 import itertools
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 
-from bench import workload
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: bench.py
 
-from nanovllm.layers.attention import FP8_DTYPE, KV_SCALE_DTYPE, empty_kv_scales, get_attention_backend
-from nanovllm.layers.attention_torch import TorchAttentionBackend
-from nanovllm.layers.attention_triton import DecodeTile, TritonAttentionBackend
-from nanovllm.layers.kv_store import store_kvcache
-from nanovllm.utils.context import Context
+from bench import workload  # noqa: E402
+
+from nanovllm.layers.attention import FP8_DTYPE, KV_SCALE_DTYPE, empty_kv_scales, get_attention_backend  # noqa: E402
+from nanovllm.layers.attention.reference import TorchAttentionBackend  # noqa: E402
+from nanovllm.layers.attention.triton_backend import DecodeTile, TritonAttentionBackend  # noqa: E402
+from nanovllm.utils.context import Context  # noqa: E402
 
 SWEEP = dict(block_n=(32, 64, 128), num_stages=(2, 3, 4), num_warps=(4, 8))
 
@@ -60,7 +68,7 @@ def decode_step(args, dtype: torch.dtype, fp8: bool):
     k8, v8 = torch.empty(shape, dtype=FP8_DTYPE, device="cuda"), torch.empty(shape, dtype=FP8_DTYPE, device="cuda")
     ks, vs = (fp8_scales(shape[:3], args.token_major_scales) for _ in range(2))
     slots = torch.arange(num_blocks * args.block_size, dtype=torch.int32, device="cuda")
-    store_kvcache(k.flatten(0, 1), v.flatten(0, 1), k8, v8, slots, ks, vs)
+    TorchAttentionBackend().store_kvcache(k.flatten(0, 1), v.flatten(0, 1), k8, v8, slots, ks, vs)
     return q, (k8, v8, ks, vs), context, rows * (args.head_dim * 2 + 2 * ks.element_size())
 
 
@@ -129,7 +137,7 @@ def time_run(args, candidates: list, dtype: torch.dtype) -> None:
         k8, v8 = (torch.empty(shape, dtype=FP8_DTYPE, device="cuda") for _ in range(2))
         ks, vs = (fp8_scales(shape[:3], args.token_major_scales) for _ in range(2))
         slots = torch.arange(blocks * args.block_size, dtype=torch.int32, device="cuda")
-        store_kvcache(k.flatten(0, 1), v.flatten(0, 1), k8, v8, slots, ks, vs)
+        TorchAttentionBackend().store_kvcache(k.flatten(0, 1), v.flatten(0, 1), k8, v8, slots, ks, vs)
         caches[True] = (k8, v8, ks, vs)
     read = median_ms(lambda: torch.sum(k, dtype=torch.float32), args.iters)
     print(f"reference: torch.sum over the bf16 K cache ({k.nbytes / 1e9:.2f} GB) reads at {k.nbytes / read / 1e9:.2f} TB/s")

@@ -9,14 +9,26 @@ tokens are routed to; with B tokens of top-k routing among E experts, spread uni
 weights route), E * (1 - (1 - k/E)^B) experts are expected. Not counted: prefill, the embedding rows
 looked up (an untied embedding matrix is not read whole), activations and the sampler.
 
-    python bench_floor.py --shape qwen3-30b-a3b --bandwidth 4.3          # TB/s
-    python bench_floor.py --shape qwen3-0.6b --measure                   # bandwidth from a device copy (GPU)
+    python benchmarks/bench_floor.py --shape qwen3-30b-a3b --bandwidth 4.3          # TB/s
+    python benchmarks/bench_floor.py --shape qwen3-0.6b --measure                   # bandwidth from a device copy (GPU)
+    python benchmarks/bench_floor.py --shape qwen3-4b --set hidden_size=4096 --set intermediate_size=12288 \
+        --set num_attention_heads=32 --bandwidth 3.06                               # Qwen3-8B's shape
+
+Run it from the repository root as ``python benchmarks/bench_floor.py ...``. It imports ``bench``
+(``bench.py``'s workload) through the repository root, which the first lines below put on
+``sys.path``; tools of this folder import each other by their plain names (a script's own
+folder is on ``sys.path``).
 """
 import argparse
 import math
+import re
+import sys
+from pathlib import Path
 
-from bench import workload
-from nanovllm.utils.checkpoint import model_config, weight_shapes
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: bench.py
+
+from bench import workload  # noqa: E402
+from nanovllm.utils.checkpoint import model_config, weight_shapes  # noqa: E402
 
 
 def weight_bytes_by_kind(config: dict, itemsize: int = 2) -> tuple[int, int]:
@@ -86,8 +98,12 @@ def main() -> None:
     parser.add_argument("--measure", action="store_true", help="measure the bandwidth with a device copy")
     parser.add_argument("--kv-bytes", type=float, default=0,
                         help="K+V bytes per token and KV head (default bf16: 4 * head_dim; FP8: 2 * head_dim + 8)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one config.json field of the shape (an integer), repeatable")
     args = parser.parse_args()
-    config = model_config(args.shape)
+    if any(not re.fullmatch(r"\w+=\d+", item) for item in args.set):
+        parser.error(f"--set takes KEY=INTEGER, got {args.set}")
+    config = model_config(args.shape, **{k: int(v) for k, v in (item.split("=") for item in args.set)})
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     per_head = args.kv_bytes or 4 * head_dim
     prompts, params = workload(args.num_seqs)
@@ -95,7 +111,8 @@ def main() -> None:
     w1, kv1 = step_bytes(config, full, per_head)
     weights, kv, steps = workload_floor(config, args.num_seqs, per_head)
     tokens = sum(p.max_tokens for p in params)
-    print(f"{args.shape}: first decode step ({len(full)} sequences): weights {w1 / 1e9:.2f} GB, KV {kv1 / 1e9:.2f} GB")
+    shape = " ".join([args.shape] + args.set)
+    print(f"{shape}: first decode step ({len(full)} sequences): weights {w1 / 1e9:.2f} GB, KV {kv1 / 1e9:.2f} GB")
     print(f"{steps} decode steps: weights {weights / 1e12:.2f} TB, KV {kv / 1e12:.2f} TB, {tokens} output tokens")
     bandwidth = measured_bandwidth() if args.measure else (args.bandwidth or 0) * 1e12
     if bandwidth:

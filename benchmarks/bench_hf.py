@@ -6,15 +6,24 @@ only each request's own ``max_tokens`` count as output. ``--max-time`` stops it 
 own ``max_time``); the figure is then over the steps it reached, which favours transformers (its
 steps get slower as the cache grows). GPU only.
 
-    python bench_hf.py --random qwen3-30b-a3b --max-time 300
+    python benchmarks/bench_hf.py --random qwen3-30b-a3b --max-time 300
+
+Run it from the repository root as ``python benchmarks/bench_hf.py ...``. It imports ``bench``
+(``bench.py``'s workload) through the repository root, which the first lines below put on
+``sys.path``; tools of this folder import each other by their plain names (a script's own
+folder is on ``sys.path``).
 """
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from bench import workload
-from nanovllm.utils.checkpoint import model_config
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: bench.py
+
+from bench import workload  # noqa: E402
+from nanovllm.utils.checkpoint import model_config  # noqa: E402
 
 
 def main() -> None:

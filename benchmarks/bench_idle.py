@@ -1,43 +1,38 @@
 """Why the GPU idles in bench.py's workload: for every idle gap of at least 100 us, whether the host
 queued the next work late, and what the host was doing meanwhile.
 
-The timed ``generate`` runs under ``torch.profiler`` with CPU and CUDA activity. The engine's host
-phases (scheduling, step inputs, graph replay, sampling, resolving tokens, request outputs, garbage
-collection) are wrapped in ``record_function`` labels for the run. A gap is "host-late" when the CUDA
-call that queued the first work after it started after the gap began: the device had nothing queued.
-Its length up to that call is charged to the innermost host labels open meanwhile. CPU activity
-slows the host, so the idle share here is an upper bound of an unprofiled run's (``bench.py
---profile`` records CUDA activity only).
+The timed ``generate`` runs under ``torch.profiler`` with CPU and CUDA activity, with a hook of
+``nanovllm.utils.profiling`` installed for the run: every phase the engine names (schedule, inputs,
+forward, sample, wait, update, outputs) becomes a ``record_function`` range "@phase", and garbage
+collections become "@gc0".."@gc2". A gap is "host-late" when the CUDA call that queued the first
+work after it started after the gap began: the device had nothing queued. Its length up to that
+call is charged to the innermost phases open meanwhile ("(unlabelled)": the engine's Python
+between phases). CPU activity slows the host, so the idle share here is an upper bound of an
+unprofiled run's (``bench.py --profile`` records CUDA activity only). Rank 0's host only: worker
+processes (tensor parallelism) are not hooked.
 
-    python bench_idle.py --random qwen3-0.6b [--backend triton] [--kv-cache-dtype fp8]
-    python bench_idle.py --model /path/to/checkpoint
+    python benchmarks/bench_idle.py --random qwen3-0.6b [--backend triton] [--kv-cache-dtype fp8]
+    python benchmarks/bench_idle.py --model /path/to/checkpoint
+
+Run it from the repository root as ``python benchmarks/bench_idle.py ...``. It imports ``bench``
+(``bench.py``'s workload) through the repository root, which the first lines below put on
+``sys.path``; tools of this folder import each other by their plain names (a script's own
+folder is on ``sys.path``).
 """
 import argparse
 import gc
+import sys
 import tempfile
 import time
 from bisect import bisect_left
 from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: bench.py
+
+from bench_profile import NOT_WORK, format_table, summarize  # noqa: E402
 
 MIN_GAP = 100e-6  # seconds: shorter gaps are kernel boundaries inside graphs and launch queues
-NOT_WORK = {"Event Sync", "Stream Sync", "Context Sync", "Stream Wait Event"}
-
-# (module, class or None, function, label): the host phases of a step
-HOST_PHASES = [
-    ("nanovllm.engine.scheduler", "Scheduler", "schedule", "schedule"),
-    ("nanovllm.engine.scheduler", "Scheduler", "advance", "advance"),
-    ("nanovllm.engine.scheduler", "Scheduler", "resolve", "scheduler.resolve"),
-    ("nanovllm.engine.model_runner", None, "prepare_decode", "prepare_decode"),
-    ("nanovllm.engine.model_runner", None, "prepare_prefill", "prepare_prefill"),
-    ("nanovllm.engine.model_runner", None, "make_sampling_batch", "sampling_batch"),
-    ("nanovllm.engine.model_runner", "ModelRunner", "run", "run"),
-    ("nanovllm.engine.model_runner", "ModelRunner", "sample", "sample"),
-    ("nanovllm.engine.cuda_graphs", "DecodeGraphs", "replay", "replay"),
-    ("nanovllm.engine.step_loop", "StepLoop", "_resolve", "resolve"),
-    ("nanovllm.engine.step_loop", "StepLoop", "_update_text", "update_text"),
-    ("nanovllm.engine.step_output", "StepOutput", "result", "wait for tokens"),
-    ("nanovllm.engine.offline", "OfflineCalls", "_request_output", "request_output"),
-]
 
 
 def host_late_idle(gpu: list[tuple[float, float, int]], launches: dict[int, float],
@@ -76,22 +71,6 @@ def host_late_idle(gpu: list[tuple[float, float, int]], launches: dict[int, floa
     return late, dict(by_stack), in_time
 
 
-def label_host_phases(record_function) -> None:
-    """Wrap each of HOST_PHASES in a ``record_function`` range named "@label"."""
-    import importlib
-
-    for module, cls, name, label in HOST_PHASES:
-        owner = importlib.import_module(module)
-        owner = getattr(owner, cls) if cls else owner
-        fn = getattr(owner, name)
-
-        def wrapped(*args, _fn=fn, _label="@" + label, **kwargs):
-            with record_function(_label):
-                return _fn(*args, **kwargs)
-
-        setattr(owner, name, wrapped)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None)
@@ -106,13 +85,12 @@ def main() -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from bench import workload
-    from bench_profile import format_table, summarize
     from nanovllm import LLM, SamplingParams
     from nanovllm.utils.checkpoint import make_random_checkpoint
+    from nanovllm.utils.profiling import phase_hook
 
     tmp = tempfile.TemporaryDirectory(prefix="nanovllm-idle-")
     path = args.model or make_random_checkpoint(tmp.name, args.random or "qwen3-0.6b", dtype=torch.bfloat16)
-    label_host_phases(record_function)
     open_gc = []
 
     def on_gc(phase, info):  # collections as labels too
@@ -127,12 +105,15 @@ def main() -> None:
         llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
         torch.cuda.synchronize()
         gc.callbacks.append(on_gc)
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            wall = time.perf_counter()
-            llm.generate(prompts, params, use_tqdm=False)
-            torch.cuda.synchronize()
-            wall = time.perf_counter() - wall
-        gc.callbacks.remove(on_gc)
+        try:
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, \
+                    phase_hook(lambda name: record_function("@" + name)):
+                wall = time.perf_counter()
+                llm.generate(prompts, params, use_tqdm=False)
+                torch.cuda.synchronize()
+                wall = time.perf_counter() - wall
+        finally:
+            gc.callbacks.remove(on_gc)
     gpu, names, launches, labels = [], [], {}, []
     for e in prof.profiler.kineto_results.events():
         start, end = e.start_ns() * 1e-9, e.end_ns() * 1e-9
@@ -147,6 +128,9 @@ def main() -> None:
     total = sum(p.max_tokens for p in params)
     print(f"profiled run (CPU and CUDA activity): {wall:.2f} s, {total / wall:,.0f} tok/s")
     print(format_table(summarize(names, wall)))
+    if all(name.startswith("@gc") for _, _, name in labels):
+        print("note: the engine named no phases in this run (nanovllm.utils.profiling.phase): "
+              "idle is charged to garbage collection or left unlabelled")
     late, by_stack, in_time = host_late_idle(gpu, launches, labels)
     print(f"gaps >= {MIN_GAP * 1e6:.0f} us: {late} host-late ({sum(by_stack.values()):.3f} s until the host queued "
           f"the next work); {in_time:.3f} s in gaps whose next work was queued in time")

@@ -3,7 +3,8 @@
 1. Attention-output error, at Qwen3-0.6B's attention shape (16 query heads, 8 KV heads, head_dim 128),
    block size 256. Keys K = N(0, 1) times a per-channel scale exp(N(0, sigma)) (a few large channels,
    as real keys have), values V = N(0, 1), one bf16 query q = N(0, 1) per sequence. K/V, drawn in
-   float32, are written by the backend's own ``store_kvcache`` into a paged cache (random block ids),
+   float32, are written by the torch backend's ``store_kvcache`` (the Triton store writes the same bytes)
+   into a paged cache (random block ids),
    once bf16 and once FP8, and read by its ``decode``. Both are compared with float64 attention over
    the unrounded K/V and the same q: relative L2 error and largest absolute error. The output is bf16:
    "bf16 output floor" is the error of rounding the exact output to bf16 alone.
@@ -19,9 +20,12 @@
    logits of this size are 1/16 or 1/8 apart). Position 0 is computed by prefill from the fresh K/V,
    not the cache (the prompts share no prefix), so its KL is 0; the cache is read from position 1.
 
-    python bench_kv_accuracy.py                      # CPU: torch backend; GPU: the "auto" backends
-    python bench_kv_accuracy.py --max-len 1000       # longer prompts (about 2x the time on a CPU)
-    python bench_kv_accuracy.py --part 1 --sigma 0   # part 1 only, keys without large channels
+    python benchmarks/bench_kv_accuracy.py                      # CPU: torch backend; GPU: the "auto" backends
+    python benchmarks/bench_kv_accuracy.py --max-len 1000       # longer prompts (about 2x the time on a CPU)
+    python benchmarks/bench_kv_accuracy.py --part 1 --sigma 0   # part 1 only, keys without large channels
+
+Run it from the repository root as ``python benchmarks/bench_kv_accuracy.py ...``; it needs nothing
+from ``bench.py`` (the tools that do put the repository root on ``sys.path`` in their first lines).
 """
 import argparse
 import os
@@ -36,6 +40,7 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.layers.attention import (
     FP8_DTYPE, KV_SCALE_DTYPE, Attention, get_attention_backend, resolve_backend_name,
 )
+from nanovllm.layers.attention.reference import TorchAttentionBackend
 from nanovllm.utils.checkpoint import make_random_checkpoint
 from nanovllm.utils.context import Context
 
@@ -64,14 +69,15 @@ def reference_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 
 def decode_over_cache(backend_name: str, kv_cache_dtype: str, q, k, v, tables, slots, context_lens, device):
-    """Store k/v ([num_tokens, num_kv_heads, head_dim] float32) with the backend into a fresh paged
-    cache of this dtype, then decode q ([num_seqs, num_heads, head_dim]) over it."""
+    """Store k/v ([num_tokens, num_kv_heads, head_dim] float32) into a fresh paged cache of this dtype
+    (the torch store: the Triton one, ``rope_and_store``, writes the same bytes), then decode q
+    ([num_seqs, num_heads, head_dim]) over it with the backend."""
     backend, fp8 = get_attention_backend(backend_name), kv_cache_dtype == "fp8"
     shape = (tables.numel(), BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
     caches = [torch.zeros(shape, dtype=torch.uint8 if fp8 else torch.bfloat16, device=device) for _ in range(2)]
     caches = [c.view(FP8_DTYPE) for c in caches] if fp8 else caches
     scales = [torch.zeros(shape[:3], dtype=KV_SCALE_DTYPE, device=device) if fp8 else None for _ in range(2)]
-    backend.store_kvcache(k, v, *caches, slots, *scales)
+    TorchAttentionBackend().store_kvcache(k, v, *caches, slots, *scales)
     context = Context(context_lens=context_lens, block_tables=tables, slot_mapping=slots)
     return backend.decode(q, *caches, context, HEAD_DIM**-0.5, *scales)
 
@@ -149,11 +155,11 @@ def run_greedy(path: str, kv_cache_dtype: str, prompts: list[list[int]], max_tok
              enforce_eager=store_noise > 0) as llm:  # CUDA graphs would keep the backend they captured
         if store_noise:
             torch.manual_seed(0)
-            for module in llm.model_runner.model.modules():
+            for module in llm.core.executor.runner.model.modules():
                 if isinstance(module, Attention):
                     module.backend = NoisyStore(module.backend, store_noise)
-        recorder = RecordDistributions(llm.model_runner.sample)
-        llm.model_runner.sample = recorder
+        recorder = RecordDistributions(llm.core.executor.runner.sample)
+        llm.core.executor.runner.sample = recorder
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         outputs = llm.generate(prompts, params, use_tqdm=False)
         throughput = llm.last_throughput

@@ -4,6 +4,10 @@
 (no CPU ops, shapes or stacks, so the run is barely slowed), turns the device's kernel, memcpy and
 memset records into ``(name, start, end)`` intervals, and prints ``summarize(...)`` as a table.
 The summary is a pure function of those intervals, tested on the CPU.
+
+A module, not a script: ``bench.py`` imports it as ``benchmarks.bench_profile`` (``bench.py``'s
+folder, the repository root, is on ``sys.path``), ``benchmarks/bench_idle.py`` as ``bench_profile``
+(a script's own folder is on ``sys.path``). It patches nothing: it reads the profiler's records.
 """
 import time
 from collections import defaultdict
@@ -26,13 +30,13 @@ CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
     # cuBLAS / cuBLASLt / CUTLASS matrix multiplies (also the LM head)
     ("GEMMs", ("gemm", "sm90_xmma", "cutlass", "cublas", "nvjet")),
     # torch.compile'd RMSNorm and SiLU-and-mul (Inductor's Triton kernels); the fused QK-norm, RoPE
-    # and KV-cache store of the new tokens (kv_store.rope_and_store)
+    # and KV-cache store of the new tokens (attention.kv_store.rope_and_store: the only KV store on
+    # the GPU, so there is no category of its own)
     ("norms / rotary / activation", ("triton_poi_fused", "triton_red_fused", "triton_per_fused", "_rope_store")),
     # the fused Gumbel-max draw (its chunks, then the best of them); greedy argmax; top-k/top-p/min-p
     # (topk, sort, cumsum, logsumexp); log-probabilities (log_softmax)
     ("sampler", ("gumbel", "best_of_chunks", "argmax", "topk", "kthvalue", "radix", "sort", "softmax", "logsumexp",
                  "devicescan", "exponential")),
-    ("KV store", ("store_kvcache",)),
     # CUPTI names these "Memcpy HtoD (Pinned -> Device)", "Memset (Device)", ...
     ("copies", ("memcpy", "memset")),
 ]

@@ -7,6 +7,10 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "flash-attn", "triton", "torch")
 LOAD_FORMATS = ("auto", "dummy")  # "dummy": no weight files; random weights drawn on the device
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # "auto": the model's dtype; "fp8" (= "fp8_e4m3"): e4m3 with per-row scales
+# config.json keys every supported model reads (transformers would fill in its own defaults, which
+# then disagree with the weights), and those only some architectures read
+MODEL_CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers", "vocab_size")
+ARCHITECTURE_CONFIG_KEYS = {"Qwen3MoeForCausalLM": ("num_experts", "num_experts_per_tok", "moe_intermediate_size")}
 
 
 def _check_int(name: str, value, low: int, high: int | None = None, extra: str = "") -> None:
@@ -78,7 +82,14 @@ class Config:
 
         from transformers import AutoConfig
 
-        self.hf_config = AutoConfig.from_pretrained(self.model)
+        config_file = os.path.join(self.model, "config.json")
+        check_model_config(config_file)
+        try:
+            self.hf_config = AutoConfig.from_pretrained(self.model)
+        except OSError:
+            raise
+        except Exception as e:  # transformers' own checks of the other keys
+            raise ValueError(f"{config_file}: {e}") from e
         from nanovllm.models.registry import architecture
 
         architecture(self.hf_config)  # an unsupported model fails here, before any weights load
@@ -91,6 +102,33 @@ class Config:
         resolve_backend_name(
             self.attention_backend, device, self.kvcache_block_size, self.resolved_dtype(device), self.kv_cache_dtype
         )
+        if self.num_kvcache_blocks > 0:
+            self._check_kv_cache_fits(device)
+
+    def _check_kv_cache_fits(self, device: str) -> None:
+        """A fixed ``num_kvcache_blocks`` must fit in the memory of one GPU (each rank's share of
+        the KV heads), or on the CPU in the machine's memory (every rank's share together), before
+        any weights load. The cache alone is counted, so this is the most that could ever fit."""
+        import torch
+
+        from nanovllm.engine.kv_cache import block_bytes
+        from nanovllm.models.llama import head_dim
+
+        hf, tp = self.hf_config, self.tensor_parallel_size
+        per_rank = block_bytes(self, max(1, hf.num_key_value_heads // tp), head_dim(hf), self.resolved_dtype(device))
+        if device == "cuda":
+            memory, need, where = torch.cuda.get_device_properties(0).total_memory, per_rank, "each GPU has"
+        else:
+            memory, need = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), per_rank * tp
+            where = "the machine has"
+        most = memory // need
+        if self.num_kvcache_blocks > most:
+            raise ValueError(
+                f"Config.num_kvcache_blocks={self.num_kvcache_blocks} needs {self.num_kvcache_blocks * need} bytes "
+                f"of KV cache ({need} bytes per block of {self.kvcache_block_size} tokens), but {where} {memory} "
+                f"bytes: at most {most} blocks could fit, before weights and activations (-1 sizes the cache "
+                "from free memory)"
+            )
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -118,3 +156,38 @@ class Config:
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
         return dtype if dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+def check_model_config(path: str) -> None:
+    """``config.json`` must give every size the model reads, as a positive int, and sizes that fit
+    together (heads a multiple of KV heads; without ``head_dim``, hidden_size a multiple of heads).
+    A missing key or a bad value is a ValueError naming the file, the key and the value. A key may
+    be spelled as its transformers alias (Qwen3-MoE's ``num_local_experts`` for ``num_experts``)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from nanovllm.utils.model_folder import read_json
+
+    raw = read_json(path)
+    config_class = CONFIG_MAPPING.get(raw.get("model_type"))  # an unknown type fails in AutoConfig
+    aliases = getattr(config_class, "attribute_map", {})
+    keys = list(MODEL_CONFIG_KEYS)
+    for name in raw.get("architectures") or []:
+        keys += ARCHITECTURE_CONFIG_KEYS.get(name, ())
+    values = {}
+    for key in keys + ["num_key_value_heads", "head_dim"]:
+        spelled = key if key in raw else aliases.get(key, key)
+        if spelled not in raw or raw[spelled] is None:
+            if key in keys:
+                raise ValueError(f"{path} lacks {key!r}, which the model reads")
+            continue
+        value = values[key] = raw[spelled]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{path}: {spelled} must be an int >= 1, got {value!r}")
+    heads, kv_heads = values["num_attention_heads"], values.get("num_key_value_heads", values["num_attention_heads"])
+    if heads % kv_heads:
+        raise ValueError(f"{path}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})")
+    if "head_dim" not in values and values["hidden_size"] % heads:
+        raise ValueError(
+            f"{path}: hidden_size ({values['hidden_size']}) must be a multiple of num_attention_heads ({heads}) "
+            "when head_dim is not given"
+        )

@@ -1,7 +1,7 @@
 """Per-request sampling settings, with vLLM's names, defaults and meaning (pure Python: imported
 by the engine core). Every field is checked here; a bad value is a TypeError or ValueError naming
 the field, the value and what is allowed."""
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 
 GREEDY_BELOW = 1e-5  # a temperature under this samples greedily (as in vLLM): logits / T would overflow
@@ -13,6 +13,78 @@ def _is_int(x) -> bool:
 
 def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _checked(values: dict) -> dict:
+    """Every field's value checked, and normalised (numbers as float, ``stop`` and
+    ``stop_token_ids`` as lists, ``top_k=-1`` as 0); ``values`` holds every field. The one check,
+    run by the constructor and by every assignment."""
+    v = dict(values)
+    _check_number(v, "temperature", lambda t: 0 <= t < float("inf"), "a finite number >= 0 (0 = greedy)")
+    _check_int(v, "max_tokens", 1)
+    _check_int(v, "n", 1)
+    _check_number(v, "top_p", lambda p: 0 < p <= 1, "in (0, 1] (1 = off)")
+    _check_int(v, "top_k", -1, extra=" (0 or -1 = off)")
+    _check_number(v, "min_p", lambda p: 0 <= p <= 1, "in [0, 1] (0 = off)")
+    _check_int(v, "min_tokens", 0)
+    if v["min_tokens"] > v["max_tokens"]:
+        raise ValueError(
+            f"SamplingParams.min_tokens must be <= max_tokens, got min_tokens={v['min_tokens']} "
+            f"and max_tokens={v['max_tokens']}"
+        )
+    _check_number(v, "repetition_penalty", lambda r: 0 < r < float("inf"), "a finite number > 0 (1 = off)")
+    for name in ("presence_penalty", "frequency_penalty"):
+        _check_number(v, name, lambda x: -2 <= x <= 2, "in [-2, 2] (0 = off)")
+    if v["seed"] is not None and not _is_int(v["seed"]):
+        raise TypeError(f"SamplingParams.seed must be an int or None, got {v['seed']!r} ({type(v['seed']).__name__})")
+    if v["logprobs"] is not None:
+        _check_int(v, "logprobs", 0, extra=" or None")
+    for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        if not isinstance(v[name], bool):
+            raise TypeError(f"SamplingParams.{name} must be a bool, got {v[name]!r}")
+    v["stop"] = _string_list(v["stop"])
+    v["stop_token_ids"] = _id_list(v["stop_token_ids"])
+    if v["top_k"] == -1:
+        v["top_k"] = 0
+    return v
+
+
+def _check_number(v: dict, name: str, ok, allowed: str) -> None:
+    value = v[name]
+    if not _is_number(value):
+        raise TypeError(f"SamplingParams.{name} must be a number, got {value!r} ({type(value).__name__})")
+    if not ok(value):  # NaN fails every comparison
+        raise ValueError(f"SamplingParams.{name} must be {allowed}, got {value!r}")
+    v[name] = float(value)
+
+
+def _check_int(v: dict, name: str, low: int, extra: str = "") -> None:
+    value = v[name]
+    if not _is_int(value):
+        raise TypeError(f"SamplingParams.{name} must be an int{extra}, got {value!r} ({type(value).__name__})")
+    if value < low:
+        raise ValueError(f"SamplingParams.{name} must be >= {low}{extra}, got {value}")
+
+
+def _string_list(stop) -> list[str]:
+    if stop is None:
+        return []
+    items = [stop] if isinstance(stop, str) else stop
+    if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) for s in items):
+        raise TypeError(f"SamplingParams.stop must be a str, a list of str or None, got {stop!r}")
+    if any(not s for s in items):
+        raise ValueError(f"SamplingParams.stop must not contain an empty string, got {stop!r}")
+    return list(items)
+
+
+def _id_list(ids) -> list[int]:
+    if ids is None:
+        return []
+    if not isinstance(ids, (list, tuple)) or not all(_is_int(i) for i in ids):
+        raise TypeError(f"SamplingParams.stop_token_ids must be a list of int or None, got {ids!r}")
+    if any(i < 0 for i in ids):
+        raise ValueError(f"SamplingParams.stop_token_ids must be token ids >= 0, got {ids!r}")
+    return list(ids)
 
 
 @dataclass
@@ -66,67 +138,21 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        self._check_number("temperature", lambda t: 0 <= t < float("inf"), "a finite number >= 0 (0 = greedy)")
-        self._check_int("max_tokens", 1)
-        self._check_int("n", 1)
-        self._check_number("top_p", lambda p: 0 < p <= 1, "in (0, 1] (1 = off)")
-        self._check_int("top_k", -1, extra=" (0 or -1 = off)")
-        self._check_number("min_p", lambda p: 0 <= p <= 1, "in [0, 1] (0 = off)")
-        self._check_int("min_tokens", 0)
-        if self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"SamplingParams.min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
-            )
-        self._check_number("repetition_penalty", lambda r: 0 < r < float("inf"), "a finite number > 0 (1 = off)")
-        for name in ("presence_penalty", "frequency_penalty"):
-            self._check_number(name, lambda x: -2 <= x <= 2, "in [-2, 2] (0 = off)")
-        if self.seed is not None and not _is_int(self.seed):
-            raise TypeError(f"SamplingParams.seed must be an int or None, got {self.seed!r} ({type(self.seed).__name__})")
-        if self.logprobs is not None:
-            self._check_int("logprobs", 0, extra=" or None")
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"SamplingParams.{name} must be a bool, got {getattr(self, name)!r}")
-        self.stop = self._string_list(self.stop)
-        self.stop_token_ids = self._id_list(self.stop_token_ids)
-        if self.top_k == -1:
-            self.top_k = 0
+        self.__dict__.update(_checked({name: self.__dict__[name] for name in _FIELDS}))
 
-    def _check_number(self, name: str, ok, allowed: str) -> None:
-        value = getattr(self, name)
-        if not _is_number(value):
-            raise TypeError(f"SamplingParams.{name} must be a number, got {value!r} ({type(value).__name__})")
-        if not ok(value):  # NaN fails every comparison
-            raise ValueError(f"SamplingParams.{name} must be {allowed}, got {value!r}")
-        setattr(self, name, float(value))
+    def __setattr__(self, name: str, value) -> None:
+        """Assignment after construction runs the constructor's checks on the new set of values:
+        a bad value (or one that breaks ``min_tokens <= max_tokens``) raises and leaves the old
+        value in place; a good one is normalised as the constructor would."""
+        if name not in _FIELDS:
+            raise AttributeError(f"SamplingParams has no field {name!r}; fields: {', '.join(_FIELDS)}")
+        if name not in self.__dict__:  # the dataclass __init__ sets each field once, then checks them all
+            object.__setattr__(self, name, value)
+            return
+        self.__dict__.update(_checked({**{f: self.__dict__[f] for f in _FIELDS}, name: value}))
 
-    def _check_int(self, name: str, low: int, extra: str = "") -> None:
-        value = getattr(self, name)
-        if not _is_int(value):
-            raise TypeError(f"SamplingParams.{name} must be an int{extra}, got {value!r} ({type(value).__name__})")
-        if value < low:
-            raise ValueError(f"SamplingParams.{name} must be >= {low}{extra}, got {value}")
-
-    @staticmethod
-    def _string_list(stop) -> list[str]:
-        if stop is None:
-            return []
-        items = [stop] if isinstance(stop, str) else stop
-        if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) for s in items):
-            raise TypeError(f"SamplingParams.stop must be a str, a list of str or None, got {stop!r}")
-        if any(not s for s in items):
-            raise ValueError(f"SamplingParams.stop must not contain an empty string, got {stop!r}")
-        return list(items)
-
-    @staticmethod
-    def _id_list(ids) -> list[int]:
-        if ids is None:
-            return []
-        if not isinstance(ids, (list, tuple)) or not all(_is_int(i) for i in ids):
-            raise TypeError(f"SamplingParams.stop_token_ids must be a list of int or None, got {ids!r}")
-        if any(i < 0 for i in ids):
-            raise ValueError(f"SamplingParams.stop_token_ids must be token ids >= 0, got {ids!r}")
-        return list(ids)
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"SamplingParams fields cannot be deleted (tried {name!r})")
 
     # ---- derived, for the engine ---------------------------------------------------------------
 
@@ -147,3 +173,6 @@ class SamplingParams:
         """The settings of completion ``index`` of ``n``: one completion, seed + index when seeded."""
         seed = None if self.seed is None else self.seed + index
         return replace(self, n=1, seed=seed)
+
+
+_FIELDS = tuple(f.name for f in fields(SamplingParams))

@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random Qwen3 checkpoints and the transformers greedy reference."""
+"""Shared fixtures: tiny random Qwen3 checkpoints and the transformers greedy reference; and the
+one place that skips the tests marked ``gpu`` without a CUDA GPU."""
 import pytest
 
 from hf_reference import HFReference, TinyCheckpoint, build_checkpoint
@@ -21,3 +22,15 @@ def ckpt_untied(tmp_path_factory) -> TinyCheckpoint:
 @pytest.fixture(scope="session")
 def hf_ref() -> HFReference:
     return HFReference()
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test marked ``gpu`` (``python -m pytest -m gpu`` runs them all) is skipped without a CUDA GPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)

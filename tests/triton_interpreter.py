@@ -8,12 +8,14 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+TESTS_DIR = Path(__file__).resolve().parent
+REPO_ROOT = TESTS_DIR.parent
 
 
 def results_under_interpreter(test_file: str, timeout: int = 600) -> dict:
-    """Run ``test_file`` as a script under the interpreter; returns the JSON it printed last."""
-    path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+    """Run ``test_file`` as a script under the interpreter; returns the JSON it printed last. The
+    script imports the shared helpers of ``tests/`` and the modules beside it (its own folder)."""
+    path = os.pathsep.join(filter(None, [str(REPO_ROOT), str(TESTS_DIR), os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
     proc = subprocess.run(
         [sys.executable, test_file], env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout

@@ -53,7 +53,7 @@ class ModelRunner:
             init_process_group(self.device, self.rank, self.world_size, dist_port)
             self.owns_group = True
         self.dtype = config.resolved_dtype(self.device.type)
-        backend = get_attention_backend(resolve_backend_name(
+        self.backend = backend = get_attention_backend(resolve_backend_name(
             config.attention_backend, self.device.type, self.block_size, self.dtype, config.kv_cache_dtype))
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)

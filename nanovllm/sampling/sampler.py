@@ -2,7 +2,7 @@
 
 Order, as in vLLM: min_tokens suppression, penalties, then greedy argmax or temperature, min-p,
 top-k, top-p and the draw. Rows that use none of these pay nothing for them: the plain
-temperature draw is one fused pass on the GPU (``sampling_triton``); log-probabilities come from
+temperature draw is one fused pass on the GPU (``triton_draw``); log-probabilities come from
 the raw logits, before any of it.
 """
 from dataclasses import dataclass
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from nanovllm.layers import sampling_torch
+from nanovllm.sampling import torch_ops
 
 
 @dataclass
@@ -35,7 +35,7 @@ class Filters:
 
 @dataclass
 class SamplingBatch:
-    """One step's sampling settings, one row per sequence (built by ``engine.sampling_batch``)."""
+    """One step's sampling settings, one row per sequence (built by ``batch.make_sampling_batch``)."""
 
     temperatures: torch.Tensor  # [B] float32, 0 = greedy
     seeds: torch.Tensor | None  # [B] int64 draw seeds in [0, 2**32); None when every row is greedy
@@ -56,10 +56,10 @@ class SamplerOutput:
 
 def _gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
     if logits.is_cuda:
-        from nanovllm.layers.sampling_triton import gumbel_argmax
+        from nanovllm.sampling.triton_draw import gumbel_argmax
 
         return gumbel_argmax(logits, temperatures, seeds)
-    return sampling_torch.gumbel_argmax(logits, temperatures, seeds)
+    return torch_ops.gumbel_argmax(logits, temperatures, seeds)
 
 
 class Sampler(nn.Module):
@@ -70,7 +70,7 @@ class Sampler(nn.Module):
             if batch.suppress is not None:
                 logits[batch.suppress] = float("-inf")
             if (p := batch.penalties) is not None:
-                sampling_torch.apply_penalties(
+                torch_ops.apply_penalties(
                     logits, p.rows, p.repetition, p.presence, p.frequency, p.prompt_tokens, p.output_tokens
                 )
         if batch.all_greedy:
@@ -80,17 +80,17 @@ class Sampler(nn.Module):
             if f is None:
                 token_ids = _gumbel_argmax(logits, batch.temperatures, batch.seeds)
             elif f.rows.numel() == logits.size(0):  # every row filters: no pass over the full vocabulary
-                token_ids = sampling_torch.sample_filtered(
+                token_ids = torch_ops.sample_filtered(
                     logits, batch.temperatures, batch.seeds, f.top_k, f.top_p, f.min_p, f.num_candidates, f.all_top_k
                 )
             else:
                 token_ids = _gumbel_argmax(logits, batch.temperatures, batch.seeds)
-                token_ids[f.rows] = sampling_torch.sample_filtered(
+                token_ids[f.rows] = torch_ops.sample_filtered(
                     logits[f.rows], batch.temperatures[f.rows], batch.seeds[f.rows], f.top_k, f.top_p, f.min_p,
                     f.num_candidates, f.all_top_k,
                 )
         logprobs = None
         if batch.logprob_rows is not None:
             rows = batch.logprob_rows
-            logprobs = sampling_torch.top_logprobs(raw[rows], token_ids[rows], batch.num_logprobs)
+            logprobs = torch_ops.top_logprobs(raw[rows], token_ids[rows], batch.num_logprobs)
         return SamplerOutput(token_ids, logprobs)

@@ -1,8 +1,8 @@
 """The sampling math in plain torch: the CPU path, and on the GPU everything but the plain
-temperature draw (which ``sampling_triton`` fuses into one pass).
+temperature draw (which ``triton_draw`` fuses into one pass).
 
 Randomness is counter-based: the noise of token ``v`` in a row is a hash of ``(draw seed, v)``, where
-the draw seed is per row and per step (``sampling_batch.draw_seed``). A row's draw therefore does not
+the draw seed is per row and per step (``engine.step.draw_seed``). A row's draw therefore does not
 depend on the other rows of the batch, and the Triton kernel reproduces the same noise bit for bit.
 """
 import torch

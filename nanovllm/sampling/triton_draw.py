@@ -1,5 +1,5 @@
 """The plain temperature draw fused into one pass over the logits (GPU): per row,
-argmax(logits / T + gumbel) with the same counter-based noise as ``sampling_torch.gumbel_argmax``,
+argmax(logits / T + gumbel) with the same counter-based noise as ``torch_ops.gumbel_argmax``,
 or the plain argmax when T = 0. No softmax, no noise tensor, no float32 copy of the logits.
 
 A row's vocabulary is split into chunks of ``CHUNK`` entries, one program each, so that even a

@@ -1,8 +1,8 @@
 """flash-attn backend: ``flash_attn_varlen_func`` for prefill, ``flash_attn_with_kvcache`` for decode.
 Its paged KV cache needs the block size to be a multiple of 256; it reads neither float32 nor an FP8
-cache (``resolve_backend_name`` never picks it for those, so ``k_scale``/``v_scale`` are always None)."""
-from nanovllm.layers.attention import AttentionBackend
-from nanovllm.layers.kv_store import store_kvcache
+cache (``resolve_backend_name`` never picks it for those, so ``k_scale``/``v_scale`` are always None).
+New K/V rows are stored by ``kv_store.rope_and_store``, before ``prefill``/``decode`` run."""
+from nanovllm.layers.attention.interface import AttentionBackend
 from nanovllm.utils.context import Context
 
 
@@ -19,9 +19,6 @@ class FlashAttentionBackend(AttentionBackend):
             ) from e
         self._varlen = flash_attn_varlen_func
         self._with_kvcache = flash_attn_with_kvcache
-
-    def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
-        store_kvcache(k, v, k_cache, v_cache, slot_mapping)
 
     def prefill(self, q, k, v, k_cache, v_cache, context: Context, scale, k_scale=None, v_scale=None):
         if context.block_tables is not None:  # keys (cached prefix and new tokens) come from the cache

@@ -3,7 +3,7 @@ An FP8 cache is quantized on store and dequantized to float32 before attending."
 import torch
 import torch.nn.functional as F
 
-from nanovllm.layers.attention import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE, AttentionBackend
+from nanovllm.layers.attention.interface import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE, AttentionBackend
 from nanovllm.utils.context import Context
 
 

@@ -1,6 +1,7 @@
 """The Triton attention backend: checks shapes, chooses tile sizes and split counts, and launches
-the kernels of ``attention_triton_kernels.py`` (prefill, paged decode, split-K merge) and the KV
-store of ``kv_store.py``. The same kernels read a cache in the model's dtype or an FP8 cache."""
+the kernels of ``triton_kernels.py`` (prefill, paged decode, split-K merge); new K/V rows are
+stored by ``kv_store.rope_and_store`` before they run. The same kernels read a cache in the model's
+dtype or an FP8 cache."""
 import functools
 import math
 from typing import NamedTuple
@@ -9,9 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.layers.attention import FP8_DTYPE, AttentionBackend
-from nanovllm.layers.attention_triton_kernels import LOG2E, _decode_kernel, _decode_reduce_kernel, _prefill_kernel
-from nanovllm.layers.kv_store import store_kvcache
+from nanovllm.layers.attention.interface import FP8_DTYPE, AttentionBackend
+from nanovllm.layers.attention.triton_kernels import LOG2E, _decode_kernel, _decode_reduce_kernel, _prefill_kernel
 from nanovllm.utils.context import Context
 
 # Shared memory a tile configuration may plan for, by ``shared_memory_estimate``: under the H100's
@@ -118,9 +118,6 @@ class TritonAttentionBackend(AttentionBackend):
             raise ValueError(f"num_splits must be a power of two >= 1, got {num_splits}")
         self.num_splits = num_splits
         self.decode_tile = decode_tile
-
-    def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
-        store_kvcache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
     def prefill(self, q, k, v, k_cache, v_cache, context: Context, scale, k_scale=None, v_scale=None):
         num_tokens, num_heads, head_dim = q.shape

@@ -1,6 +1,6 @@
 """The project's own Triton attention kernels: variable-length causal prefill (keys from k/v or from
 the paged cache) and paged decode, with a split-K variant for few sequences over long contexts.
-``attention_triton.py`` chooses their tiles and launches them.
+``triton_backend.py`` chooses their tiles and launches them.
 
 Both kernels accumulate in float32 with an online (flash-style) softmax in base 2, and read the paged
 cache one token row at a time through the block table, so any block size works. With ``FP8`` (a

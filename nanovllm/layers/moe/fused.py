@@ -6,7 +6,7 @@ For every token t and each of its top_k routed experts e = topk_ids[t, k]:
 
 The Triton path groups the (token, k) pairs by expert on the device (no host synchronisation, every
 size derived from shapes, so it can be captured in a CUDA graph) and runs two grouped GEMMs from
-``fused_moe_kernels.py``: gate/up with SiLU-and-mul fused, then down with the routing weight
+``triton_kernels.py``: gate/up with SiLU-and-mul fused, then down with the routing weight
 applied. With tensor parallelism every rank holds a slice of each expert's intermediate dimension
 and calls this unchanged; the caller all-reduces the output.
 """
@@ -148,7 +148,7 @@ def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, tile: MoeTile | No
     ``moe_tile`` would choose. The GEMMs accumulate in float32; the intermediate and each pair's
     weighted output are held in the input dtype, and the top_k outputs of a token are summed by
     torch (accumulating in float32). CUDA-graph safe: no host synchronisation."""
-    from nanovllm.layers.fused_moe_kernels import launch_down, launch_gate_up
+    from nanovllm.layers.moe.triton_kernels import launch_down, launch_gate_up
 
     check_moe_inputs(hidden_states, w13, w2, topk_weights, topk_ids)
     num_tokens, hidden = hidden_states.shape

@@ -1,6 +1,6 @@
 """A sparse Mixture-of-Experts feed-forward block: a softmax top-k router and SwiGLU experts whose
 weights live in two fused tensors, run by the fused Triton kernel on the GPU and by its torch
-reference on the CPU (``fused_moe.py``). With tensor parallelism every rank holds a slice of every
+reference on the CPU (``fused.py``). With tensor parallelism every rank holds a slice of every
 expert's intermediate dimension, and the block's output is summed with one all-reduce."""
 import re
 
@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nanovllm.layers.fused_moe import fused_moe, fused_moe_torch
+from nanovllm.layers.moe.fused import fused_moe, fused_moe_torch
 from nanovllm.layers.linear import ReplicatedLinear
 from nanovllm.utils.distributed import get_tp_rank, get_tp_size
 

@@ -1,7 +1,7 @@
 """The project's own grouped-GEMM Triton kernels for the Mixture-of-Experts feed-forward, and their
-launches; ``fused_moe.py`` groups the (token, k) pairs by expert and calls them.
+launches; ``fused.py`` groups the (token, k) pairs by expert and calls them.
 
-Both kernels walk the grouped layout of ``fused_moe.ExpertGroups``: program (block, n_tile) takes
+Both kernels walk the grouped layout of ``fused.ExpertGroups``: program (block, n_tile) takes
 BLOCK_M consecutive rows of it, all of one expert (the groups are padded to multiples of BLOCK_M),
 and BLOCK_N output columns. Padding rows hold the sentinel pair id ``num_pairs`` and are masked off.
 The grid covers the worst-case layout, whose size depends only on shapes; a block starting past
@@ -111,7 +111,7 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 def launch_gate_up(x, w13, intermediate, groups, top_k: int, num_pairs: int, tile) -> None:
     """Fill ``intermediate`` [max_padded_rows, inter] (contiguous) from x [num_tokens, hidden] and
-    w13 [num_experts, 2 * inter, hidden]; ``groups`` is a ``fused_moe.ExpertGroups``."""
+    w13 [num_experts, 2 * inter, hidden]; ``groups`` is a ``fused.ExpertGroups``."""
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
     grid = (groups.block_experts.numel(), triton.cdiv(inter, tile.block_n))
     _gate_up_kernel[grid](

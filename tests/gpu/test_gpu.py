@@ -16,7 +16,7 @@ import torch
 from nanovllm import LLM, SamplingParams
 from nanovllm.utils.checkpoint import make_random_checkpoint
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.gpu  # skipped without a CUDA GPU (tests/conftest.py)
 
 HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
 # Near-ties in bf16. Two runs that pick different tokens a and b at the same position have logit
@@ -112,8 +112,8 @@ def test_chunked_prefill_and_preemption(model_dir, reference, hf_model, backend)
     with LLM(model_dir, max_model_len=1024, attention_backend=backend, kvcache_block_size=256,
              max_num_batched_tokens=300, num_kvcache_blocks=8) as llm:
         preempted = []
-        original = llm.scheduler.preempt
-        llm.scheduler.preempt = lambda seq: (preempted.append(seq.seq_id), original(seq))
+        original = llm.core.scheduler.preempt
+        llm.core.scheduler.preempt = lambda seq: (preempted.append(seq.seq_id), original(seq))
         got = [o["token_ids"] for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)]
     assert preempted, "the small cache should have forced a preemption"
     assert_agree(hf_model, prompts, reference, got)
@@ -185,7 +185,7 @@ def test_tp2_worker_killed_mid_generate(model_dir, enforce_eager):
     inside a CUDA graph): the engine must raise, release both GPUs and let a new engine start."""
     kwargs = dict(tensor_parallel_size=2, max_model_len=2048, kvcache_block_size=256, enforce_eager=enforce_eager)
     llm = LLM(model_dir, **kwargs)
-    worker = llm.workers.processes[0]
+    worker = llm.core.executor.workers.processes[0]
     threading.Timer(1.0, os.kill, (worker.pid, signal.SIGKILL)).start()
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=r"worker rank 1 \(pid \d+\) exited with code -9"):
@@ -223,8 +223,8 @@ def assert_sampled_agree(hf_model, prompts, params, expected, got):
     candidates (penalised logits, divided by the temperature, plus the draw's Gumbel noise) are
     within near_tie(penalised logits) / temperature; or, with top-k, where one candidate's logit is
     within near_tie of the k-th largest (it may fall in or out of the kept set)."""
-    from nanovllm.engine.sampling_batch import draw_seed
-    from nanovllm.layers.sampling_torch import gumbel
+    from nanovllm.engine.step import draw_seed
+    from nanovllm.sampling.torch_ops import gumbel
 
     for prompt, sp, exp, out in zip(prompts, params, expected, got):
         if exp == out:
@@ -283,19 +283,19 @@ def test_sampling_controls_with_graphs_match_torch_reference(model_dir, sampled_
 def test_fused_draw_matches_torch():
     """The Triton Gumbel-max kernel draws the same tokens as the torch path on real-sized bf16
     logits (vocabulary 151936, greedy rows included), apart from score near-ties (fp32 log rounding)."""
-    from nanovllm.layers import sampling_torch, sampling_triton
+    from nanovllm.sampling import torch_ops, triton_draw
 
     g = torch.Generator(device="cuda").manual_seed(0)
     logits = (torch.randn(64, 151936, device="cuda", generator=g) * 4).to(torch.bfloat16)
     temperatures = torch.rand(64, device="cuda", generator=g) + 0.1
     temperatures[::8] = 0
     seeds = torch.randint(0, 1 << 32, (64,), device="cuda", generator=g)
-    got = sampling_triton.gumbel_argmax(logits, temperatures, seeds)
-    ref = sampling_torch.gumbel_argmax(logits, temperatures, seeds)
+    got = triton_draw.gumbel_argmax(logits, temperatures, seeds)
+    ref = torch_ops.gumbel_argmax(logits, temperatures, seeds)
     differ = (got != ref).nonzero().flatten().tolist()
     ids = torch.arange(logits.size(1), device="cuda")
     for r in differ:
-        scores = logits[r].float() / temperatures[r] + sampling_torch.gumbel(seeds[r : r + 1], ids)[0]
+        scores = logits[r].float() / temperatures[r] + torch_ops.gumbel(seeds[r : r + 1], ids)[0]
         assert (scores[got[r]] - scores[ref[r]]).abs() < 1e-4 * scores[ref[r]].abs(), r
     assert len(differ) <= 2, differ
 

@@ -44,7 +44,7 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
 
 def make_llm(path: str, **kwargs) -> LLM:
     # the CPU even where a GPU exists: float32 there is exact enough for TIE_GAP (the GPU's fused MoE
-    # kernel is checked against the torch reference in tests/test_fused_moe.py)
+    # kernel is checked against the torch reference in tests/layers/test_fused_moe.py)
     kwargs = dict(device="cpu", kvcache_block_size=BLOCK_SIZE, num_kvcache_blocks=256, max_model_len=256) | kwargs
     return LLM(path, **kwargs)
 
@@ -63,8 +63,8 @@ def test_greedy_matches_transformers(name, checkpoints, hf_ref):
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     with make_llm(path, max_num_batched_tokens=64, num_kvcache_blocks=14) as llm:
         preempted = []
-        preempt = llm.scheduler.preempt
-        llm.scheduler.preempt = lambda seq: (preempted.append(seq.seq_id), preempt(seq))
+        preempt = llm.core.scheduler.preempt
+        llm.core.scheduler.preempt = lambda seq: (preempted.append(seq.seq_id), preempt(seq))
         tight = llm.generate(prompts, params, use_tqdm=False)
     assert preempted, "14 blocks should force preemption"
     check(tight, prompts, path, hf_ref, f"{name}, chunked and preempted")
@@ -144,7 +144,7 @@ def rewrite_weights(src: str, dst: str, change) -> str:
 
 
 def expert_params(llm) -> dict[str, torch.Tensor]:
-    model = llm.model_runner.model
+    model = llm.core.executor.runner.model
     return {k: v.detach().clone() for k, v in model.named_parameters() if ".experts." in k}
 
 
@@ -185,7 +185,7 @@ def test_dummy_load_format(checkpoints, tmp_path):
     runs = []
     for _ in range(2):
         with make_llm(path, load_format="dummy") as llm:
-            params_ = dict(llm.model_runner.model.named_parameters())
+            params_ = dict(llm.core.executor.runner.model.named_parameters())
             runs.append([o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)])
     assert runs[0] == runs[1]
     assert torch.equal(params_["model.norm.weight"], torch.ones(64))

@@ -19,7 +19,7 @@ MAX_TOKENS = 16
 
 
 def make_llm(path: str, tp: int, **kwargs) -> LLM:
-    # CPU ranks over gloo on every machine; NCCL on GPUs is covered by tests/test_gpu.py
+    # CPU ranks over gloo on every machine; NCCL on GPUs is covered by tests/gpu/test_gpu.py
     kwargs = dict(device="cpu", kvcache_block_size=BLOCK_SIZE, num_kvcache_blocks=256, max_model_len=256) | kwargs
     return LLM(path, tensor_parallel_size=tp, **kwargs)
 
@@ -44,8 +44,8 @@ def test_tp2_matches_tp1_and_transformers(ckpt_name, request, hf_ref):
     for tp in (1, 2):
         with make_llm(path, tp, max_num_batched_tokens=64, num_kvcache_blocks=14) as llm:
             preempted = []
-            preempt = llm.scheduler.preempt
-            llm.scheduler.preempt = lambda seq: (preempted.append(seq.seq_id), preempt(seq))
+            preempt = llm.core.scheduler.preempt
+            llm.core.scheduler.preempt = lambda seq: (preempted.append(seq.seq_id), preempt(seq))
             tight = llm.generate(prompts, params, use_tqdm=False)
         assert preempted, "14 blocks should force preemption"
         check_against_reference(tight, prompts, path, hf_ref, f"tp={tp}, chunked and preempted")
@@ -62,7 +62,7 @@ def test_tp2_matches_tp1_and_transformers(ckpt_name, request, hf_ref):
 def test_worker_killed_mid_generate(ckpt_tied):
     before = shm_entries()
     llm = make_llm(ckpt_tied.path, 2)
-    worker = llm.workers.processes[0]
+    worker = llm.core.executor.workers.processes[0]
     prompts = [[1, 2, 3] * 10] * 4
     threading.Timer(0.5, os.kill, (worker.pid, signal.SIGKILL)).start()
     start = time.monotonic()
@@ -81,11 +81,11 @@ def test_worker_killed_while_waiting_for_a_step(ckpt_tied):
     """A worker killed inside Event.wait() still counts as a sleeper of its event, so a plain
     Event.set() would wait for it to wake forever; signalling it must return all the same."""
     llm = make_llm(ckpt_tied.path, 2)
-    worker = llm.workers.processes[0]
+    worker = llm.core.executor.workers.processes[0]
     time.sleep(0.5)  # the idle worker waits on its event
     os.kill(worker.pid, signal.SIGKILL)
     worker.join()
-    signal_it = threading.Thread(target=llm.model_runner.write_shm, args=("exit",), daemon=True)
+    signal_it = threading.Thread(target=llm.core.executor.runner.write_shm, args=("exit",), daemon=True)
     signal_it.start()
     signal_it.join(10)
     assert not signal_it.is_alive(), "signalling the dead worker blocked"
@@ -174,7 +174,7 @@ def test_two_processes_at_once_and_interpreter_exit(ckpt_tied, tmp_path):
 
 def test_control_message_too_large_is_a_clear_error(ckpt_tied):
     with make_llm(ckpt_tied.path, 2) as llm:
-        runner = llm.model_runner
+        runner = llm.core.executor.runner
         with pytest.raises(ValueError, match="more than the .*-byte channel"):
             runner.write_shm("run", list(range(runner.shm.size)))
         # nothing was sent: the engine keeps serving

@@ -13,11 +13,10 @@ import pytest
 import torch
 from triton_interpreter import results_under_interpreter, run_cases, squeeze_interpreter_loop_bounds
 
-from nanovllm.layers.fused_moe import (
+from nanovllm.layers.moe.fused import (
     MoeTile, fused_moe, fused_moe_torch, group_by_expert, max_padded_rows, moe_tile, shared_memory_estimate,
 )
 
-HAS_CUDA = torch.cuda.is_available()
 I32, I64 = torch.int32, torch.int64
 
 
@@ -237,7 +236,7 @@ def test_rejects_bad_inputs(fn, name, value, message):
 
 # ---- GPU: Qwen3-30B-A3B shapes against fused_moe_torch --------------------------------------------
 
-gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+gpu = pytest.mark.gpu  # skipped without a CUDA GPU (tests/conftest.py)
 GPU_TOKENS = [1, 2, 7, 64, 333, 1024, 4096]
 NUM_EXPERTS, HIDDEN, TOP_K = 128, 2048, 8  # Qwen3-30B-A3B
 GPU_FP32_TOL = 1e-5  # IEEE float32 dots on both sides; only the summation order differs

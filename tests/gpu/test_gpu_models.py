@@ -13,7 +13,7 @@ from nanovllm import LLM, SamplingParams
 from nanovllm.utils.checkpoint import make_random_checkpoint
 from test_gpu import HAS_FLASH_ATTN, assert_agree, make_prompts
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.gpu  # skipped without a CUDA GPU (tests/conftest.py)
 
 MAX_TOKENS = 24
 # head_dim 128 (the flash-attn build's), vocabulary 4096 (make_prompts' ids), an EOS never produced

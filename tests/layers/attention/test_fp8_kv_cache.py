@@ -29,11 +29,12 @@ from hf_reference import BLOCK_SIZE, random_prompts
 from test_attention_backends import (
     CHUNKED_SEQS, DECODE_LENS, PREFILL_SEQS, PREFIX_SEQS, paged_layout, qkv_views, relative_error,
 )
+from test_kv_store import rope_store_kvcache
 from triton_interpreter import (
     results_under_interpreter, round_interpreter_casts_to_nearest, run_cases, squeeze_interpreter_loop_bounds,
 )
 from nanovllm.layers.attention import empty_kv_scales
-from nanovllm.layers.attention_torch import TorchAttentionBackend, quantize_fp8
+from nanovllm.layers.attention.reference import TorchAttentionBackend, quantize_fp8
 from nanovllm.utils.context import Context
 
 E4M3 = torch.float8_e4m3fn
@@ -130,6 +131,8 @@ STORE_CASES = {
     "qkv_slices_float16": dict(num_tokens=12, num_kv_heads=2, head_dim=32, from_qkv=True, dtype=torch.float16),
     "token_major_scales": dict(num_tokens=10, num_kv_heads=3, head_dim=16, head_major=False),
 }
+# the Triton store (``rope_and_store``) takes a head_dim of a power of two, as every model's is
+TRITON_STORE_CASES = [name for name, case in STORE_CASES.items() if case["head_dim"] & (case["head_dim"] - 1) == 0]
 
 
 def guarded_scales(shape: tuple, head_major: bool) -> torch.Tensor:
@@ -215,7 +218,7 @@ def check_decode(backend, context_lens, *, device="cpu", dtype=torch.float32, he
 def check_prefill(backend, seqs, *, device="cpu", dtype=torch.float32, head_dim=32, block_size=16,
                   num_heads=4, num_kv_heads=2) -> dict:
     """(cached, new) tokens per sequence: the cached prefix is in the FP8 cache already; ``backend``
-    stores the new tokens, then prefills. The reference: the torch backend's store and prefill
+    stores the new tokens (the kernel backends' store, ``rope_and_store``), then prefills. The reference: the torch backend's store and prefill
     (dequantize-then-attend in float32; over the fresh k/v where nothing is cached)."""
     device = torch.device(device)
     scale = head_dim**-0.5
@@ -245,7 +248,7 @@ def check_prefill(backend, seqs, *, device="cpu", dtype=torch.float32, head_dim=
     reference.store_kvcache(k, v, ref_caches[0], ref_caches[1], context.slot_mapping, ref_caches[2], ref_caches[3])
     ref = reference.prefill(q.float(), k.float(), v.float(), ref_caches[0], ref_caches[1], context, scale,
                             ref_caches[2], ref_caches[3])
-    backend.store_kvcache(k, v, k_cache, v_cache, context.slot_mapping, k_scale, v_scale)
+    rope_store_kvcache(k, v, k_cache, v_cache, context.slot_mapping, k_scale, v_scale)
     out = backend.prefill(q, k, v, k_cache, v_cache, context, scale, k_scale, v_scale)
     cache_equal = (same_bytes(k_cache, ref_caches[0]) and same_bytes(v_cache, ref_caches[1])
                    and same_scales(k_scale, ref_caches[2]) and same_scales(v_scale, ref_caches[3]))
@@ -256,13 +259,14 @@ def check_prefill(backend, seqs, *, device="cpu", dtype=torch.float32, head_dim=
 
 def small_tiles(num_splits: int):
     """The Triton backend with 16-key decode tiles, one pipeline stage."""
-    from nanovllm.layers.attention_triton import DecodeTile, TritonAttentionBackend
+    from nanovllm.layers.attention.triton_backend import DecodeTile, TritonAttentionBackend
 
     return TritonAttentionBackend(num_splits=num_splits, decode_tile=DecodeTile(16, 1))
 
 
 INTERPRETER_CASES = {
-    **{f"store_{name}": (lambda b, case=case: check_store(b.store_kvcache, **case)) for name, case in STORE_CASES.items()},
+    **{f"store_{name}": (lambda b, name=name: check_store(rope_store_kvcache, **STORE_CASES[name]))
+       for name in TRITON_STORE_CASES},
     "decode": lambda b: check_decode(b, DECODE_LENS),
     # 16-key tiles: several per sequence (the default tile covers these contexts at once) and per split
     "decode_small_tiles": lambda b: check_decode(small_tiles(1), DECODE_LENS),
@@ -282,7 +286,7 @@ def run_interpreter_cases() -> dict:
     """Runs in the subprocess, with TRITON_INTERPRET=1 already in the environment."""
     squeeze_interpreter_loop_bounds()
     round_interpreter_casts_to_nearest()
-    from nanovllm.layers.attention_triton import TritonAttentionBackend
+    from nanovllm.layers.attention.triton_backend import TritonAttentionBackend
 
     torch.manual_seed(0)
     return run_cases(INTERPRETER_CASES, lambda case: case(TritonAttentionBackend(num_splits=1)))
@@ -397,7 +401,7 @@ class RoundTripCacheBackend(TorchAttentionBackend):
 def attention_modules(llm):
     from nanovllm.layers.attention import Attention
 
-    return [m for m in llm.model_runner.model.modules() if isinstance(m, Attention)]
+    return [m for m in llm.core.executor.runner.model.modules() if isinstance(m, Attention)]
 
 
 def generate_twice(llm, prompts):
@@ -478,7 +482,7 @@ def test_allocated_cache_matches_block_bytes(ckpt_tied, kv_cache_dtype):
 
     with LLM(ckpt_tied.path, kvcache_block_size=BLOCK_SIZE, num_kvcache_blocks=5, max_model_len=64,
              kv_cache_dtype=kv_cache_dtype) as llm:
-        runner = llm.model_runner
+        runner = llm.core.executor.runner
         scale_bytes = sum(m.k_scale.nbytes + m.v_scale.nbytes for m in attention_modules(llm) if m.k_scale is not None)
         assert runner.kv_cache.nbytes + scale_bytes == 5 * runner.kv_cache_block_bytes()
         assert (scale_bytes > 0) == (kv_cache_dtype == "fp8")

@@ -1,13 +1,20 @@
-"""A step's inputs. Prefill (``prepare_prefill``): exact values for hand-built sequences with cached
-prefixes and chunks, and against a token-by-token reference. Decode as a CUDA graph receives it
-(``DecodeLayout``, ``fill_decode``): exact values for hand-built sequences, the same values as
-``prepare_decode``, and padding rows that write no cache slot and draw nothing."""
+"""A step's inputs, from the step description the core builds (``build_step``). Prefill
+(``prefill_inputs``): exact values for hand-built sequences with cached prefixes and chunks, and
+against a token-by-token reference. Decode, eager or as a CUDA graph receives it (``DecodeLayout``,
+``fill_decode``, ``DecodeBuffer``, ``decode_inputs``): exact values for hand-built sequences,
+against a token-by-token reference, padding rows that write no cache slot, and placeholder tokens
+read from the previous step's sampled ids."""
 import numpy as np
 import pytest
 import torch
 
+from random import Random
+
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.step_inputs import DECODE_FIELDS, DecodeLayout, fill_decode, prepare_decode, prepare_prefill
+from nanovllm.engine.step import build_step
+from nanovllm.engine.step_inputs import (
+    DECODE_FIELDS, DecodeBuffer, DecodeLayout, decode_inputs, fill_decode, prefill_inputs,
+)
 from nanovllm.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
@@ -35,6 +42,14 @@ def prefill_seq(num_tokens: int, block_table: list[int], cached: int, scheduled:
     seq.num_cached_tokens = cached
     seq.num_scheduled_tokens = scheduled
     return seq
+
+
+def prepare_prefill(seqs, block_size, to_device):
+    return prefill_inputs(build_step(seqs, True, Random(0)), block_size, to_device)
+
+
+def decode_step(seqs):
+    return build_step(seqs, False, Random(0))
 
 
 def test_prepare_prefill_exact_values():
@@ -109,49 +124,46 @@ def test_fill_decode_exact_values_and_padding():
     ]
     layout = DecodeLayout(max_rows=8, max_blocks=4)
     _, f = host_fields(layout)
-    fill_decode(f, seqs, 4, BLOCK_SIZE, [-1, 2, -1], ([0.0, 0.7, 1.2], [11, 22, 33]))
+    fill_decode(f, decode_step(seqs), 4, BLOCK_SIZE)
     assert f["input_ids"][:4].tolist() == [104, -1, 100, 0]
     assert f["prev_rows"][:4].tolist() == [-1, 2, -1, -1]
     assert f["positions"][:4].tolist() == [4, 11, 0, 0]
     assert f["context_lens"][:4].tolist() == [5, 12, 1, 0]
     assert f["slot_mapping"][:4].tolist() == [28, 35, 20, -1]
-    assert f["temperatures"][:4].tolist() == pytest.approx([0.0, 0.7, 1.2, -1.0])
-    assert f["seeds"][:4].tolist() == [11, 22, 33, 0]
     assert f["block_tables"][:4].tolist() == [[3, 7, 0, 0], [1, 2, 8, 0], [5, 0, 0, 0], [0, 0, 0, 0]]
     # rows past the padded batch are not touched
     assert f["input_ids"].view(np.uint8)[4 * 8 :].tolist() == [0xAB] * (4 * 8)
 
 
-def test_fill_decode_without_sampling_or_placeholders():
-    """No draw in the graph: every temperature is negative; no previous step: every row -1."""
+def test_fill_decode_without_placeholders():
+    """No token of the previous step in flight: every row -1."""
     seqs = [decode_seq(3, [0]), decode_seq(9, [4, 6, 2])]
     _, f = host_fields(DecodeLayout(max_rows=2, max_blocks=3))
-    fill_decode(f, seqs, 2, BLOCK_SIZE, None, None)
-    assert f["temperatures"].tolist() == [-1.0, -1.0]
+    fill_decode(f, decode_step(seqs), 2, BLOCK_SIZE)
     assert f["prev_rows"].tolist() == [-1, -1]
-    assert f["seeds"].tolist() == [0, 0]
 
 
-def test_fill_decode_matches_prepare_decode():
-    """The same values as the eager path for a batch of random shapes."""
+def test_decode_inputs_match_token_by_token_reference():
+    """Random shapes through the CPU buffer (its own host copy): the model's inputs equal each
+    sequence's last token, position, slot and table; a placeholder is read from ``sampled``."""
     rng = np.random.default_rng(0)
     seqs = []
-    for _ in range(37):
-        n = int(rng.integers(1, 40))
+    for i in range(37):
+        n = int(rng.integers(2, 40))
         blocks = rng.permutation(200)[: -(-n // BLOCK_SIZE)].tolist()
-        seqs.append(decode_seq(n, blocks))
+        seqs.append(decode_seq(n, blocks, pending_row=i if i % 3 == 0 else None))
     max_blocks = max(len(s.block_table) for s in seqs)
-    buffer, f = host_fields(DecodeLayout(max_rows=48, max_blocks=max_blocks))
-    fill_decode(f, seqs, 48, BLOCK_SIZE, None, None)
-    input_ids, positions, context = prepare_decode(seqs, BLOCK_SIZE, lambda v, dtype: torch.tensor(v, dtype=dtype))
-    assert f["input_ids"][:37].tolist() == input_ids.tolist()
-    assert f["positions"][:37].tolist() == positions.tolist()
-    assert f["slot_mapping"][:37].tolist() == context.slot_mapping.tolist()
-    assert f["context_lens"][:37].tolist() == context.context_lens.tolist()
-    tables = context.block_tables.clamp(min=0)  # prepare_decode pads with -1, fill_decode with 0
-    assert f["block_tables"][:37, : tables.size(1)].tolist() == tables.tolist()
-    # the same bytes read as torch tensors (what the device copy holds)
-    t = torch.from_numpy(buffer)
-    fields = DecodeLayout(48, max_blocks).fields(t, lambda part, dtype: part.view(torch.from_numpy(np.zeros(0, dtype)).dtype))
-    assert fields["positions"][:37].tolist() == positions.tolist()
-    assert fields["block_tables"][:37, : tables.size(1)].tolist() == tables.tolist()
+    buffer = DecodeBuffer(max_rows=48, max_blocks=max_blocks, device=torch.device("cpu"))
+    fields = buffer.send(decode_step(seqs), 48, BLOCK_SIZE)
+    sampled = torch.arange(500, 548)
+    input_ids, positions, context = decode_inputs(fields, sampled, 40)
+    want_ids = [500 + s.pending_row if s.num_pending else s.last_token for s in seqs]
+    want_pos = [len(s) - 1 for s in seqs]
+    want_slots = [s.block_table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for s, p in zip(seqs, want_pos)]
+    assert input_ids.tolist() == want_ids + [0] * 3  # three padding rows
+    assert positions.tolist() == want_pos + [0] * 3
+    assert context.slot_mapping.tolist() == want_slots + [-1] * 3
+    assert context.context_lens.tolist() == [len(s) for s in seqs] + [0] * 3
+    for row, seq in zip(context.block_tables.tolist(), seqs):
+        assert row[: len(seq.block_table)] == seq.block_table and set(row[len(seq.block_table):]) <= {0}
+    assert not context.is_prefill

@@ -31,7 +31,7 @@ def assert_serves_correctly(llm, path, hf_ref, seed=7):
 
 
 def assert_nothing_queued(llm):
-    assert not llm.scheduler.waiting and not llm.scheduler.running
+    assert not llm.core.scheduler.waiting and not llm.core.scheduler.running
     assert llm.is_finished()
 
 
@@ -226,7 +226,7 @@ def test_add_request_survives_failed_generate(llm, ckpt_tied, hf_ref):
     second_id = llm.add_request(second, SamplingParams(temperature=0, max_tokens=9))
     with pytest.raises(ValueError, match=r"prompts\[1\]"):
         llm.generate([GOOD[0], []], GREEDY, use_tqdm=False)
-    assert [seq.seq_id for seq in llm.scheduler.waiting] == [first_id, second_id]
+    assert [seq.seq_id for seq in llm.core.scheduler.waiting] == [first_id, second_id]
     finished = run_to_completion(llm)
     assert set(finished) == {first_id, second_id}
     assert_greedy_match(finished[first_id], hf_ref.greedy(ckpt_tied.path, first, 6), "first request")

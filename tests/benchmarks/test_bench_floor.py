@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.py and bench_floor.py live at the repo root
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # bench.py at the repo root, bench_floor.py in benchmarks/
 
 from bench import workload  # noqa: E402
 from bench_floor import step_bytes, weight_bytes_by_kind, workload_floor  # noqa: E402

@@ -113,7 +113,7 @@ def test_chunked_prefill_matches_transformers(ckpt_tied, hf_ref):
     refs = [hf_ref.greedy(ckpt_tied.path, p, n) for p, n in zip(prompts, MAX_TOKENS)]
     llm = make_llm(ckpt_tied.path, max_num_batched_tokens=64)
     chunks = []
-    schedule = llm.scheduler.schedule
+    schedule = llm.core.scheduler.schedule
 
     def recording_schedule():
         seqs, is_prefill = schedule()
@@ -122,7 +122,7 @@ def test_chunked_prefill_matches_transformers(ckpt_tied, hf_ref):
             chunks.extend(s.seq_id for s in seqs if s.num_cached_tokens + s.num_scheduled_tokens < len(s))
         return seqs, is_prefill
 
-    llm.scheduler.schedule = recording_schedule
+    llm.core.scheduler.schedule = recording_schedule
     try:
         outputs = llm.generate(prompts, greedy_params(), use_tqdm=False)
     finally:
@@ -137,13 +137,13 @@ def test_preemption_matches_transformers(ckpt_untied, hf_ref):
     # the largest request (120 + 20 tokens) needs 9 blocks; the batch needs far more
     llm = make_llm(ckpt_untied.path, num_kvcache_blocks=12)
     preempted = []
-    preempt = llm.scheduler.preempt
+    preempt = llm.core.scheduler.preempt
 
     def counting_preempt(seq):
         preempted.append(seq.seq_id)
         preempt(seq)
 
-    llm.scheduler.preempt = counting_preempt
+    llm.core.scheduler.preempt = counting_preempt
     try:
         outputs = llm.generate(prompts, greedy_params(), use_tqdm=False)
     finally:

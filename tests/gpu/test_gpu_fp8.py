@@ -7,24 +7,25 @@ import pytest
 import torch
 
 from test_attention_backends import GPU_DECODE_LENS, GPU_PREFILL
-from test_fp8_kv_cache import STORE_CASES, check_decode, check_prefill, check_store
+from test_fp8_kv_cache import STORE_CASES, TRITON_STORE_CASES, check_decode, check_prefill, check_store
+from test_kv_store import rope_store_kvcache
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.gpu  # skipped without a CUDA GPU (tests/conftest.py)
 
 GPU_TOL = 1e-2  # bf16 queries and probabilities against float32
 VOCAB = 4096
 
 
 def triton_backend(num_splits=None):
-    from nanovllm.layers.attention_triton import TritonAttentionBackend
+    from nanovllm.layers.attention.triton_backend import TritonAttentionBackend
 
     return TritonAttentionBackend(num_splits=num_splits)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("case", list(STORE_CASES))
+@pytest.mark.parametrize("case", TRITON_STORE_CASES)
 def test_gpu_fp8_store(case, dtype):
-    result = check_store(triton_backend().store_kvcache, **dict(STORE_CASES[case], dtype=dtype), device="cuda")
+    result = check_store(rope_store_kvcache, **dict(STORE_CASES[case], dtype=dtype), device="cuda")
     assert result["problems"] is None, result
 
 
@@ -111,8 +112,8 @@ def test_llm_fp8_auto_backend_is_triton(model_dir):
     from nanovllm import LLM
 
     with LLM(model_dir, kv_cache_dtype="fp8", max_model_len=256, num_kvcache_blocks=4, enforce_eager=True) as llm:
-        assert llm.model_runner.backend.name == "triton"
-        assert llm.model_runner.kv_cache.dtype == torch.float8_e4m3fn
+        assert llm.core.executor.runner.backend.name == "triton"
+        assert llm.core.executor.runner.kv_cache.dtype == torch.float8_e4m3fn
 
 
 def test_llm_float32_triton(model_dir):

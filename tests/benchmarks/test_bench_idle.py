@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench_idle.py lives at the repo root
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # bench.py at the repo root, bench_idle.py in benchmarks/
 
 from bench_idle import host_late_idle  # noqa: E402
 

@@ -15,7 +15,7 @@ import torch
 from test_kv_store import POISON, guarded_cache, guards_intact, reference_store
 from triton_interpreter import results_under_interpreter
 
-from nanovllm.layers.attention_torch import quantize_fp8
+from nanovllm.layers.attention.reference import quantize_fp8
 from nanovllm.layers.layernorm import rms_norm
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, apply_rotary_emb
 
@@ -35,7 +35,7 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2**-7}
 
 def run_case(num_heads, num_kv_heads, head_dim, dtype=torch.float32, norm=True, fp8=False, store=True,
              write_k=True, num_tokens=11, num_blocks=3, block_size=8, seed=0) -> dict:
-    from nanovllm.layers.kv_store import rope_and_store
+    from nanovllm.layers.attention.kv_store import rope_and_store
 
     g = torch.Generator().manual_seed(seed)
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim

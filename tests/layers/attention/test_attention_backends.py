@@ -11,12 +11,12 @@ import json
 
 import pytest
 import torch
+from test_kv_store import rope_store_kvcache
 from triton_interpreter import results_under_interpreter, run_cases, squeeze_interpreter_loop_bounds
 
-from nanovllm.layers.attention_torch import TorchAttentionBackend
+from nanovllm.layers.attention.reference import TorchAttentionBackend
 from nanovllm.utils.context import Context
 
-HAS_CUDA = torch.cuda.is_available()
 HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
 
 # (cached tokens, new tokens) per sequence
@@ -110,7 +110,7 @@ def check_prefill(backend, seqs, *, device, dtype, head_dim, block_size, num_hea
     reference.store_kvcache(k, v, ref_k_cache, ref_v_cache, context.slot_mapping)
     ref = reference.prefill(q.float(), k.float(), v.float(), ref_k_cache.float(), ref_v_cache.float(), context, scale)
 
-    backend.store_kvcache(k, v, k_cache, v_cache, context.slot_mapping)
+    rope_store_kvcache(k, v, k_cache, v_cache, context.slot_mapping)  # the kernel backends' store
     poison_next_alloc(q.shape, dtype, device)
     out = backend.prefill(q, k, v, k_cache, v_cache, context, scale)
     cache_equal = all(
@@ -169,8 +169,9 @@ def check_decode(backend, context_lens, *, device, dtype, head_dim, block_size, 
     }
 
 
-def check_store(backend, *, device, dtype, head_dim, block_size, num_kv_heads=2) -> dict:
-    """Random distinct slots with some -1 among them: the cache must equal the torch store's, exactly."""
+def check_store(store, *, device, dtype, head_dim, block_size, num_kv_heads=2) -> dict:
+    """Random distinct slots with some -1 among them: the cache ``store`` writes must equal the torch
+    store's, exactly."""
     device = torch.device(device)
     num_blocks, num_tokens = 6, 40
     slots = torch.randperm(num_blocks * block_size)[:num_tokens].to(torch.int32)
@@ -180,7 +181,7 @@ def check_store(backend, *, device, dtype, head_dim, block_size, num_kv_heads=2)
     k_cache, v_cache = new_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
     ref_k_cache, ref_v_cache = k_cache.clone(), v_cache.clone()
     TorchAttentionBackend().store_kvcache(k, v, ref_k_cache, ref_v_cache, slots)
-    backend.store_kvcache(k, v, k_cache, v_cache, slots)
+    store(k, v, k_cache, v_cache, slots)
     equal = all(
         torch.equal(a.nan_to_num(123.0), b.nan_to_num(123.0)) for a, b in ((k_cache, ref_k_cache), (v_cache, ref_v_cache))
     )
@@ -191,7 +192,7 @@ def check_store(backend, *, device, dtype, head_dim, block_size, num_kv_heads=2)
 
 def small_tiles(num_splits: int):
     """The Triton backend with 16-key decode tiles, one pipeline stage."""
-    from nanovllm.layers.attention_triton import DecodeTile, TritonAttentionBackend
+    from nanovllm.layers.attention.triton_backend import DecodeTile, TritonAttentionBackend
 
     return TritonAttentionBackend(num_splits=num_splits, decode_tile=DecodeTile(16, 1))
 
@@ -199,7 +200,7 @@ def small_tiles(num_splits: int):
 CPU_DIMS = dict(device="cpu", dtype=torch.float32, head_dim=32, block_size=16)
 CPU_TOL = 1e-5  # float32 on both sides
 INTERPRETER_CASES = {
-    "store_kvcache": lambda b: check_store(b, **CPU_DIMS),
+    "store_kvcache": lambda b: check_store(rope_store_kvcache, **CPU_DIMS),
     "prefill": lambda b: check_prefill(b, PREFILL_SEQS, **CPU_DIMS),
     "prefill_prefix": lambda b: check_prefill(b, PREFIX_SEQS, **CPU_DIMS),
     "chunked_prefill": lambda b: check_prefill(b, CHUNKED_SEQS, **CPU_DIMS),
@@ -215,7 +216,7 @@ INTERPRETER_CASES = {
 def run_interpreter_cases() -> dict:
     """Runs in the subprocess, with TRITON_INTERPRET=1 already in the environment."""
     squeeze_interpreter_loop_bounds()
-    from nanovllm.layers.attention_triton import TritonAttentionBackend
+    from nanovllm.layers.attention.triton_backend import TritonAttentionBackend
 
     torch.manual_seed(0)
     return run_cases(INTERPRETER_CASES, lambda case: case(TritonAttentionBackend(num_splits=1)))
@@ -240,7 +241,7 @@ def test_triton_interpreter(interpreter_results, case):
 
 
 def test_triton_rejects_bad_split_count():
-    from nanovllm.layers.attention_triton import TritonAttentionBackend
+    from nanovllm.layers.attention.triton_backend import TritonAttentionBackend
 
     with pytest.raises(ValueError, match="num_splits"):
         TritonAttentionBackend(num_splits=3)
@@ -252,7 +253,7 @@ H100_SHARED_MEMORY = 232448  # bytes per block, also the H200's
 def test_triton_tiles_fit_shared_memory():
     """float32 and head_dim 256 get tiles whose estimate fits the H100/H200 limit; 2-byte types
     with head_dim <= 128 keep the tiles they always had."""
-    from nanovllm.layers.attention_triton import decode_tiles, prefill_tiles, shared_memory_estimate
+    from nanovllm.layers.attention.triton_backend import decode_tiles, prefill_tiles, shared_memory_estimate
 
     # bf16's long-prefill tiles at float32: what Triton refused on an H200 ("Required: 262144")
     assert shared_memory_estimate(128, 64, 128, 3, 4) == 262144 > H100_SHARED_MEMORY
@@ -292,7 +293,7 @@ GPU_PREFILL = {
 }
 GPU_DECODE_LENS = [1, 16, 255, 256, 257, 1000, 0, 2049, 33, 0]
 
-gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+gpu = pytest.mark.gpu  # skipped without a CUDA GPU (tests/conftest.py)
 
 
 def gpu_dims(block_size: int) -> dict:
@@ -332,7 +333,7 @@ def test_gpu_decode(name, block_size, heads):
 @pytest.mark.parametrize("num_splits", [1, 2, 8, None])
 @pytest.mark.parametrize("block_size", [16, 256])
 def test_gpu_triton_decode_splits(num_splits, block_size):
-    from nanovllm.layers.attention_triton import TritonAttentionBackend
+    from nanovllm.layers.attention.triton_backend import TritonAttentionBackend
 
     result = check_decode(
         TritonAttentionBackend(num_splits=num_splits), [3000, 0, 1, 700], num_heads=16, num_kv_heads=8,
@@ -347,7 +348,7 @@ def test_gpu_triton_decode_splits(num_splits, block_size):
 @pytest.mark.parametrize("case", list(GPU_PREFILL))
 def test_gpu_triton_float32(case, head_dim):
     """float32 prefill and decode: tiles chosen for 4-byte elements fit shared memory."""
-    from nanovllm.layers.attention_triton import TritonAttentionBackend
+    from nanovllm.layers.attention.triton_backend import TritonAttentionBackend
 
     dims = dict(device="cuda", dtype=torch.float32, head_dim=head_dim, block_size=16, num_heads=16, num_kv_heads=8)
     result = check_prefill(TritonAttentionBackend(), GPU_PREFILL[case], **dims)
@@ -359,10 +360,8 @@ def test_gpu_triton_float32(case, head_dim):
 @gpu
 @pytest.mark.parametrize("block_size", [16, 256])
 def test_gpu_store_kvcache(block_size):
-    from nanovllm.layers.attention_triton import TritonAttentionBackend
-
     for dtype in (torch.bfloat16, torch.float32):
-        result = check_store(TritonAttentionBackend(), device="cuda", dtype=dtype, head_dim=128, block_size=block_size)
+        result = check_store(rope_store_kvcache, device="cuda", dtype=dtype, head_dim=128, block_size=block_size)
         assert result["cache_equal"], (dtype, result)
 
 

@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench_profile.py lives at the repo root
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # bench.py at the repo root, bench_profile.py in benchmarks/
 
 from bench_profile import (  # noqa: E402
     CATEGORIES, IDLE, OTHER, busy_time, category, device_events, format_notes, format_table, idle_gaps, merged,
@@ -47,8 +48,6 @@ FLASH_PREFILL = ("void flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128,
     ("void at::native::mbtopk::radixFindKthValues<c10::BFloat16, unsigned int, unsigned int, 2>(...)", "sampler"),
     ("void at_cuda_detail::cub::DeviceRadixSortOnesweepKernel<...>(...)", "sampler"),
     ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, at::native::(anonymous namespace)::LogSoftMaxForwardEpilogue>(...)", "sampler"),
-    ("_store_kvcache_kernel", "KV store"),
-    ("_store_kvcache_fp8_kernel", "KV store"),
     ("Memcpy HtoD (Pinned -> Device)", "copies"),
     ("Memset (Device)", "copies"),
     ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, std::array<char*, 1ul> >(...)", OTHER),
@@ -95,10 +94,10 @@ def test_summarize_overlaps_gaps_and_unknown_names():
     assert p.times == {
         "decode attention": 0.75, "prefill attention": 0.5, "MoE experts": 0.0, "GEMMs": 0.75,
         "norms / rotary / activation": 0.0,
-        "sampler": 0.25, "KV store": 0.0, "copies": 0.0, OTHER: 0.75,
+        "sampler": 0.25, "copies": 0.0, OTHER: 0.75,
     }
     assert list(p.times) == [label for label, _ in CATEGORIES] + [OTHER]
-    assert p.counts["decode attention"] == 2 and p.counts[OTHER] == 3 and p.counts["KV store"] == 0
+    assert p.counts["decode attention"] == 2 and p.counts[OTHER] == 3 and p.counts["copies"] == 0
     assert p.busy == 1.0 + 0.75 + 1.0  # [10, 11), [12, 12.75) and [13, 14); the sync left out
     assert p.idle == 5.0 - 2.75
     assert (p.first, p.last, p.span) == (10.0, 14.0, 4.0)
@@ -198,7 +197,7 @@ def test_device_events_keeps_one_gpus_records():
     assert device_events(raw[:1], 0) == []
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu  # skipped without a CUDA GPU (tests/conftest.py)
 def test_gpu_profiler_records_this_gpus_kernels(tmp_path):
     """The real profiler: ten bf16 matmuls are GEMMs, and a 0.2 s sleep between them is idle."""
     from bench_profile import GpuProfiler

@@ -1,0 +1,75 @@
+"""The one place that picks an attention backend: ``resolve_backend_name`` decides which one runs,
+``get_attention_backend`` creates it, importing its module (and its heavy dependency) only then."""
+import torch
+
+from nanovllm.layers.attention.interface import AttentionBackend, is_fp8_kv_cache
+
+BACKENDS = ("flash-attn", "triton", "torch")
+
+
+def resolve_backend_name(
+    name: str, device: str, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
+) -> str:
+    """Which backend runs: the one place that decides, called by ``Config`` (to reject a bad
+    combination before anything starts) and by the model runner.
+
+    "auto" is torch on CPU; on GPU it is flash-attn when importable and able to run (a 2-byte
+    ``dtype``, a cache in the model's dtype, ``block_size`` a multiple of 256), else the Triton
+    kernels. flash-attn takes neither float32 nor an FP8 cache; the Triton kernels read e4m3 only
+    on GPUs of compute capability 8.9 or newer."""
+    fp8 = is_fp8_kv_cache(kv_cache_dtype)
+    if name == "flash-attn" and fp8:
+        raise ValueError(
+            f"attention_backend 'flash-attn' cannot read an FP8 KV cache (kv_cache_dtype {kv_cache_dtype!r}); "
+            "use attention_backend 'triton' or 'auto', or kv_cache_dtype 'auto'"
+        )
+    if name not in ("auto", "torch") and device == "cpu":
+        raise ValueError(f"attention_backend {name!r} needs a CUDA GPU; on the CPU use 'torch' or 'auto'")
+    if name == "auto":
+        if device == "cpu":
+            return "torch"
+        name = "triton" if fp8 or dtype == torch.float32 else _flash_attn_or_triton(block_size)
+    if name == "flash-attn":
+        if dtype == torch.float32:
+            raise ValueError(
+                "attention_backend 'flash-attn' does not take dtype float32; use dtype 'bfloat16' or 'float16', "
+                "or attention_backend 'triton' or 'auto'"
+            )
+        if block_size % 256:
+            raise ValueError(
+                f"attention_backend 'flash-attn' needs kvcache_block_size to be a multiple of 256, got {block_size}"
+            )
+    if name == "triton" and fp8 and device == "cuda":
+        capability = torch.cuda.get_device_capability()
+        if capability < (8, 9):
+            raise ValueError(
+                f"kv_cache_dtype {kv_cache_dtype!r} with attention_backend 'triton' needs a GPU of compute "
+                f"capability 8.9 or newer (e4m3 support), this one is {capability[0]}.{capability[1]}; "
+                "use kv_cache_dtype 'auto'"
+            )
+    return name
+
+
+def _flash_attn_or_triton(block_size: int) -> str:
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return "triton"
+    return "flash-attn" if block_size % 256 == 0 else "triton"
+
+
+def get_attention_backend(name: str) -> AttentionBackend:
+    """Create a backend by name, importing its heavy dependency only now."""
+    if name == "torch":
+        from nanovllm.layers.attention.reference import TorchAttentionBackend
+
+        return TorchAttentionBackend()
+    if name == "triton":
+        from nanovllm.layers.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    if name == "flash-attn":
+        from nanovllm.layers.attention.flash import FlashAttentionBackend
+
+        return FlashAttentionBackend()
+    raise ValueError(f"attention_backend must be one of {', '.join(map(repr, BACKENDS))}, got {name!r}")
