@@ -10,7 +10,7 @@ from random import Random
 
 from nanovllm.engine.executor import Executor
 from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.sequence import Sequence, request_sequences
 from nanovllm.engine.step import build_step
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.profiling import phase
@@ -63,21 +63,11 @@ class EngineCore:
 
     def add_request(self, request_id: int, prompt_token_ids: list[int], sampling_params: SamplingParams,
                     report_every_step: bool = False) -> None:
-        """Queue a request's ``n`` completions as sequences ``request_id + i``. Completion 0 is
-        computed first; the others are admitted once its prompt is in the cache, so they share the
-        prompt's full blocks. ``report_every_step``: its sequences report new tokens every step
+        """Queue a request's ``n`` completions as sequences ``request_id + i`` (see
+        ``request_sequences``). ``report_every_step``: its sequences report new tokens every step
         (streams, stop strings, logprobs), not only when they finish."""
-        sp = sampling_params
-        block_size = self.config.kvcache_block_size
-        suppressed = [] if sp.ignore_eos else [e for e in self.eos_token_ids if e not in sp.stop_token_ids]
-        seqs = []
-        for i in range(sp.n):
-            seq = Sequence(prompt_token_ids, sp.for_completion(i) if sp.n > 1 else sp, block_size,
-                           seq_id=request_id + i, request_id=request_id)
-            seq.min_tokens_ids += suppressed
-            if i and len(prompt_token_ids) > block_size:
-                seq.wait_for = seqs[0]
-            seqs.append(seq)
+        seqs = request_sequences(request_id, prompt_token_ids, sampling_params, self.config.kvcache_block_size,
+                                 self.eos_token_ids)
         self.requests[request_id] = seqs
         for seq in seqs:
             if report_every_step:

@@ -137,15 +137,14 @@ class LLMEngine:
                 finished, stopped = self.outputs.process(outputs)
                 for request_id, seq_id in stopped:
                     self.core.finish_sequence(seq_id, request_id)
-                done = []
                 for request_id, seq_id in finished:
                     if request_id not in self._owned:
                         completion = self.outputs.requests[request_id].completions[seq_id - request_id]
                         self._unclaimed.append((seq_id, completion.token_ids))
-                    if self.outputs.is_finished(request_id):
-                        done.append(request_id)
-                        if request_id not in self._owned:
-                            self.outputs.pop(request_id)
+                done = list(dict.fromkeys(r for r, _ in finished if self.outputs.is_finished(r)))
+                for request_id in done:
+                    if request_id not in self._owned:
+                        self.outputs.pop(request_id)
         return done, num_tokens
 
     def is_finished(self) -> bool:

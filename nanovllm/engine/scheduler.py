@@ -53,7 +53,7 @@ class Scheduler:
         while self.waiting and budget > 0 and num_seqs < self.max_num_seqs:
             seq = self.waiting[0]
             lead = seq.wait_for
-            if lead is not None and lead.status == SequenceStatus.RUNNING and lead.num_cached_tokens < lead.num_prompt_tokens:
+            if lead is not None and lead in scheduled and lead.num_cached_tokens < lead.num_prompt_tokens:
                 break  # its prompt's blocks are computed this step by its first completion: hit them next step
             if seq.block_table:  # a chunked prefill in progress
                 num_uncached = len(seq) - seq.num_cached_tokens
@@ -75,12 +75,8 @@ class Scheduler:
         if scheduled:
             return scheduled, True
 
-        kept = []  # the running sequences looked at, in order: scheduled, or waiting for their last token
         while self.running and len(scheduled) < self.max_num_seqs:
             seq = self.running.popleft()
-            if self.at_length_limit(seq):
-                kept.append(seq)  # its last token is in flight: it finishes when that arrives
-                continue
             while not bm.can_append(seq):
                 if self.running:
                     self.preempt(self.running.pop())
@@ -91,8 +87,7 @@ class Scheduler:
                 bm.may_append(seq)
                 seq.num_scheduled_tokens = 1
                 scheduled.append(seq)
-                kept.append(seq)
-        self.running.extendleft(reversed(kept))
+        self.running.extendleft(reversed(scheduled))
         # longest context first: the decode kernels then start their longest programs first, which
         # evens out the SMs' work (the order of a step's sequences means nothing else)
         return sorted(scheduled, key=len, reverse=True), False
@@ -127,7 +122,9 @@ class Scheduler:
         dropped. The reasons are ``check_stop``'s, "abort", or the front end's "stop" (a stop string)."""
         if seq.is_finished:
             return
-        (self.running if seq.status == SequenceStatus.RUNNING else self.waiting).remove(seq)
+        queue = self.running if seq.status == SequenceStatus.RUNNING else self.waiting
+        if seq in queue:  # not when its last token is in flight (see ``advance``)
+            queue.remove(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.stop_reason = finish_reason, stop_reason
         seq.num_scheduled_tokens = 0
@@ -153,8 +150,9 @@ class Scheduler:
         """Once a step is launched: its sequences move past the tokens it computes, and each one
         that samples gets a placeholder for the token, whose value comes with ``resolve``. Returns
         each sequence's placeholder position (-1: part-way through a chunked prefill, it samples
-        nothing). A sequence that reaches its length limit is not scheduled again (see
-        ``schedule``); it finishes when the token arrives."""
+        nothing). A sequence whose placeholder is its last token (its length limit) leaves
+        ``running`` and gives its blocks back now: no step computes more of it. It finishes when
+        the token's value arrives (``check_stop``)."""
         positions = []
         for row, seq in enumerate(seqs):
             seq.num_cached_tokens += seq.num_scheduled_tokens
@@ -165,6 +163,9 @@ class Scheduler:
                 continue
             seq.append_placeholder(row)
             positions.append(len(seq) - 1)
+            if self.at_length_limit(seq):
+                self.running.remove(seq)
+                self.block_manager.deallocate(seq)
         return positions
 
     def resolve(self, seqs: list[Sequence], positions: list[int], token_ids: list[int]) -> list[Sequence]:

@@ -132,3 +132,21 @@ class Sequence:
         """The tokens this step computes (after the cached prefix)."""
         start = self.num_cached_tokens
         return self.token_ids[start : start + self.num_scheduled_tokens]
+
+
+def request_sequences(request_id: int, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                      block_size: int, eos_token_ids: list[int]) -> list["Sequence"]:
+    """A request's ``n`` completions as sequences ``request_id + i``. EOS (unless ``ignore_eos``)
+    joins the ids suppressed before ``min_tokens``. Completion 0 is computed first; the others are
+    admitted once its prompt is in the cache, so they share the prompt's full blocks."""
+    sp = sampling_params
+    suppressed = [] if sp.ignore_eos else [e for e in eos_token_ids if e not in sp.stop_token_ids]
+    seqs = []
+    for i in range(sp.n):
+        seq = Sequence(prompt_token_ids, sp.for_completion(i) if sp.n > 1 else sp, block_size,
+                       seq_id=request_id + i, request_id=request_id)
+        seq.min_tokens_ids += suppressed
+        if i and len(prompt_token_ids) > block_size:
+            seq.wait_for = seqs[0]
+        seqs.append(seq)
+    return seqs

@@ -50,11 +50,11 @@ def failing_run(llm, monkeypatch, fail_at: int, exc=KeyboardInterrupt):
     real_run = llm.core.executor.runner.run
     calls = []
 
-    def run(seqs, is_prefill, *args):
-        calls.append(is_prefill)
+    def run(step):
+        calls.append(step.is_prefill)
         if len(calls) == fail_at:
             raise exc("interrupted inside a step")
-        return real_run(seqs, is_prefill, *args)
+        return real_run(step)
 
     monkeypatch.setattr(llm.core.executor.runner, "run", run)
     return calls
@@ -112,9 +112,9 @@ def test_ctrl_c_during_generate(llm, ckpt_tied, hf_ref, monkeypatch, queued_max_
     queued_id = llm.add_request(queued, greedy(queued_max_tokens))
     real_run = llm.core.executor.runner.run
 
-    def run(seqs, is_prefill, *args):
+    def run(step):
         os.kill(os.getpid(), signal.SIGINT)  # delivered while the step computes
-        return real_run(seqs, is_prefill, *args)
+        return real_run(step)
 
     monkeypatch.setattr(llm.core.executor.runner, "run", run)
     with pytest.raises(KeyboardInterrupt):

@@ -52,17 +52,18 @@ def test_generate_makes_each_output_when_its_request_finishes(llm):
     others still run, not after the last step; the returned list is still in prompt order."""
     prompts = random_prompts(131, [5, 7, 9])
     made = []
-    make = llm._request_output
+    make = llm.outputs.request_output
 
-    def record(request):
-        made.append((request.prompt_token_ids, len(llm.core.scheduler.running)))
-        return make(request)
+    def record(request_id):
+        out = make(request_id)
+        made.append((out["prompt_token_ids"], len(llm.core.scheduler.running)))
+        return out
 
-    llm._request_output = record
+    llm.outputs.request_output = record
     try:
         outputs = llm.generate(prompts, [greedy(20), greedy(2), greedy(20)], use_tqdm=False)
     finally:
-        del llm._request_output
+        del llm.outputs.request_output
     assert made[0] == (prompts[1], 2)  # the short request, while both long ones still decode
     assert sorted(p for p, _ in made) == sorted(prompts) and len(made) == 3
     assert [len(o["token_ids"]) for o in outputs] == [20, 2, 20]

@@ -88,11 +88,19 @@ def byte_token_ids(tokenizer, text: str) -> list[int]:
 def script_tokens(llm, monkeypatch, scripts: dict[tuple[int, ...], list[int]]) -> None:
     """Fake sampling, as vLLM's core tests do: a sequence whose prompt is a key of ``scripts`` gets
     the script's next token instead of the sampled one when the host learns the step's tokens
-    (the model still runs, on the sampled ones)."""
-    real_run = llm.core.executor.runner.run
+    (the model still runs, on the sampled ones). The core launches a step (``executor.run``), then
+    advances its sequences (``scheduler.advance``): the second sees which sequences the first ran."""
+    core = llm.core
+    real_run, real_advance = core.executor.run, core.scheduler.advance
+    launched = []
 
-    def run(seqs, is_prefill, prev_rows=None):
-        output = real_run(seqs, is_prefill, prev_rows)
+    def run(step):
+        output = real_run(step)
+        launched.append(output)
+        return output
+
+    def advance(seqs):
+        output = launched.pop()
         scripted = [(i, script[seq.num_completion_tokens]) for i, seq in enumerate(seqs)
                     if (script := scripts.get(tuple(seq.prompt_token_ids))) is not None]
         real_result = output.result
@@ -104,9 +112,10 @@ def script_tokens(llm, monkeypatch, scripts: dict[tuple[int, ...], list[int]]) -
             return token_ids, logprobs
 
         output.result = result
-        return output
+        return real_advance(seqs)
 
-    monkeypatch.setattr(llm.core.executor.runner, "run", run)
+    monkeypatch.setattr(core.executor, "run", run)
+    monkeypatch.setattr(core.scheduler, "advance", advance)
 
 
 MULTIBYTE_TEXT = "Café → 東京 🎉 done!"

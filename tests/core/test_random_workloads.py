@@ -77,12 +77,7 @@ def check_step(sched, seqs, is_prefill):
             assert sched.waiting[0] is chunked[0] and chunked[0].status == WAITING
     else:
         # the head of running (FIFO), listed longest context first
-        # the oldest running sequences decode, passing over those whose last token is in flight
-        scheduled = {id(s) for s in seqs}
-        running = list(sched.running)
-        last = max(i for i, s in enumerate(running) if id(s) in scheduled)
-        assert scheduled <= {id(s) for s in running}
-        assert all(sched.at_length_limit(s) and s.num_pending for s in running[:last] if id(s) not in scheduled)
+        assert {id(s) for s in seqs} == {id(s) for s in list(sched.running)[: len(seqs)]}
         assert [len(s) for s in seqs] == sorted((len(s) for s in seqs), reverse=True)
         assert all(s.num_scheduled_tokens == 1 and s.num_cached_tokens == len(s) - 1 for s in seqs)
     check_block_invariants(sched.block_manager, list(sched.waiting) + list(sched.running))

@@ -85,7 +85,7 @@ def test_worker_killed_while_waiting_for_a_step(ckpt_tied):
     time.sleep(0.5)  # the idle worker waits on its event
     os.kill(worker.pid, signal.SIGKILL)
     worker.join()
-    signal_it = threading.Thread(target=llm.core.executor.runner.write_shm, args=("exit",), daemon=True)
+    signal_it = threading.Thread(target=llm.core.executor.channel.write, args=("exit",), daemon=True)
     signal_it.start()
     signal_it.join(10)
     assert not signal_it.is_alive(), "signalling the dead worker blocked"
@@ -174,9 +174,9 @@ def test_two_processes_at_once_and_interpreter_exit(ckpt_tied, tmp_path):
 
 def test_control_message_too_large_is_a_clear_error(ckpt_tied):
     with make_llm(ckpt_tied.path, 2) as llm:
-        runner = llm.core.executor.runner
+        channel = llm.core.executor.channel
         with pytest.raises(ValueError, match="more than the .*-byte channel"):
-            runner.write_shm("run", list(range(runner.shm.size)))
+            channel.write("run", list(range(channel.shm.size)))
         # nothing was sent: the engine keeps serving
         out = llm.generate([[4, 5, 6]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
         assert len(out[0]["token_ids"]) == 3

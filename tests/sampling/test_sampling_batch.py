@@ -1,14 +1,14 @@
 """``make_sampling_batch`` on real sequences (the engine's rows, EOS added to the min_tokens
-ids), and ``plain_sampling``: what a CUDA graph draws by itself.
+ids), and the rows' ``plain`` flag: steps the fused draw serves by itself.
 """
-import numpy as np
+from random import Random
+
 import pytest
 import torch
 
 from sampling_helpers import make_batch, seq_with
-from nanovllm.engine.requests import Request
-from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.step import draw_seed, plain_sampling
+from nanovllm.engine.sequence import Sequence, request_sequences
+from nanovllm.engine.step import draw_seed, sampling_rows
 from nanovllm.sampling.batch import NUM_CANDIDATES
 from nanovllm.sampling_params import SamplingParams
 
@@ -21,7 +21,7 @@ EOS = 0
 def request_seqs(prompt: list[int], params: SamplingParams, completion: list[int]) -> list[Sequence]:
     """The sequences of one request, EOS added to the min_tokens ids as the engine does, with
     ``completion`` generated already."""
-    seqs = Request(prompt, params, block_size=16, eos_token_ids=[EOS]).seqs
+    seqs = request_sequences(0, prompt, params, block_size=16, eos_token_ids=[EOS])
     for seq in seqs:
         for t in completion:
             seq.append_token(t)
@@ -110,25 +110,32 @@ def test_make_sampling_batch_candidates(top_ks, vocab, num_candidates, all_top_k
     assert f.num_candidates >= max(f.top_k.tolist())
 
 
-# ---- plain_sampling: what a CUDA graph draws by itself ---------------------------------------------
+# ---- plain rows: what the fused draw serves by itself -----------------------------------------------
+
+
+def plain_sampling(seqs: list[Sequence]):
+    """(temperatures, seeds) of a plain step, or None when a row needs more of the sampler."""
+    rows = sampling_rows(seqs, Random(0))
+    return (rows.temperatures, rows.seeds) if rows.plain else None
 
 
 def test_plain_sampling_temperatures_and_seeds():
-    """Greedy rows get temperature 0; a seeded row the same draw seed as make_sampling_batch gives
-    it; unseeded rows a seed from the generator in [0, 2**32)."""
+    """Greedy rows get temperature 0; a seeded row the draw seed of its token's index; unseeded
+    rows a seed from the generator in [0, 2**32)."""
     seqs = [
         *request_seqs([1, 2], SamplingParams(temperature=0.0), [3]),
         *request_seqs([4], SamplingParams(temperature=0.8, seed=9), [5, 6]),
         *request_seqs([7], SamplingParams(temperature=1.5), []),
         *request_seqs([2], SamplingParams(temperature=0.6, seed=4, n=2), [8]),
     ]
-    temperatures, seeds = plain_sampling(seqs, np.random.default_rng(0))
+    temperatures, seeds = plain_sampling(seqs)
     assert temperatures == pytest.approx([0.0, 0.8, 1.5, 0.6, 0.6])
     assert seeds[1] == draw_seed(9, 2) and seeds[3] == draw_seed(4, 1) and seeds[4] == draw_seed(5, 1)
     assert all(isinstance(s, int) and 0 <= s < 1 << 32 for s in seeds)
     batch = make_batch(seqs, 1000)
     assert batch.seeds[[1, 3, 4]].tolist() == [seeds[1], seeds[3], seeds[4]]
     assert batch.temperatures.tolist() == pytest.approx(temperatures)
+    assert batch.filters is None and batch.penalties is None and batch.suppress is None
 
 
 @pytest.mark.parametrize("params, completion", [
@@ -143,11 +150,11 @@ def test_plain_sampling_temperatures_and_seeds():
 def test_plain_sampling_refuses_any_other_setting(params, completion):
     """One row that needs more than a temperature and a seed sends the whole batch to the sampler."""
     seqs = request_seqs([1], SamplingParams(temperature=0.5), []) + request_seqs([2, 3], params, completion)
-    assert plain_sampling(seqs, np.random.default_rng(0)) is None
-    assert plain_sampling(seqs[:1], np.random.default_rng(0)) is not None
+    assert plain_sampling(seqs) is None
+    assert plain_sampling(seqs[:1]) is not None
 
 
 def test_plain_sampling_after_min_tokens():
     """min_tokens only matters until it is reached."""
     seqs = request_seqs([1], SamplingParams(temperature=0.7, min_tokens=2), [5, 6])
-    assert plain_sampling(seqs, np.random.default_rng(0)) is not None
+    assert plain_sampling(seqs) is not None

@@ -460,13 +460,12 @@ def test_llm_fp8_cache_matches_round_trip_reference(ckpt_tied):
 def test_block_bytes_count_the_scales():
     """A bf16 Qwen3-0.6B-shaped cache (28 layers, 8 KV heads, head_dim 128): e4m3 plus a float32
     scale per row takes 132 bytes a row instead of 256, so the same memory holds 1.94x the blocks."""
-    from nanovllm.engine.model_runner import ModelRunner
+    from nanovllm.engine import kv_cache
 
     def block_bytes(kv_cache_dtype):
-        hf_config = SimpleNamespace(num_hidden_layers=28)
-        runner = SimpleNamespace(config=SimpleNamespace(hf_config=hf_config, kv_cache_dtype=kv_cache_dtype),
-                                 block_size=256, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
-        return ModelRunner.kv_cache_block_bytes(runner)
+        config = SimpleNamespace(hf_config=SimpleNamespace(num_hidden_layers=28), kv_cache_dtype=kv_cache_dtype,
+                                 kvcache_block_size=256)
+        return kv_cache.block_bytes(config, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
 
     auto, fp8 = block_bytes("auto"), block_bytes("fp8")
     assert auto == 2 * 28 * 256 * 8 * 128 * 2
@@ -482,9 +481,12 @@ def test_allocated_cache_matches_block_bytes(ckpt_tied, kv_cache_dtype):
 
     with LLM(ckpt_tied.path, kvcache_block_size=BLOCK_SIZE, num_kvcache_blocks=5, max_model_len=64,
              kv_cache_dtype=kv_cache_dtype) as llm:
+        from nanovllm.engine import kv_cache
+
         runner = llm.core.executor.runner
         scale_bytes = sum(m.k_scale.nbytes + m.v_scale.nbytes for m in attention_modules(llm) if m.k_scale is not None)
-        assert runner.kv_cache.nbytes + scale_bytes == 5 * runner.kv_cache_block_bytes()
+        one_block = kv_cache.block_bytes(llm.config, runner.num_kv_heads, runner.head_dim, runner.dtype)
+        assert runner.kv_cache.nbytes + scale_bytes == 5 * one_block
         assert (scale_bytes > 0) == (kv_cache_dtype == "fp8")
 
 
