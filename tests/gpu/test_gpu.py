@@ -19,6 +19,8 @@ from nanovllm.utils.checkpoint import make_random_checkpoint
 pytestmark = pytest.mark.gpu  # skipped without a CUDA GPU (tests/conftest.py)
 
 HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
+# the tests run at most 10 prompts: 16 sequences a step need 5 decode graphs, not the 35 of 512
+SMALL_BATCH = {"max_num_seqs": 16}
 # Near-ties in bf16. Two runs that pick different tokens a and b at the same position have logit
 # gaps g + e1 >= 0 >= g + e2 around the fp32 model's gap g, so |g| is within one run's error. That
 # error is rounding: bf16 keeps 8 significant bits (unit roundoff u = 2^-8), and activations and the
@@ -58,7 +60,7 @@ def run(model_dir, prompts, max_tokens=24, **kwargs) -> tuple[list[list[int]], l
     """Greedy tokens of two passes over the same prompts; the second is served partly from the
     prefix cache."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    with LLM(model_dir, max_model_len=2048, **kwargs) as llm:
+    with LLM(model_dir, max_model_len=2048, **(SMALL_BATCH | kwargs)) as llm:
         first = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
         again = llm.generate(prompts, params, use_tqdm=False)
         bs = llm.config.kvcache_block_size
@@ -110,7 +112,7 @@ def test_chunked_prefill_and_preemption(model_dir, reference, hf_model, backend)
     """A 300-token budget chunks the long prompts; 8 blocks force preemption in decode."""
     prompts = make_prompts()
     with LLM(model_dir, max_model_len=1024, attention_backend=backend, kvcache_block_size=256,
-             max_num_batched_tokens=300, num_kvcache_blocks=8) as llm:
+             max_num_batched_tokens=300, num_kvcache_blocks=8, **SMALL_BATCH) as llm:
         preempted = []
         original = llm.core.scheduler.preempt
         llm.core.scheduler.preempt = lambda seq: (preempted.append(seq.seq_id), original(seq))
@@ -249,7 +251,7 @@ def assert_sampled_agree(hf_model, prompts, params, expected, got):
 
 def run_sampled(model_dir, prompts, **kwargs) -> list[dict]:
     params = [SAMPLING_PARAMS[i % len(SAMPLING_PARAMS)] for i in range(len(prompts))]
-    with LLM(model_dir, max_model_len=2048, **kwargs) as llm:
+    with LLM(model_dir, max_model_len=2048, **SMALL_BATCH, **kwargs) as llm:
         return llm.generate(prompts, params, use_tqdm=False)
 
 
@@ -316,7 +318,8 @@ def test_async_scheduling_matches_serial(model_dir, backend):
     results = {}
     for async_scheduling in (False, True):
         with LLM(model_dir, max_model_len=2048, attention_backend=backend, kvcache_block_size=256,
-                 num_kvcache_blocks=8, max_num_batched_tokens=512, async_scheduling=async_scheduling) as llm:
+                 num_kvcache_blocks=8, max_num_batched_tokens=512, async_scheduling=async_scheduling,
+                 **SMALL_BATCH) as llm:
             first = llm.generate(prompts, params, use_tqdm=False)
             again = llm.generate(prompts, params, use_tqdm=False)
             stats = llm.get_stats()

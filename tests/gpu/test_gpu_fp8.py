@@ -81,7 +81,8 @@ def generate(model_dir, **kwargs) -> list[dict]:
     from nanovllm import LLM, SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=16, logprobs=2)
-    with LLM(model_dir, max_model_len=1024, kvcache_block_size=256, **kwargs) as llm:
+    # 8 prompts: 16 sequences a step need 5 decode graphs, not the 35 of 512
+    with LLM(model_dir, max_model_len=1024, kvcache_block_size=256, max_num_seqs=16, **kwargs) as llm:
         first = llm.generate(make_prompts(), params, use_tqdm=False)
         again = llm.generate(make_prompts(), params, use_tqdm=False)
     assert any(o["num_cached_tokens"] for o in again)
