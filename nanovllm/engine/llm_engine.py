@@ -1,15 +1,12 @@
 """The front end: prompts in (``InputProcessor``), outputs out (``OutputProcessor``), and between
 them the engine core, which runs on token ids only (``EngineCore``)."""
 import atexit
-import json
-import os
 from collections.abc import Iterator
 from contextlib import closing
 from itertools import count
 from time import perf_counter
 
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer
 
 from nanovllm.config import Config
 from nanovllm.engine.core import EngineCore
@@ -17,11 +14,9 @@ from nanovllm.engine.input_processor import InputProcessor
 from nanovllm.engine.output_processor import OutputProcessor
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.interrupts import deferred_interrupt
+from nanovllm.utils.model_folder import load_tokenizer, read_generation_config, sampling_defaults
 from nanovllm.utils.profiling import phase
 
-# generation_config.json keys that set a default SamplingParams field, as vLLM reads them
-GENERATION_CONFIG_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                            "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 PROGRESS_INTERVAL = 0.5  # seconds between progress-bar throughput updates
 
 
@@ -36,8 +31,8 @@ class LLMEngine:
             if key not in accepted:
                 raise TypeError(f"LLM() got an unexpected keyword argument {key!r}; accepted: {', '.join(accepted)}")
         self.config = config = Config(model, **kwargs)
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model)  # before any process starts
-        self.generation_config = self._read_generation_config(config.model)
+        self.tokenizer = load_tokenizer(config.model)  # before any process starts
+        self.generation_config = read_generation_config(config.model)
         eos = {self.tokenizer.eos_token_id, *_as_list(getattr(config.hf_config, "eos_token_id", None)),
                *_as_list(self.generation_config.get("eos_token_id"))}
         self.eos_token_ids = sorted(e for e in eos if e is not None)
@@ -54,14 +49,6 @@ class LLMEngine:
         self._owned: set[int] = set()  # requests whose results a generate/chat/stream call in flight takes
         self._unclaimed: list[tuple[int, list[int]]] = []  # finished add_request completions, for step()'s caller
         self.last_throughput = {"prefill": 0.0, "decode": 0.0}  # tokens/s of the last generate/chat/stream
-
-    @staticmethod
-    def _read_generation_config(model: str) -> dict:
-        path = os.path.join(model, "generation_config.json")
-        if not os.path.isfile(path):
-            return {}
-        with open(path) as f:
-            return json.load(f)
 
     def exit(self) -> None:
         """Release worker processes, shared memory and the process group (idempotent)."""
@@ -89,9 +76,7 @@ class LLMEngine:
         """What the model folder's ``generation_config.json`` recommends (temperature, top_p, top_k,
         min_p, repetition_penalty, and max_new_tokens as max_tokens), over ``SamplingParams()``'s
         defaults; used when a call passes no sampling params."""
-        config = self.generation_config
-        return SamplingParams(**{field: config[key] for key, field in GENERATION_CONFIG_FIELDS.items()
-                                 if config.get(key) is not None})
+        return SamplingParams(**sampling_defaults(self.generation_config))
 
     def _queue(self, token_ids: list[int], sampling_params: SamplingParams, stream: bool = False) -> int:
         """Start a checked request's output state and queue it in the core. Its completion ``i``

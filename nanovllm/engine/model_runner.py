@@ -65,7 +65,7 @@ class ModelRunner:
         if config.load_format == "dummy":
             init_dummy_weights(self.model)
         else:
-            load_model(self.model, config.model)
+            load_model(self.model, config.model, hf_config)
         for module in self.model.modules():
             if isinstance(module, Attention):
                 module.backend = backend

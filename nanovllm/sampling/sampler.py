@@ -2,8 +2,8 @@
 
 Order, as in vLLM: min_tokens suppression, penalties, then greedy argmax or temperature, min-p,
 top-k, top-p and the draw. Rows that use none of these pay nothing for them: the plain
-temperature draw is one fused pass on the GPU (``triton_draw``); log-probabilities come from
-the raw logits, before any of it.
+temperature draw is one fused pass on the GPU (``triton_draw``) and an inverse-CDF draw on the
+CPU (``torch_ops.cdf_draw``); log-probabilities come from the raw logits, before any of it.
 """
 from dataclasses import dataclass
 
@@ -54,12 +54,14 @@ class SamplerOutput:
     logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
-def _gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
+def _plain_draw(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
+    """The temperature draw of every row (T = 0: argmax): the fused Gumbel-max kernel on the GPU,
+    the inverse-CDF draw on the CPU (the per-token noise would cost twenty passes there)."""
     if logits.is_cuda:
         from nanovllm.sampling.triton_draw import gumbel_argmax
 
         return gumbel_argmax(logits, temperatures, seeds)
-    return torch_ops.gumbel_argmax(logits, temperatures, seeds)
+    return torch_ops.cdf_draw(logits, temperatures, seeds)
 
 
 class Sampler(nn.Module):
@@ -78,13 +80,13 @@ class Sampler(nn.Module):
         else:
             f = batch.filters
             if f is None:
-                token_ids = _gumbel_argmax(logits, batch.temperatures, batch.seeds)
+                token_ids = _plain_draw(logits, batch.temperatures, batch.seeds)
             elif f.rows.numel() == logits.size(0):  # every row filters: no pass over the full vocabulary
                 token_ids = torch_ops.sample_filtered(
                     logits, batch.temperatures, batch.seeds, f.top_k, f.top_p, f.min_p, f.num_candidates, f.all_top_k
                 )
             else:
-                token_ids = _gumbel_argmax(logits, batch.temperatures, batch.seeds)
+                token_ids = _plain_draw(logits, batch.temperatures, batch.seeds)
                 token_ids[f.rows] = torch_ops.sample_filtered(
                     logits[f.rows], batch.temperatures[f.rows], batch.seeds[f.rows], f.top_k, f.top_p, f.min_p,
                     f.num_candidates, f.all_top_k,

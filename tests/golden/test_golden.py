@@ -1,7 +1,9 @@
 """Greedy (and seeded) outputs on the CPU equal those recorded in ``tiny_outputs.json``, token for
 token: chunked prefill, preemption, prefix hits, n > 1, stop strings, logprobs, max_model_len, and
 two tensor-parallel ranks. The file was written by ``cases.py`` before the engine was
-re-structured into a front end, an engine core and workers, so it pins every behaviour across it."""
+re-structured into a front end, an engine core and workers, so it pins every behaviour across it.
+The seeded completions were recorded again when the CPU's plain temperature draw became the
+inverse-CDF draw (``sampling.torch_ops.cdf_draw``); every greedy output is the original."""
 import json
 
 import pytest

@@ -21,7 +21,7 @@ COMMON = dict(vocab_size=4096, num_attention_heads=4, num_key_value_heads=2, num
               max_position_embeddings=2048, bos_token_id=0, eos_token_id=5000)
 MODELS = {
     "qwen2": dict(shape="qwen2.5-0.5b", hidden_size=512, intermediate_size=512, tie_word_embeddings=True),
-    "llama3": dict(shape="llama3.2-1b", hidden_size=512, intermediate_size=512, tie_word_embeddings=False,
+    "llama3": dict(shape="llama3.2-1b", hidden_size=512, head_dim=128, intermediate_size=512, tie_word_embeddings=False,
                    rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                      original_max_position_embeddings=256)),
     "qwen3_moe": dict(shape="qwen3-30b-a3b", hidden_size=256, head_dim=128, num_experts=16, num_experts_per_tok=4,
