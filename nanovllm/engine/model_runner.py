@@ -16,7 +16,7 @@ from nanovllm.engine.step_output import StepOutput
 from nanovllm.layers.attention import Attention, get_attention_backend, resolve_backend_name
 from nanovllm.models.llama import head_dim
 from nanovllm.models.registry import model_class
-from nanovllm.sampling import Sampler
+from nanovllm.sampling import Sampler, SamplerOutput
 from nanovllm.sampling.batch import make_sampling_batch
 from nanovllm.utils.context import Context, step_context
 from nanovllm.utils.distributed import abort_nccl, init_process_group, wait_device
@@ -87,7 +87,8 @@ class ModelRunner:
     def capture_graphs(self, largest_only: bool = False) -> DecodeGraphs:
         """Decode graphs for batch sizes up to min(max_num_seqs, 512) (see ``DecodeGraphs``)."""
         return DecodeGraphs(self.model, self.decode_buffer, self.sampled, min(self.config.max_num_seqs, 512),
-                            self.config.hf_config.hidden_size, self.dtype, self.device, self.sync, largest_only)
+                            self.config.hf_config.hidden_size, self.vocab_size, self.dtype, self.device, self.sync,
+                            draw=self.world_size == 1, largest_only=largest_only)
 
     # ---- one step ----------------------------------------------------------------------------
 
@@ -98,6 +99,7 @@ class ModelRunner:
         where the next step reads the tokens the host does not know yet."""
         n = step.num_seqs
         with phase("inputs"):
+            graph_batch = None  # the batch size of the decode graph that runs the step
             if step.is_prefill:
                 input_ids, positions, context = prefill_inputs(step, self.block_size, self._tensor)
             else:
@@ -108,16 +110,20 @@ class ModelRunner:
                 else:
                     context = Context(is_prefill=False)
         with phase("forward"), step_context(context):
-            if not step.is_prefill and graph_batch is not None:
-                hidden = self.graphs.replay(n, graph_batch)
-            else:
-                hidden = self.model(input_ids, positions)
-            logits = self.model.compute_logits(hidden)  # tensor parallelism: gathered on rank 0 only
+            if step.is_prefill or graph_batch is None:
+                logits = self.model.compute_logits(self.model(input_ids, positions))
+            elif self.graphs.draw:
+                logits = self.graphs.replay(n, graph_batch)  # and its rows drawn into sampled[:n]
+            else:  # tensor parallelism: gathered on rank 0 only
+                logits = self.model.compute_logits(self.graphs.replay(n, graph_batch))
         output = None
         if step.sampling is not None:
-            output = self.sample(logits, step.sampling)
-            if self.config.async_scheduling:
-                self.sampled[:n] = output.device_token_ids
+            if graph_batch is not None and self.graphs.draw and step.sampling.plain:
+                output = StepOutput(SamplerOutput(self.sampled[:n]), None, self.wait_event)
+            else:
+                output = self.sample(logits, step.sampling)
+                if self.config.async_scheduling:
+                    self.sampled[:n] = output.device_token_ids
         if self.config.async_scheduling and self.world_size > 1:
             dist.broadcast(self.sampled[:n], 0)
         return output

@@ -16,7 +16,7 @@ from nanovllm.engine.step import Step
 from nanovllm.utils.context import Context
 
 ToDevice = Callable[[list | np.ndarray, torch.dtype], torch.Tensor]  # host data to a tensor on the rank's device
-TORCH_DTYPES = {np.int64: torch.int64, np.int32: torch.int32}
+TORCH_DTYPES = {np.int64: torch.int64, np.int32: torch.int32, np.float32: torch.float32}
 NUM_STAGING = 2  # pinned host copies of the decode inputs, used in turn: one is filled while the last one's copy may be queued
 
 
@@ -75,8 +75,10 @@ DECODE_FIELDS = (
     ("input_ids", np.int64, 0),
     ("prev_rows", np.int64, -1),  # the row of the previous step's sampled ids that holds the input token, or -1
     ("positions", np.int64, 0),
+    ("seeds", np.int64, 0),  # the draw seed of each row (a graph that draws, see cuda_graphs)
     ("slot_mapping", np.int32, -1),
     ("context_lens", np.int32, 0),
+    ("temperatures", np.float32, 0.0),  # 0: greedy
 )
 
 
@@ -109,14 +111,18 @@ class DecodeLayout:
 
 
 def fill_decode(fields: dict[str, np.ndarray], step: Step, rows: int, block_size: int) -> None:
-    """Write a decode step into ``fields`` (NumPy arrays of ``DecodeLayout.fields``); rows
-    ``step.num_seqs`` to ``rows`` are padding, pointed at no cache slot."""
+    """Write a decode step into ``fields`` (NumPy arrays of ``DecodeLayout.fields``), with its rows'
+    temperatures and draw seeds where it has sampling rows (rank 0); rows ``step.num_seqs`` to
+    ``rows`` are padding, pointed at no cache slot."""
     n = step.num_seqs
     positions = fields["positions"]
     positions[:n] = step.num_computed
     fields["input_ids"][:n] = step.token_ids
     fields["context_lens"][:n] = positions[:n] + 1
     fields["prev_rows"][:n] = -1 if step.prev_rows is None else step.prev_rows
+    sampling = step.sampling
+    fields["temperatures"][:n] = 0.0 if sampling is None else sampling.temperatures
+    fields["seeds"][:n] = 0 if sampling is None else sampling.seeds
     tables = fields["block_tables"][:rows]
     tables.fill(0)
     write_block_tables(tables, step.block_tables)
