@@ -8,7 +8,6 @@ and takes step N's tokens after that launch.
 from dataclasses import dataclass
 from random import Random
 
-from nanovllm.engine.executor import Executor
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence, request_sequences
 from nanovllm.engine.step import build_step
@@ -42,9 +41,11 @@ class LaunchedStep:
 
 
 class EngineCore:
-    def __init__(self, config, eos_token_ids: list[int]):
+    def __init__(self, config, eos_token_ids: list[int], executor):
+        """``executor`` runs steps on every rank (``engine.executor.Executor``: ``run(step)``,
+        ``result(output)``, ``exit()``, ``num_kvcache_blocks``); the core itself needs no torch."""
         self.config = config
-        self.executor = Executor(config)
+        self.executor = executor
         self.num_kvcache_blocks = self.executor.num_kvcache_blocks
         self.scheduler = Scheduler(
             num_blocks=self.num_kvcache_blocks, block_size=config.kvcache_block_size,

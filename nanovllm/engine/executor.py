@@ -20,8 +20,9 @@ def _free_port() -> int:
 
 
 def check_parallel(config: Config) -> None:
-    """Reject a tensor_parallel_size the device or the model cannot split over, and a second
-    tensor-parallel engine in one process, before any process starts."""
+    """Reject a tensor_parallel_size the device or the model cannot split over, and an engine in
+    a process that already has a process group (a tensor-parallel engine runs one per process),
+    before any process starts."""
     import torch
     import torch.distributed as dist
 
@@ -33,10 +34,11 @@ def check_parallel(config: Config) -> None:
         value = getattr(hf, name)
         if value % tp:
             raise ValueError(f"Config.tensor_parallel_size={tp} must divide the model's {name} ({value})")
-    if tp > 1 and dist.is_initialized():
+    if dist.is_initialized():  # the layers take their shard from the process's default group
         raise RuntimeError(
-            "another tensor-parallel engine is running in this process (one process group per process); "
-            "call its exit() first, or run the second engine in a process of its own"
+            "a torch.distributed process group is already initialised in this process (another "
+            "tensor-parallel LLM, or the program's own); call that LLM's exit() first, or run this "
+            "engine in a process of its own"
         )
 
 

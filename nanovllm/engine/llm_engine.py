@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 
 from nanovllm.config import Config
 from nanovllm.engine.core import EngineCore
+from nanovllm.engine.executor import Executor
 from nanovllm.engine.input_processor import InputProcessor
 from nanovllm.engine.output_processor import OutputProcessor
 from nanovllm.sampling_params import SamplingParams
@@ -38,7 +39,7 @@ class LLMEngine:
         self.eos_token_ids = sorted(e for e in eos if e is not None)
         self.vocab_size = config.hf_config.vocab_size
         self._exited = True  # until the core has started
-        self.core = EngineCore(config, self.eos_token_ids)
+        self.core = EngineCore(config, self.eos_token_ids, Executor(config))
         self._exited = False
         atexit.register(self.exit)
         self.num_kvcache_blocks = self.core.num_kvcache_blocks
