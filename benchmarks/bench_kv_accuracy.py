@@ -12,7 +12,7 @@
 2. Greedy agreement and next-token KL. A random Qwen3 checkpoint (bf16 weights N(0, std)) runs one
    greedy workload (random token-id prompts, ignore_eos) with a bf16 cache, an FP8 cache, and, as a
    control, a bf16 cache whose K/V get noise of bf16 rounding's own size before storing. A wrapper
-   around ``ModelRunner.sample`` keeps every sampled row's log-softmax. Per prompt, d = the first
+   around ``ModelRunner.sample`` (paired with the step's sequences) keeps every sampled row's log-softmax. Per prompt, d = the first
    position where a run's tokens differ from the bf16 run's (max_tokens when none): positions 0..d
    had the same context. Reported: prompts with identical completions, d, token agreement over
    positions 0..d (sum d / sum (d + 1) when all diverge), KL(bf16 || other) at positions 0..d, and
@@ -113,21 +113,31 @@ def attention_error_table(device: str, context_lens: list[int], num_seqs: int, s
 
 
 class RecordDistributions:
-    """Wraps ``ModelRunner.sample``: keeps the log-softmax (float32, on the host) of every row that
-    samples a token, keyed by (prompt token ids, completion position)."""
+    """Keeps the log-softmax (float32, on the host) of every row that samples a token, keyed by
+    (prompt token ids, completion position): it wraps the model runner's ``sample`` (the step's
+    logits) and the scheduler's ``advance``, which the engine core calls right after launching the
+    step with that step's sequences, in the sampler's row order. Needs steps that go through the
+    sampler (``logprobs`` set) on one rank."""
 
-    def __init__(self, sample):
-        self.sample = sample
+    def __init__(self, runner, scheduler):
         self.logprobs: dict[tuple[tuple[int, ...], int], torch.Tensor] = {}
+        self._last = None
+        sample, advance = runner.sample, scheduler.advance
 
-    def __call__(self, seqs, logits):
-        logprobs = torch.log_softmax(logits.float(), dim=-1).cpu()  # [num_seqs, vocab]
-        for row, seq in enumerate(seqs):
-            computed = seq.num_cached_tokens + seq.num_scheduled_tokens
-            if computed < len(seq):  # part-way through a chunked prefill: its token is dropped
-                continue
-            self.logprobs[(tuple(seq.prompt_token_ids), computed - seq.num_prompt_tokens)] = logprobs[row].clone()
-        return self.sample(seqs, logits)
+        def record_sample(logits, rows):
+            self._last = torch.log_softmax(logits.float(), dim=-1).cpu()  # [num_seqs, vocab]
+            return sample(logits, rows)
+
+        def record_advance(seqs):
+            logprobs, self._last = self._last, None
+            for row, seq in enumerate(seqs):
+                computed = seq.num_cached_tokens + seq.num_scheduled_tokens
+                if computed < len(seq):  # part-way through a chunked prefill: its token is dropped
+                    continue
+                self.logprobs[(tuple(seq.prompt_token_ids), computed - seq.num_prompt_tokens)] = logprobs[row].clone()
+            return advance(seqs)
+
+        runner.sample, scheduler.advance = record_sample, record_advance
 
 
 class NoisyStore:
@@ -158,9 +168,9 @@ def run_greedy(path: str, kv_cache_dtype: str, prompts: list[list[int]], max_tok
             for module in llm.core.executor.runner.model.modules():
                 if isinstance(module, Attention):
                     module.backend = NoisyStore(module.backend, store_noise)
-        recorder = RecordDistributions(llm.core.executor.runner.sample)
-        llm.core.executor.runner.sample = recorder
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        recorder = RecordDistributions(llm.core.executor.runner, llm.core.scheduler)
+        # logprobs=0: every step goes through the sampler, not only the CUDA graph's own draw
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
         outputs = llm.generate(prompts, params, use_tqdm=False)
         throughput = llm.last_throughput
     logprobs = [torch.stack([recorder.logprobs[(tuple(p), j)] for j in range(max_tokens)]) for p in prompts]
