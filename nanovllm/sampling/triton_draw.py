@@ -16,7 +16,7 @@ CHUNK = 8 * BLOCK  # logits per program
 
 @triton.jit
 def _mix32(x):
-    # the hash of sampling_torch._mix32 on uint32 lanes (products wrap modulo 2**32)
+    # the hash of torch_ops._mix32 on uint32 lanes (products wrap modulo 2**32)
     x = (x ^ (x >> 16)) * 0x45D9F3B
     x = (x ^ (x >> 16)) * 0x45D9F3B
     return x ^ (x >> 16)

@@ -13,7 +13,7 @@ _FP8_MIN_SCALE = tl.constexpr(FP8_MIN_SCALE)
 
 @triton.jit
 def _fp8_scale(amax):
-    """Each row's scale from its max |x|, as ``attention_torch.quantize_fp8`` computes it."""
+    """Each row's scale from its max |x|, as ``reference.quantize_fp8`` computes it."""
     return tl.maximum(tl.math.div_rn(amax, _FP8_MAX), _FP8_MIN_SCALE)
 
 
