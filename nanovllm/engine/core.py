@@ -58,7 +58,6 @@ class EngineCore:
         self.reporting: set[int] = set()  # sequences that report their tokens every step
         self._launched: LaunchedStep | None = None
         self.num_prompt_tokens = 0  # computed in prefill (prefix-cache hits not counted)
-        self.num_generation_tokens = 0
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -153,8 +152,6 @@ class EngineCore:
                         outputs.append(self._report(seq, logprobs[i] if logprobs else None))
             reported = {o.seq_id for o in outputs}
             outputs += [self._report(seq, None) for seq in finished if seq.seq_id not in reported]
-            self.num_generation_tokens += sum(0 <= p < seq.num_known_tokens
-                                              for p, seq in zip(launched.positions, launched.seqs))
             for seq in finished:
                 self._forget(seq)
         return outputs
@@ -191,7 +188,7 @@ class EngineCore:
             "prefix_cache_hit_rate": bm.num_hit_tokens / bm.num_queried_tokens if bm.num_queried_tokens else 0.0,
             "num_preemptions": self.scheduler.num_preemptions,
             "prompt_tokens": self.num_prompt_tokens,
-            "generation_tokens": self.num_generation_tokens,
+            "generation_tokens": self.scheduler.num_generated_tokens,
         }
 
     def exit(self) -> None:

@@ -30,6 +30,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
+        self.num_generated_tokens = 0  # sampled tokens kept (not those computed past an end)
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
@@ -177,6 +178,7 @@ class Scheduler:
             if not 0 <= position < len(seq) or seq.is_finished:
                 continue
             seq.set_token(position, token_id)
+            self.num_generated_tokens += 1
             self.block_manager.hash_blocks(seq)
             if (stop := self.check_stop(seq, token_id)) is not None:
                 self.finish(seq, *stop)
