@@ -1,6 +1,9 @@
 """On a CUDA GPU (skipped without one): the Triton kernels over an FP8 KV cache against the torch
 backend's dequantize-then-attend in float32, the quantizing store byte for byte, and whole engines
-with ``kv_cache_dtype="fp8"`` and with ``dtype="float32"`` on the Triton backend."""
+with ``kv_cache_dtype="fp8"`` on the Triton backend. (Whole float32 engines on the Triton backend,
+head_dim 128 and prompts of up to 700 tokens, are checked against transformers in
+``test_gpu_models.py``; float32 prefill over a cached prefix at the kernel level in
+``test_attention_backends.py``.)"""
 import random
 
 import pytest
@@ -29,9 +32,14 @@ def test_gpu_fp8_store(case, dtype):
     assert result["problems"] is None, result
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
-@pytest.mark.parametrize("num_splits", [1, 2, 8, None])
-@pytest.mark.parametrize("block_size", [16, 256])
+# every split count in bf16 and fp16; float32 (each variant a slow compile) with one pass and with
+# split keys and their reduction
+DECODE_GRID = [(block_size, num_splits, dtype) for dtype in (torch.bfloat16, torch.float16, torch.float32)
+               for num_splits in ((1, 8) if dtype == torch.float32 else (1, 2, 8, None)) for block_size in (16, 256)]
+
+
+@pytest.mark.parametrize("block_size,num_splits,dtype", DECODE_GRID,
+                         ids=[f"{b}-{n}-{str(d).removeprefix('torch.')}" for b, n, d in DECODE_GRID])
 def test_gpu_fp8_decode(num_splits, block_size, dtype):
     result = check_decode(
         triton_backend(num_splits), GPU_DECODE_LENS, device="cuda", dtype=dtype, head_dim=128,
@@ -119,16 +127,3 @@ def test_llm_fp8_auto_backend_is_triton(model_dir):
     with LLM(model_dir, kv_cache_dtype="fp8", max_model_len=256, num_kvcache_blocks=4, enforce_eager=True) as llm:
         assert llm.core.executor.runner.backend.name == "triton"
         assert llm.core.executor.runner.kv_cache.dtype == torch.float8_e4m3fn
-
-
-def test_llm_float32_triton(model_dir):
-    """float32 weights with head_dim 128 and prompts past 64 tokens: the prefill tiles must fit
-    shared memory at 4 bytes an element (bf16's tiles need 262144 bytes here)."""
-    reference = generate(model_dir, dtype="float32", attention_backend="torch", enforce_eager=True)
-    got = generate(model_dir, dtype="float32", attention_backend="triton")
-    assert_agree(reference, got, near_tie=0.01)
-    from nanovllm.config import Config
-    from nanovllm.layers.attention import resolve_backend_name
-
-    config = Config(model_dir, dtype="float32", kvcache_block_size=256)
-    assert resolve_backend_name("auto", "cuda", 256, config.resolved_dtype("cuda"), "auto") == "triton"

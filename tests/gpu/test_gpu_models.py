@@ -1,7 +1,8 @@
 """The architectures beyond Qwen3 dense on a CUDA GPU (skipped without one): Qwen2 with biases,
 Llama 3 with the ``llama3`` RoPE scaling and Qwen3-MoE (the fused Triton MoE kernel), greedy, against
 transformers' float32 greedy tokens on the same GPU. In float32 (Triton attention, with and without
-CUDA graphs, and over two GPUs where there are two) a divergence must be a float32 tie. In bf16
+CUDA graphs, and over two GPUs where there are two; head_dim 128 and prompts of up to 700 tokens,
+so the prefill tiles must fit shared memory at 4 bytes an element) a divergence must be a float32 tie. In bf16
 (Triton and flash-attn, graphs) it must be a bf16 near-tie as in ``test_gpu.py``; for the dense
 models only: in an MoE a bf16 rounding can swap one of the router's top-k experts, after which the
 logits move by more than any rounding bound (the kernel's bf16 accuracy is checked in
