@@ -186,10 +186,17 @@ class EngineCore:
             "num_requests_waiting": len(self.scheduler.waiting),
             "kv_cache_usage": len(bm.used_block_ids) / len(bm.blocks),
             "prefix_cache_hit_rate": bm.num_hit_tokens / bm.num_queried_tokens if bm.num_queried_tokens else 0.0,
+            "prefix_cache_queries": bm.num_queried_tokens,  # prompt tokens looked up, and those found
+            "prefix_cache_hits": bm.num_hit_tokens,
             "num_preemptions": self.scheduler.num_preemptions,
             "prompt_tokens": self.num_prompt_tokens,
             "generation_tokens": self.scheduler.num_generated_tokens,
         }
+
+    @property
+    def failure_message(self) -> str | None:
+        """Why the engine has stopped (a rank died), if it has."""
+        return self.executor.failure_message
 
     def exit(self) -> None:
         self.executor.exit()
