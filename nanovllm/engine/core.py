@@ -170,11 +170,12 @@ class EngineCore:
         """Whether the launched step still has tokens to deliver (not just ones past an end)."""
         return self._launched is not None and not all(seq.is_finished for seq in self._launched.seqs)
 
-    def settle(self) -> None:
+    def settle(self) -> list[SeqOutput]:
         """Resolve a launched step that only computed tokens past its sequences' ends, so that a
-        call ends with nothing in flight."""
+        call ends with nothing in flight (what it reports, if anything, is returned)."""
         if self._launched is not None and not self._owes_results():
-            self._resolve()
+            return self._resolve()
+        return []
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished() and not self._owes_results()

@@ -44,7 +44,6 @@ class DataParallelCore:
         self.has_work = [False] * n  # its last reply left work queued or in flight
         self.load = [0] * n  # outstanding tokens of the requests routed to it
         self.requests: dict[int, Routed] = {}  # request id -> where it went, until it ends
-        self.buffered: list[SeqOutput] = []  # outputs taken by settle(), for the next step
         self.failure_message: str | None = None
 
     # ---- requests ----------------------------------------------------------------------------
@@ -90,8 +89,7 @@ class DataParallelCore:
         for i, replica in enumerate(self.replicas):
             if not replica.busy and (self.has_work[i] or self.calls[i]):
                 self._submit(i, step=True)
-        outputs, self.buffered = self.buffered, []
-        prefill = decode = 0
+        outputs, prefill, decode = [], 0, 0
         if any(r.busy for r in self.replicas):
             for reply in self._replies():
                 outputs += reply.outputs
@@ -101,15 +99,18 @@ class DataParallelCore:
                     decode -= reply.num_tokens
         return outputs, prefill or -decode
 
-    def settle(self) -> None:
+    def settle(self) -> list[SeqOutput]:
         """Deliver what is still to be sent (aborts, stops) and take every reply, so that a call
-        ends with nothing in flight; the replies' outputs come with the next step."""
-        for i, replica in enumerate(self.replicas):
-            if not replica.busy and self.calls[i]:
-                self._submit(i, step=False)
-        while any(r.busy for r in self.replicas):
+        ends with nothing in flight; returns the replies' outputs."""
+        outputs = []
+        while True:
+            for i, replica in enumerate(self.replicas):
+                if not replica.busy and self.calls[i]:
+                    self._submit(i, step=False)
+            if not any(r.busy for r in self.replicas):
+                return outputs
             for reply in self._replies():
-                self.buffered += reply.outputs
+                outputs += reply.outputs
 
     def _submit(self, i: int, step: bool) -> None:
         call, self.calls[i] = self.calls[i], ReplicaCall()
@@ -141,7 +142,7 @@ class DataParallelCore:
         raise RuntimeError(self.failure_message) from cause
 
     def is_finished(self) -> bool:
-        return not (self.buffered or any(self.has_work) or any(self.calls) or any(r.busy for r in self.replicas))
+        return not (any(self.has_work) or any(self.calls) or any(r.busy for r in self.replicas))
 
     def stats(self) -> dict:
         """The replicas' counts summed (the KV-cache usage over all their blocks), as of their last

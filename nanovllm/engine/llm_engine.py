@@ -124,19 +124,23 @@ class LLMEngine:
         self._check_running()
         with deferred_interrupt():
             outputs, num_tokens = self.core.step()
-            with phase("outputs"):
-                finished, stopped = self.outputs.process(outputs)
-                for request_id, seq_id in stopped:
-                    self.core.finish_sequence(seq_id, request_id)
-                for request_id, seq_id in finished:
-                    if request_id not in self._owned:
-                        completion = self.outputs.requests[request_id].completions[seq_id - request_id]
-                        self._unclaimed.append((seq_id, completion.token_ids))
-                done = list(dict.fromkeys(r for r, _ in finished if self.outputs.is_finished(r)))
-                for request_id in done:
-                    if request_id not in self._owned:
-                        self.outputs.pop(request_id)
-        return done, num_tokens
+            return self._process(outputs), num_tokens
+
+    def _process(self, outputs: list) -> list[int]:
+        """Take the core's outputs; returns the requests that finished with them."""
+        with phase("outputs"):
+            finished, stopped = self.outputs.process(outputs)
+            for request_id, seq_id in stopped:
+                self.core.finish_sequence(seq_id, request_id)
+            for request_id, seq_id in finished:
+                if request_id not in self._owned:
+                    completion = self.outputs.requests[request_id].completions[seq_id - request_id]
+                    self._unclaimed.append((seq_id, completion.token_ids))
+            done = list(dict.fromkeys(r for r, _ in finished if self.outputs.is_finished(r)))
+            for request_id in done:
+                if request_id not in self._owned:
+                    self.outputs.pop(request_id)
+        return done
 
     def is_finished(self) -> bool:
         return self.core.is_finished() and not self._unclaimed
@@ -226,5 +230,5 @@ class LLMEngine:
                 if not self.outputs.is_finished(request_id):
                     self.core.abort_request(request_id)
                 self.outputs.pop(request_id)
-            if not self.core.failure_message:
-                self.core.settle()  # the call ends with nothing of it in flight
+            if not self.core.failure_message:  # the call ends with nothing of it in flight
+                self._process(self.core.settle())

@@ -61,7 +61,7 @@ class ReplicaServer:
         if call.step and not core.is_finished():
             outputs, num_tokens = core.step()
         if core.is_finished():
-            core.settle()  # nothing in flight while the replica waits for its next call
+            outputs += core.settle()  # nothing in flight while the replica waits for its next call
         return ReplicaReply(outputs, num_tokens, core.is_finished(), core.stats())
 
     def exit(self) -> None:
