@@ -11,7 +11,8 @@ import time
 import pytest
 import torch
 
-from hf_reference import BLOCK_SIZE, assert_greedy_match, mixed_prompts, random_prompts
+from dp_helpers import assert_idle, seeded_params, streamed, summary, workload
+from hf_reference import BLOCK_SIZE, assert_greedy_match, random_prompts
 from nanovllm import LLM, SamplingParams
 
 CPU = dict(device="cpu", kvcache_block_size=BLOCK_SIZE, num_kvcache_blocks=64, max_model_len=256,
@@ -36,24 +37,6 @@ def engines(ckpt_tied):
     one.exit()
     two.exit()
     assert not multiprocessing.active_children()
-
-
-def workload() -> tuple[list[list[int]], list[SamplingParams]]:
-    prompts = mixed_prompts()
-    params = [SamplingParams(temperature=0, max_tokens=6 + i % 5, n=2 if i % 4 == 1 else 1) for i in range(len(prompts))]
-    return prompts, params
-
-
-def summary(outputs: list[dict]) -> list:
-    return [(o["prompt_token_ids"], [(c["token_ids"], c["text"], c["finish_reason"]) for c in o["outputs"]])
-            for o in outputs]
-
-
-def assert_idle(llm: LLM) -> None:
-    stats = llm.get_stats()
-    for s in [stats] + stats.get("replicas", []):
-        assert (s["num_requests_running"], s["num_requests_waiting"], s["kv_cache_usage"]) == (0, 0, 0.0), stats
-    assert llm.is_finished()
 
 
 def test_greedy_tokens_equal_one_engine_and_transformers(engines, ckpt_tied, hf_ref):
@@ -97,7 +80,7 @@ def test_requests_go_to_the_replica_with_fewest_outstanding_tokens(engines):
 
 def test_seeded_sampling_is_the_same_whatever_the_replica(engines):
     prompts = random_prompts(3, [5, 18, 33, 7])
-    params = [SamplingParams(temperature=0.9, seed=11 + i, n=3 if i == 2 else 1, max_tokens=12) for i in range(4)]
+    params = seeded_params(len(prompts))
     one, two = (summary(llm.generate(prompts, params, use_tqdm=False)) for llm in engines)
     assert two == one
     assert len({tuple(c[0]) for c in one[2][1]}) > 1, "the three seeded completions should differ"
@@ -106,18 +89,7 @@ def test_seeded_sampling_is_the_same_whatever_the_replica(engines):
 def test_stream_concatenates_to_generate(engines):
     _, two = engines
     prompts, params = workload()
-    expected = two.generate(prompts, params, use_tqdm=False)
-    tokens, texts, ends = {}, {}, {}
-    for inc in two.stream(prompts, params):
-        key = (inc["index"], inc["completion"])
-        tokens[key] = tokens.get(key, []) + inc["token_ids"]
-        texts[key] = texts.get(key, "") + inc["text"]
-        if inc["finished"]:
-            ends[key] = inc["finish_reason"]
-    for i, out in enumerate(expected):
-        for c in out["outputs"]:
-            key = (i, c["index"])
-            assert (tokens[key], texts[key], ends[key]) == (c["token_ids"], c["text"], c["finish_reason"])
+    assert streamed(two, prompts, params) == summary(two.generate(prompts, params, use_tqdm=False))
     assert_idle(two)
 
 
