@@ -7,6 +7,7 @@ The replicas run side by side: each step sends every replica that has work its n
 requests added, aborted or stopped since its last one), then takes the replies that are ready,
 at least one. A replica that dies ends the engine with a RuntimeError naming it.
 """
+import copy
 from dataclasses import dataclass
 
 from nanovllm.engine.core import SeqOutput
@@ -55,7 +56,8 @@ class DataParallelCore:
         tokens = n * (len(prompt_token_ids) + sampling_params.max_tokens)
         self.load[i] += tokens
         self.requests[request_id] = Routed(i, tokens, set(range(request_id, request_id + n)))
-        self.calls[i].adds.append((request_id, prompt_token_ids, sampling_params, report_every_step))
+        # the replica unpickles the params when the call goes out: a copy keeps them as they are now
+        self.calls[i].adds.append((request_id, prompt_token_ids, copy.deepcopy(sampling_params), report_every_step))
 
     def abort_request(self, request_id: int) -> bool:
         routed = self.requests.pop(request_id, None)
