@@ -10,6 +10,7 @@ ignore_eos. One short warm-up generate comes first. 133,966 output tokens in all
     python bench.py --random qwen3-0.6b --top-p 0.95 --top-k 20     # Qwen3's recommended sampling
     python bench.py --sampler --top-p 0.95 --top-k 20               # the sampler alone, GPU time per step
     python bench.py --random qwen3-0.6b --profile   # GPU time per kernel category and GPU idle share
+    python bench.py --random qwen3-8b --dp 2 --num-seqs 1024   # two replicas, one GPU each
 
 --profile runs the timed generate under torch.profiler (kineto's CUDA activity only, see
 benchmarks/bench_profile.py); its result line is the profiled run's, so compare it with a run without --profile
@@ -84,11 +85,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=os.path.expanduser("~/huggingface/Qwen3-0.6B"))
     parser.add_argument("--random", metavar="SHAPE", default=None,
-                        help="benchmark a randomly initialised checkpoint of this shape (qwen3-0.6b, qwen3-4b, "
+                        help="benchmark a randomly initialised checkpoint of this shape (qwen3-0.6b, qwen3-4b, qwen3-8b, "
                              "qwen3-30b-a3b, qwen2.5-0.5b, llama3.2-1b); above 8 GiB of weights with load_format='dummy'")
     parser.add_argument("--backend", default="auto", help="attention backend: auto, flash-attn, triton, torch")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
+    parser.add_argument("--dp", type=int, default=1, help="data_parallel_size (replicas of --tp GPUs each)")
+    parser.add_argument("--dp-backend", choices=("mp", "ray"), default="mp", help="data_parallel_backend")
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--top-p", type=float, default=None, help="SamplingParams.top_p of every request")
@@ -123,6 +126,8 @@ def main() -> None:
 
     llm_kwargs = dict(enforce_eager=args.enforce_eager, max_model_len=args.max_model_len,
                       tensor_parallel_size=args.tp, attention_backend=args.backend)
+    if args.dp > 1 or args.dp_backend != "mp":  # only then, so this script also runs on engines without them
+        llm_kwargs |= dict(data_parallel_size=args.dp, data_parallel_backend=args.dp_backend)
     if args.random and dummy:
         llm_kwargs["load_format"] = "dummy"
     if args.kv_cache_dtype != "auto":  # only then, so this script also runs on engines without the keyword
@@ -143,11 +148,13 @@ def main() -> None:
             t = time.perf_counter()
             llm.generate(prompts, params, use_tqdm=False)
             t = time.perf_counter() - t
-        backend = llm.core.executor.runner.backend.name
+        # with data parallelism the runners live in the replicas: the configured name stands for them
+        backend = llm.core.executor.runner.backend.name if hasattr(llm.core, "executor") else args.backend
         config = llm.config
         memory = gpu_memory_report()
     total = sum(p.max_tokens for p in params)
     print(f"backend={backend} eager={config.enforce_eager} tp={config.tensor_parallel_size} "
+          f"dp={getattr(config, 'data_parallel_size', 1)}{'/ray' if args.dp_backend == 'ray' else ''} "
           f"kv_cache_dtype={getattr(config, 'kv_cache_dtype', 'auto')} "
           f"async_scheduling={getattr(config, 'async_scheduling', None)} max_model_len={config.max_model_len} "
           f"block_size={config.kvcache_block_size} max_num_seqs={config.max_num_seqs} "

@@ -6,6 +6,7 @@ DEVICES = ("auto", "cuda", "cpu")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "flash-attn", "triton", "torch")
 LOAD_FORMATS = ("auto", "dummy")  # "dummy": no weight files; random weights drawn on the device
+DATA_PARALLEL_BACKENDS = ("mp", "ray")  # replicas in processes of this host, or in Ray actors of a cluster
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # "auto": the model's dtype; "fp8" (= "fp8_e4m3"): e4m3 with per-row scales
 # config.json keys every supported model reads (transformers would fill in its own defaults, which
 # then disagree with the weights), and those only some architectures read
@@ -36,6 +37,8 @@ class Config:
     max_model_len: int = 4096
     gpu_memory_utilization: float = 0.9
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    data_parallel_backend: str = "mp"
     enforce_eager: bool = False
     kvcache_block_size: int = 256
     num_kvcache_blocks: int = -1
@@ -59,6 +62,8 @@ class Config:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
         _check_int("max_model_len", self.max_model_len, 2)
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1, 8)
+        _check_int("data_parallel_size", self.data_parallel_size, 1)
+        _check_choice("data_parallel_backend", self.data_parallel_backend, DATA_PARALLEL_BACKENDS)
         _check_int("kvcache_block_size", self.kvcache_block_size, 1)
         if self.kvcache_block_size & (self.kvcache_block_size - 1):
             raise ValueError(f"Config.kvcache_block_size must be a power of two, got {self.kvcache_block_size}")
@@ -102,8 +107,25 @@ class Config:
         resolve_backend_name(
             self.attention_backend, device, self.kvcache_block_size, self.resolved_dtype(device), self.kv_cache_dtype
         )
+        self._check_parallel(device)
         if self.num_kvcache_blocks > 0:
             self._check_kv_cache_fits(device)
+
+    def _check_parallel(self, device: str) -> None:
+        """The model must split over ``tensor_parallel_size`` ranks, and the replicas of this host
+        (``data_parallel_backend="mp"``) need ``data_parallel_size × tensor_parallel_size`` GPUs."""
+        tp, dp = self.tensor_parallel_size, self.data_parallel_size
+        for name in ("num_attention_heads", "num_key_value_heads", "vocab_size", "intermediate_size"):
+            value = getattr(self.hf_config, name)
+            if value % tp:
+                raise ValueError(f"Config.tensor_parallel_size={tp} must divide the model's {name} ({value})")
+        if device == "cuda" and self.data_parallel_backend == "mp":
+            import torch
+
+            visible = torch.cuda.device_count()
+            if tp * dp > visible:
+                need = f"tensor_parallel_size={tp}" if dp == 1 else f"data_parallel_size={dp} × tensor_parallel_size={tp}"
+                raise ValueError(f"Config.{need} needs {tp * dp} GPUs, but only {visible} GPU(s) are visible")
 
     def _check_kv_cache_fits(self, device: str) -> None:
         """A fixed ``num_kvcache_blocks`` must fit in the memory of one GPU (each rank's share of
@@ -119,7 +141,8 @@ class Config:
         if device == "cuda":
             memory, need, where = torch.cuda.get_device_properties(0).total_memory, per_rank, "each GPU has"
         else:
-            memory, need = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), per_rank * tp
+            need = per_rank * tp * self.data_parallel_size  # every replica's ranks share the machine
+            memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
             where = "the machine has"
         most = memory // need
         if self.num_kvcache_blocks > most:

@@ -170,11 +170,12 @@ class EngineCore:
         """Whether the launched step still has tokens to deliver (not just ones past an end)."""
         return self._launched is not None and not all(seq.is_finished for seq in self._launched.seqs)
 
-    def settle(self) -> None:
+    def settle(self) -> list[SeqOutput]:
         """Resolve a launched step that only computed tokens past its sequences' ends, so that a
-        call ends with nothing in flight."""
+        call ends with nothing in flight (what it reports, if anything, is returned)."""
         if self._launched is not None and not self._owes_results():
-            self._resolve()
+            return self._resolve()
+        return []
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished() and not self._owes_results()
@@ -186,10 +187,17 @@ class EngineCore:
             "num_requests_waiting": len(self.scheduler.waiting),
             "kv_cache_usage": len(bm.used_block_ids) / len(bm.blocks),
             "prefix_cache_hit_rate": bm.num_hit_tokens / bm.num_queried_tokens if bm.num_queried_tokens else 0.0,
+            "prefix_cache_queries": bm.num_queried_tokens,  # prompt tokens looked up, and those found
+            "prefix_cache_hits": bm.num_hit_tokens,
             "num_preemptions": self.scheduler.num_preemptions,
             "prompt_tokens": self.num_prompt_tokens,
             "generation_tokens": self.scheduler.num_generated_tokens,
         }
+
+    @property
+    def failure_message(self) -> str | None:
+        """Why the engine has stopped (a rank died), if it has."""
+        return self.executor.failure_message
 
     def exit(self) -> None:
         self.executor.exit()

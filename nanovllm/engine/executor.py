@@ -20,20 +20,10 @@ def _free_port() -> int:
 
 
 def check_parallel(config: Config) -> None:
-    """Reject a tensor_parallel_size the device or the model cannot split over, and an engine in
-    a process that already has a process group (a tensor-parallel engine runs one per process),
-    before any process starts."""
-    import torch
+    """Reject an engine in a process that already has a process group (a tensor-parallel engine
+    runs one per process), before any process starts. (``Config`` has checked the sizes.)"""
     import torch.distributed as dist
 
-    tp = config.tensor_parallel_size
-    if config.resolved_device() == "cuda" and tp > torch.cuda.device_count():
-        raise ValueError(f"Config.tensor_parallel_size={tp} but only {torch.cuda.device_count()} GPU(s) are visible")
-    hf = config.hf_config
-    for name in ("num_attention_heads", "num_key_value_heads", "vocab_size", "intermediate_size"):
-        value = getattr(hf, name)
-        if value % tp:
-            raise ValueError(f"Config.tensor_parallel_size={tp} must divide the model's {name} ({value})")
     if dist.is_initialized():  # the layers take their shard from the process's default group
         raise RuntimeError(
             "a torch.distributed process group is already initialised in this process (another "

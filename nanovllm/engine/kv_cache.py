@@ -106,7 +106,8 @@ def num_blocks(runner) -> int:
         else:
             available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
             blocks_per_seq = -(-config.max_model_len // config.kvcache_block_size)
-            budget = min(int(available * CPU_KV_CACHE_SHARE), config.max_num_seqs * blocks_per_seq * one_block)
+            share = CPU_KV_CACHE_SHARE / config.data_parallel_size  # the replicas share the machine
+            budget = min(int(available * share), config.max_num_seqs * blocks_per_seq * one_block)
         count = budget // one_block
     if runner.world_size > 1:
         t = torch.tensor([count], device=runner.device)

@@ -39,7 +39,12 @@ class LLMEngine:
         self.eos_token_ids = sorted(e for e in eos if e is not None)
         self.vocab_size = config.hf_config.vocab_size
         self._exited = True  # until the core has started
-        self.core = EngineCore(config, self.eos_token_ids, Executor(config))
+        if config.data_parallel_size > 1 or config.data_parallel_backend == "ray":
+            from nanovllm.engine.data_parallel import DataParallelCore
+
+            self.core = DataParallelCore(config, self.eos_token_ids)
+        else:
+            self.core = EngineCore(config, self.eos_token_ids, Executor(config))
         self._exited = False
         atexit.register(self.exit)
         self.num_kvcache_blocks = self.core.num_kvcache_blocks
@@ -68,8 +73,8 @@ class LLMEngine:
     def _check_running(self) -> None:
         if self._exited:
             raise RuntimeError("this LLM has exited (exit() or the end of its with block); create a new LLM to continue")
-        if self.core.executor.failure_message:
-            raise RuntimeError(self.core.executor.failure_message)
+        if self.core.failure_message:
+            raise RuntimeError(self.core.failure_message)
 
     # ---- requests and steps ------------------------------------------------------------------
 
@@ -119,19 +124,23 @@ class LLMEngine:
         self._check_running()
         with deferred_interrupt():
             outputs, num_tokens = self.core.step()
-            with phase("outputs"):
-                finished, stopped = self.outputs.process(outputs)
-                for request_id, seq_id in stopped:
-                    self.core.finish_sequence(seq_id, request_id)
-                for request_id, seq_id in finished:
-                    if request_id not in self._owned:
-                        completion = self.outputs.requests[request_id].completions[seq_id - request_id]
-                        self._unclaimed.append((seq_id, completion.token_ids))
-                done = list(dict.fromkeys(r for r, _ in finished if self.outputs.is_finished(r)))
-                for request_id in done:
-                    if request_id not in self._owned:
-                        self.outputs.pop(request_id)
-        return done, num_tokens
+            return self._process(outputs), num_tokens
+
+    def _process(self, outputs: list) -> list[int]:
+        """Take the core's outputs; returns the requests that finished with them."""
+        with phase("outputs"):
+            finished, stopped = self.outputs.process(outputs)
+            for request_id, seq_id in stopped:
+                self.core.finish_sequence(seq_id, request_id)
+            for request_id, seq_id in finished:
+                if request_id not in self._owned:
+                    completion = self.outputs.requests[request_id].completions[seq_id - request_id]
+                    self._unclaimed.append((seq_id, completion.token_ids))
+            done = list(dict.fromkeys(r for r, _ in finished if self.outputs.is_finished(r)))
+            for request_id in done:
+                if request_id not in self._owned:
+                    self.outputs.pop(request_id)
+        return done
 
     def is_finished(self) -> bool:
         return self.core.is_finished() and not self._unclaimed
@@ -215,10 +224,11 @@ class LLMEngine:
                     finished += [r for r in remaining if self.outputs.is_finished(r) and r not in finished]
                 remaining.difference_update(finished)
                 yield request_ids, finished
-            self.core.settle()
         finally:
             self._owned.difference_update(request_ids)
             for request_id in request_ids:
                 if not self.outputs.is_finished(request_id):
                     self.core.abort_request(request_id)
                 self.outputs.pop(request_id)
+            if not self.core.failure_message:  # the call ends with nothing of it in flight
+                self._process(self.core.settle())

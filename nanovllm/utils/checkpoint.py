@@ -38,6 +38,8 @@ SHAPES = {
                        num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
     "qwen3-4b": dict(model_type="qwen3", num_hidden_layers=36, hidden_size=2560, intermediate_size=9728,
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+    "qwen3-8b": dict(model_type="qwen3", num_hidden_layers=36, hidden_size=4096, intermediate_size=12288,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
     "qwen3-30b-a3b": dict(model_type="qwen3_moe", num_hidden_layers=48, hidden_size=2048, intermediate_size=6144,
                           num_attention_heads=32, num_key_value_heads=4, head_dim=128, tie_word_embeddings=False,
                           num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768),

@@ -1,6 +1,6 @@
 """An engine's life as a user meets it: calls after ``exit()``, a second engine beside a
-tensor-parallel one, and a real Ctrl-C sent to the whole process group of a tensor-parallel engine
-(as a terminal does), after which the engine serves on with the same greedy tokens."""
+tensor-parallel one, and a real Ctrl-C sent to the whole process group of a tensor- or data-parallel
+engine (as a terminal does), after which the engine serves on with the same greedy tokens."""
 import json
 import multiprocessing
 import os
@@ -61,10 +61,9 @@ CTRL_C_SCRIPT = textwrap.dedent('''
     from nanovllm import LLM, SamplingParams
 
     if __name__ == "__main__":
-        path, prompts = sys.argv[1], json.loads(sys.argv[2])
+        path, prompts, parallel = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
         greedy = SamplingParams(temperature=0, max_tokens=12)
-        llm = LLM(path, tensor_parallel_size=2, device="cpu", kvcache_block_size=16, num_kvcache_blocks=256,
-                  max_model_len=512)
+        llm = LLM(path, device="cpu", kvcache_block_size=16, num_kvcache_blocks=256, max_model_len=512, **parallel)
         before = [o["token_ids"] for o in llm.generate(prompts, greedy, use_tqdm=False)]
 
         def ctrl_c():  # as a terminal does: SIGINT to every process of the foreground group
@@ -87,13 +86,15 @@ CTRL_C_SCRIPT = textwrap.dedent('''
 ''')
 
 
-def test_ctrl_c_to_the_process_group_of_a_tensor_parallel_engine(ckpt_tied, tmp_path):
+@pytest.mark.parametrize("parallel", [{"tensor_parallel_size": 2}, {"data_parallel_size": 2}], ids=["tp2", "dp2"])
+def test_ctrl_c_to_the_process_group_of_a_parallel_engine(ckpt_tied, tmp_path, parallel):
+    """Tensor-parallel workers, or data-parallel replicas: each process of the group gets the SIGINT."""
     script = tmp_path / "ctrl_c.py"
     script.write_text(CTRL_C_SCRIPT)
     prompts = random_prompts(7, [5, 40])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    proc = subprocess.run([sys.executable, str(script), ckpt_tied.path, json.dumps(prompts)], capture_output=True,
-                          text=True, timeout=300, start_new_session=True, env=env)  # its own process group
+    proc = subprocess.run([sys.executable, str(script), ckpt_tied.path, json.dumps(prompts), json.dumps(parallel)],
+                          capture_output=True, text=True, timeout=300, start_new_session=True, env=env)  # its own group
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["interrupted"], "the SIGINT did not reach the generate call"

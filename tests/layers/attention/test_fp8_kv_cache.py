@@ -495,10 +495,11 @@ def test_allocated_cache_matches_block_bytes(ckpt_tied, kv_cache_dtype):
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
-    """Resolution as on a GPU of compute capability 9.0 with flash-attn importable."""
+    """Resolution as on one GPU of compute capability 9.0 with flash-attn importable."""
     from nanovllm.config import Config
 
     monkeypatch.setattr(Config, "resolved_device", lambda self: "cuda")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
 

@@ -1,0 +1,163 @@
+"""Data parallelism: ``data_parallel_size`` engine cores (replicas) behind the interface of one
+``EngineCore``, so that the front end drives them as it drives one.
+
+A request goes whole (all its ``n`` completions, which share its prompt's blocks) to the replica
+with the fewest outstanding tokens (prompt and ``max_tokens`` of each completion, until it ends).
+The replicas run side by side: each step sends every replica that has work its next call (the
+requests added, aborted or stopped since its last one), then takes the replies that are ready,
+at least one. A replica that dies ends the engine with a RuntimeError naming it.
+"""
+import copy
+from dataclasses import dataclass
+
+from nanovllm.engine.core import SeqOutput
+from nanovllm.engine.replica import ReplicaCall, ReplicaDied, ReplicaReply
+from nanovllm.sampling_params import SamplingParams
+
+SUMMED_STATS = ("num_requests_running", "num_requests_waiting", "num_preemptions", "prompt_tokens",
+                "generation_tokens", "prefix_cache_queries", "prefix_cache_hits")
+
+
+@dataclass
+class Routed:
+    replica: int
+    tokens: int  # what it adds to its replica's load
+    open_seqs: set[int]  # its sequences that have not finished
+
+
+def replica_class(backend: str):
+    if backend == "ray":
+        from nanovllm.engine.replica_ray import RayReplica
+
+        return RayReplica
+    from nanovllm.engine.replica_process import ProcessReplica
+
+    return ProcessReplica
+
+
+class DataParallelCore:
+    def __init__(self, config, eos_token_ids: list[int]):
+        self.replicas = replica_class(config.data_parallel_backend).start(config, eos_token_ids)
+        self.wait = type(self.replicas[0]).wait
+        self.num_kvcache_blocks = min(r.num_kvcache_blocks for r in self.replicas)
+        n = len(self.replicas)
+        self.calls = [ReplicaCall() for _ in range(n)]  # what each replica's next call delivers
+        self.has_work = [False] * n  # its last reply left work queued or in flight
+        self.load = [0] * n  # outstanding tokens of the requests routed to it
+        self.requests: dict[int, Routed] = {}  # request id -> where it went, until it ends
+        self.failure_message: str | None = None
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def add_request(self, request_id: int, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                    report_every_step: bool = False) -> None:
+        i = min(range(len(self.replicas)), key=lambda r: (self.load[r], r))
+        n = sampling_params.n
+        tokens = n * (len(prompt_token_ids) + sampling_params.max_tokens)
+        self.load[i] += tokens
+        self.requests[request_id] = Routed(i, tokens, set(range(request_id, request_id + n)))
+        # the replica unpickles the params when the call goes out: a copy keeps them as they are now
+        self.calls[i].adds.append((request_id, prompt_token_ids, copy.deepcopy(sampling_params), report_every_step))
+
+    def abort_request(self, request_id: int) -> bool:
+        routed = self.requests.pop(request_id, None)
+        if routed is None:
+            return False
+        self.load[routed.replica] -= routed.tokens
+        self.calls[routed.replica].aborts.append(request_id)
+        return True
+
+    def finish_sequence(self, seq_id: int, request_id: int) -> None:
+        routed = self.requests.get(request_id)
+        if routed is not None and seq_id in routed.open_seqs:
+            self.calls[routed.replica].finishes.append((seq_id, request_id))
+            self._ended(request_id, seq_id)
+
+    def _ended(self, request_id: int, seq_id: int) -> None:
+        routed = self.requests.get(request_id)
+        if routed is None:
+            return
+        routed.open_seqs.discard(seq_id)
+        if not routed.open_seqs:
+            del self.requests[request_id]
+            self.load[routed.replica] -= routed.tokens
+
+    # ---- steps -------------------------------------------------------------------------------
+
+    def step(self) -> tuple[list[SeqOutput], int]:
+        """Send each idle replica that has work its next call, then take the replies that are
+        ready (waiting for one). Returns their outputs, and the prefill tokens they computed (> 0)
+        or, when none, minus the sequences they decoded."""
+        for i, replica in enumerate(self.replicas):
+            if not replica.busy and (self.has_work[i] or self.calls[i]):
+                self._submit(i, step=True)
+        outputs, prefill, decode = [], 0, 0
+        if any(r.busy for r in self.replicas):
+            for reply in self._replies():
+                outputs += reply.outputs
+                if reply.num_tokens > 0:
+                    prefill += reply.num_tokens
+                else:
+                    decode -= reply.num_tokens
+        return outputs, prefill or -decode
+
+    def settle(self) -> list[SeqOutput]:
+        """Deliver what is still to be sent (aborts, stops) and take every reply, so that a call
+        ends with nothing in flight; returns the replies' outputs."""
+        outputs = []
+        while True:
+            for i, replica in enumerate(self.replicas):
+                if not replica.busy and self.calls[i]:
+                    self._submit(i, step=False)
+            if not any(r.busy for r in self.replicas):
+                return outputs
+            for reply in self._replies():
+                outputs += reply.outputs
+
+    def _submit(self, i: int, step: bool) -> None:
+        call, self.calls[i] = self.calls[i], ReplicaCall()
+        call.step = step
+        try:
+            self.replicas[i].submit(call)
+        except ReplicaDied as e:
+            self._fail(str(e), e)
+
+    def _replies(self) -> list[ReplicaReply]:
+        """The replies that are ready (at least one); a dead replica raises."""
+        replies = []
+        for replica in self.wait(self.replicas):
+            try:
+                reply = replica.result()
+            except ReplicaDied as e:
+                self._fail(str(e), e)
+            self.has_work[replica.index] = not reply.finished
+            replica.stats = reply.stats
+            for out in reply.outputs:
+                if out.finish_reason is not None:
+                    self._ended(out.request_id, out.seq_id)
+            replies.append(reply)
+        return replies
+
+    def _fail(self, failure: str, cause: BaseException):
+        self.failure_message = f"{failure}; the engine has stopped, create a new LLM to continue"
+        self.exit()
+        raise RuntimeError(self.failure_message) from cause
+
+    def is_finished(self) -> bool:
+        return not (any(self.has_work) or any(self.calls) or any(r.busy for r in self.replicas))
+
+    def stats(self) -> dict:
+        """The replicas' counts summed (the KV-cache usage over all their blocks), as of their last
+        replies, and each replica's own under ``replicas``."""
+        per = [r.stats for r in self.replicas]
+        total = {key: sum(s[key] for s in per) for key in SUMMED_STATS}
+        blocks = [r.num_kvcache_blocks for r in self.replicas]
+        total["kv_cache_usage"] = sum(s["kv_cache_usage"] * b for s, b in zip(per, blocks)) / sum(blocks)
+        queries = total["prefix_cache_queries"]
+        total["prefix_cache_hit_rate"] = total["prefix_cache_hits"] / queries if queries else 0.0
+        total["replicas"] = per
+        return total
+
+    def exit(self) -> None:
+        for replica in self.replicas:
+            replica.exit(timeout=30.0 if self.failure_message is None else 2.0)

@@ -1,0 +1,68 @@
+"""One data-parallel replica's side: an engine core serving the front end's calls, as plain
+messages. A call carries the requests to add, abort and stop since the last one, and whether to
+step; the reply carries what the step gave, whether the replica has work left, and its counts.
+The same server runs in a process of this host (``replica_process``) or in a Ray actor
+(``replica_ray``)."""
+from dataclasses import dataclass, field
+
+from nanovllm.engine.core import EngineCore, SeqOutput
+from nanovllm.sampling_params import SamplingParams
+
+
+class ReplicaDied(RuntimeError):
+    """A replica's process or actor is gone; the message names it."""
+
+
+@dataclass
+class ReplicaCall:
+    """What the front end has for a replica: requests to queue (``EngineCore.add_request``'s
+    arguments), requests to abort, ``(seq_id, request_id)`` of sequences a stop string ended, and
+    whether to run a step after them."""
+
+    adds: list[tuple[int, list[int], SamplingParams, bool]] = field(default_factory=list)
+    aborts: list[int] = field(default_factory=list)
+    finishes: list[tuple[int, int]] = field(default_factory=list)
+    step: bool = True
+
+    def __bool__(self) -> bool:
+        """Whether it has anything to deliver."""
+        return bool(self.adds or self.aborts or self.finishes)
+
+
+@dataclass
+class ReplicaReply:
+    outputs: list[SeqOutput]
+    num_tokens: int  # EngineCore.step's: prefill tokens (> 0) or minus the sequences decoded
+    finished: bool  # nothing queued or in flight is left
+    stats: dict  # EngineCore.stats()
+
+
+class ReplicaServer:
+    """A replica's engine core, driven one call at a time."""
+
+    def __init__(self, config, eos_token_ids: list[int]):
+        from nanovllm.engine.executor import Executor  # torch: only where a replica runs
+
+        self.core = EngineCore(config, eos_token_ids, Executor(config))
+
+    def ready(self) -> tuple[int, dict]:
+        """The replica's KV-cache blocks and its counts, once it has started."""
+        return self.core.num_kvcache_blocks, self.core.stats()
+
+    def call(self, call: ReplicaCall) -> ReplicaReply:
+        core = self.core
+        for request_id, token_ids, sampling_params, report_every_step in call.adds:
+            core.add_request(request_id, token_ids, sampling_params, report_every_step)
+        for request_id in call.aborts:
+            core.abort_request(request_id)
+        for seq_id, request_id in call.finishes:
+            core.finish_sequence(seq_id, request_id)
+        outputs, num_tokens = [], 0
+        if call.step and not core.is_finished():
+            outputs, num_tokens = core.step()
+        if core.is_finished():
+            outputs += core.settle()  # nothing in flight while the replica waits for its next call
+        return ReplicaReply(outputs, num_tokens, core.is_finished(), core.stats())
+
+    def exit(self) -> None:
+        self.core.exit()

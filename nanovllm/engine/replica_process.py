@@ -1,0 +1,154 @@
+"""Data-parallel replicas in processes of this host (``data_parallel_backend="mp"``): each runs a
+``ReplicaServer`` on its own GPUs (replica r sees GPUs r·M … r·M+M−1, M the tensor-parallel size)
+and talks to the front end over a pipe. A replica that dies is seen at once through its process's
+sentinel."""
+import multiprocessing as mp
+import os
+import pickle
+import signal
+from multiprocessing.connection import wait as wait_handles
+
+from nanovllm.engine.replica import ReplicaCall, ReplicaDied, ReplicaReply, ReplicaServer
+
+
+def _picklable(error: BaseException) -> BaseException:
+    """``error`` if it survives the pipe, else a RuntimeError with its type and message."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {error}")
+
+
+def _replica_main(conn, config, eos_token_ids: list[int], visible_devices: str | None) -> None:
+    # a terminal's Ctrl-C reaches every process of its group: the front end alone decides what it
+    # means (its call's requests are aborted), and tells the replicas through their calls
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if visible_devices is not None:  # before anything touches CUDA
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
+    else:  # on the CPU the replicas share the cores (each would otherwise take them all)
+        import torch
+
+        torch.set_num_threads(max(1, torch.get_num_threads() // config.data_parallel_size))
+    try:
+        server = ReplicaServer(config, eos_token_ids)
+    except BaseException as e:
+        conn.send(_picklable(e))
+        return
+    try:
+        conn.send(server.ready())
+        while True:
+            try:
+                call = conn.recv()
+            except EOFError:  # the front end is gone
+                break
+            if call is None:
+                break
+            try:
+                reply = server.call(call)
+            except Exception as e:
+                reply = _picklable(e)
+            conn.send(reply)
+    finally:
+        server.exit()
+
+
+class ProcessReplica:
+    """The front end's handle on one replica process: ``submit`` a call, ``wait`` for any of several
+    replicas, then take the reply with ``result``."""
+
+    def __init__(self, index: int, config, eos_token_ids: list[int], visible_devices: str | None):
+        ctx = mp.get_context("spawn")
+        self.index = index
+        self.busy = False  # a call is on its way or being served
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(
+            target=_replica_main, args=(child, config, eos_token_ids, visible_devices),
+            name=f"nanovllm-replica{index}",  # not a daemon: a tensor-parallel replica starts workers
+        )
+        self.process.start()
+        child.close()  # so that a dead replica reads as the end of the pipe
+        self.num_kvcache_blocks = 0
+        self.stats: dict = {}
+
+    @classmethod
+    def start(cls, config, eos_token_ids: list[int]) -> list["ProcessReplica"]:
+        """Start ``data_parallel_size`` replicas side by side and wait until each has sized its KV
+        cache; if one fails, the others are stopped and its error raised."""
+        tp = config.tensor_parallel_size
+        devices = _gpu_ids(config) if config.resolved_device() == "cuda" else None
+        replicas = []
+        try:
+            for i in range(config.data_parallel_size):
+                visible = None if devices is None else ",".join(devices[i * tp : (i + 1) * tp])
+                replicas.append(cls(i, config, eos_token_ids, visible))
+            for replica in replicas:
+                replica.busy = True
+                replica.num_kvcache_blocks, replica.stats = replica.result()
+        except BaseException:
+            for replica in replicas:
+                replica.exit(timeout=5.0)
+            raise
+        return replicas
+
+    def failure(self) -> str:
+        self.process.join(1.0)  # its sentinel fires a moment before the exit status can be read
+        return f"data-parallel replica {self.index} (pid {self.process.pid}) exited with code {self.process.exitcode}"
+
+    def submit(self, call: ReplicaCall) -> None:
+        try:
+            self.conn.send(call)
+        except OSError as e:  # the pipe broke: the replica has died
+            raise ReplicaDied(self.failure()) from e
+        self.busy = True
+
+    def result(self) -> ReplicaReply:
+        """The reply to the submitted call (waits for it); the replica's own error is raised as
+        it is, its death as ``ReplicaDied`` naming it."""
+        self.busy = False
+        try:
+            reply = self.conn.recv()
+        except (EOFError, OSError) as e:
+            raise ReplicaDied(self.failure()) from e
+        if isinstance(reply, BaseException):
+            raise reply
+        return reply
+
+    @staticmethod
+    def wait(replicas: list["ProcessReplica"], timeout: float | None = None) -> list["ProcessReplica"]:
+        """Block until a busy replica's reply is ready or any replica has died; returns those."""
+        handles = {}
+        for replica in replicas:
+            handles[replica.process.sentinel] = replica
+            if replica.busy:
+                handles[replica.conn] = replica
+        ready = wait_handles(list(handles), timeout)
+        return list(dict.fromkeys(handles[h] for h in ready))
+
+    def exit(self, timeout: float = 30.0) -> None:
+        """Ask the replica to leave (its core releases its workers and memory), then wait for it,
+        killing it if it does not end in time."""
+        if self.process.is_alive():
+            try:
+                if self.busy and self.conn.poll(timeout):
+                    self.conn.recv()
+                self.conn.send(None)
+            except (OSError, EOFError):
+                pass
+        self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self.conn.close()
+        self.busy = False
+
+
+def _gpu_ids(config) -> list[str]:
+    """The GPUs this process sees, as CUDA_VISIBLE_DEVICES names them; the replicas need
+    ``data_parallel_size × tensor_parallel_size`` of them."""
+    import torch
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    ids = ids[: torch.cuda.device_count()]
+    return ids
