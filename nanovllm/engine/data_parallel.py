@@ -35,9 +35,26 @@ def replica_class(backend: str):
     return ProcessReplica
 
 
+def start_replicas(config, eos_token_ids: list[int]) -> list:
+    """Start ``data_parallel_size`` replicas side by side and wait until each has sized its KV
+    cache; if one fails, the others are stopped and its error raised."""
+    cls = replica_class(config.data_parallel_backend)
+    replicas = []
+    try:
+        for i, placement in enumerate(cls.placements(config)):
+            replicas.append(cls(i, config, eos_token_ids, placement))
+        for replica in replicas:
+            replica.wait_ready()
+    except BaseException:
+        for replica in replicas:
+            replica.exit(timeout=5.0)
+        raise
+    return replicas
+
+
 class DataParallelCore:
     def __init__(self, config, eos_token_ids: list[int]):
-        self.replicas = replica_class(config.data_parallel_backend).start(config, eos_token_ids)
+        self.replicas = start_replicas(config, eos_token_ids)
         self.wait = type(self.replicas[0]).wait
         self.num_kvcache_blocks = min(r.num_kvcache_blocks for r in self.replicas)
         n = len(self.replicas)

@@ -71,25 +71,18 @@ class ProcessReplica:
         self.num_kvcache_blocks = 0
         self.stats: dict = {}
 
-    @classmethod
-    def start(cls, config, eos_token_ids: list[int]) -> list["ProcessReplica"]:
-        """Start ``data_parallel_size`` replicas side by side and wait until each has sized its KV
-        cache; if one fails, the others are stopped and its error raised."""
-        tp = config.tensor_parallel_size
-        devices = _gpu_ids(config) if config.resolved_device() == "cuda" else None
-        replicas = []
-        try:
-            for i in range(config.data_parallel_size):
-                visible = None if devices is None else ",".join(devices[i * tp : (i + 1) * tp])
-                replicas.append(cls(i, config, eos_token_ids, visible))
-            for replica in replicas:
-                replica.busy = True
-                replica.num_kvcache_blocks, replica.stats = replica.result()
-        except BaseException:
-            for replica in replicas:
-                replica.exit(timeout=5.0)
-            raise
-        return replicas
+    @staticmethod
+    def placements(config) -> list[str | None]:
+        """Each replica's CUDA_VISIBLE_DEVICES (its M GPUs), or None for each on the CPU."""
+        if config.resolved_device() != "cuda":
+            return [None] * config.data_parallel_size
+        tp, devices = config.tensor_parallel_size, _gpu_ids()
+        return [",".join(devices[i * tp : (i + 1) * tp]) for i in range(config.data_parallel_size)]
+
+    def wait_ready(self) -> None:
+        """Wait until the replica has sized its KV cache (its start-up error is raised)."""
+        self.busy = True
+        self.num_kvcache_blocks, self.stats = self.result()
 
     def failure(self) -> str:
         self.process.join(1.0)  # its sentinel fires a moment before the exit status can be read
@@ -143,7 +136,7 @@ class ProcessReplica:
         self.busy = False
 
 
-def _gpu_ids(config) -> list[str]:
+def _gpu_ids() -> list[str]:
     """The GPUs this process sees, as CUDA_VISIBLE_DEVICES names them; the replicas need
     ``data_parallel_size × tensor_parallel_size`` of them."""
     import torch

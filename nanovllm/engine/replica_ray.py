@@ -28,10 +28,10 @@ class RayReplica:
                                                         name=None, max_restarts=0)
         self.actor = actor_class.remote(config, eos_token_ids)
 
-    @classmethod
-    def start(cls, config, eos_token_ids: list[int]) -> list["RayReplica"]:
-        """Start ``data_parallel_size`` replica actors and wait until each has sized its KV cache;
-        GPUs when the cluster has them (and ``device`` is not "cpu"), ``tensor_parallel_size`` each."""
+    @staticmethod
+    def placements(config) -> list[int]:
+        """GPUs of each replica's actor: ``tensor_parallel_size`` when the cluster has GPUs (and
+        ``device`` is not "cpu"), else 0."""
         if not ray.is_initialized():
             ray.init()
         dp, tp = config.data_parallel_size, config.tensor_parallel_size
@@ -42,21 +42,15 @@ class RayReplica:
         if num_gpus and dp * tp > gpus:
             raise ValueError(f"Config.data_parallel_size={dp} × tensor_parallel_size={tp} needs {dp * tp} GPUs, "
                              f"but the Ray cluster has {gpus}")
-        replicas = []
-        try:
-            for i in range(dp):
-                replicas.append(cls(i, config, eos_token_ids, num_gpus))
-            for replica in replicas:
-                if not replica.placement_group.wait(PLACEMENT_TIMEOUT):
-                    raise RuntimeError(f"data-parallel replica {replica.index}: the Ray cluster found no room for "
-                                       f"its bundle in {PLACEMENT_TIMEOUT:.0f} s")
-                replica.ref, replica.busy = replica.actor.ready.remote(), True
-                replica.num_kvcache_blocks, replica.stats = replica.result()
-        except BaseException:
-            for replica in replicas:
-                replica.exit(timeout=5.0)
-            raise
-        return replicas
+        return [num_gpus] * dp
+
+    def wait_ready(self) -> None:
+        """Wait until the actor is placed and has sized its KV cache (its start-up error is raised)."""
+        if not self.placement_group.wait(PLACEMENT_TIMEOUT):
+            raise RuntimeError(f"data-parallel replica {self.index}: the Ray cluster found no room for its "
+                               f"bundle in {PLACEMENT_TIMEOUT:.0f} s")
+        self.ref, self.busy = self.actor.ready.remote(), True
+        self.num_kvcache_blocks, self.stats = self.result()
 
     def submit(self, call: ReplicaCall) -> None:
         self.ref, self.busy = self.actor.call.remote(call), True
