@@ -85,6 +85,15 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (after a weight update its KV is stale): no block cached so far
+        is a hit from now on. Free blocks lose their hash and tokens. Blocks that sequences hold stay
+        theirs and keep their hash, from which their sequence's next full block chains, but they
+        leave the map, so no admission finds them."""
+        self.hash_to_block_id.clear()
+        for block_id in self.free_block_ids:
+            self.blocks[block_id].update(-1, [])
+
     def can_allocate(self, seq: Sequence, hits: list[int] | None = None) -> bool:
         """True when the free queue holds every block ``seq`` needs beyond its cached prefix
         (a hit on a freed-but-remembered block also comes out of the free queue). ``hits`` is

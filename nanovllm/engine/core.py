@@ -180,6 +180,22 @@ class EngineCore:
     def is_finished(self) -> bool:
         return self.scheduler.is_finished() and not self._owes_results()
 
+    # ---- weights and the prefix cache --------------------------------------------------------
+
+    def update_weights(self, weights: list) -> None:
+        """Copy ``(checkpoint name, tensor)`` pairs into the model on every rank (the executor
+        checks them all before any is written), then drop the prefix cache: its KV came from the
+        old weights. Only between requests: nothing queued, running or in flight."""
+        if not self.scheduler.is_finished() or self._launched is not None:
+            raise RuntimeError("update_weights needs an idle engine core: a request is queued, running or in flight")
+        self.executor.update_weights(weights)
+        self.reset_prefix_cache()
+
+    def reset_prefix_cache(self) -> bool:
+        """No block cached so far is a prefix-cache hit from now on (``BlockManager.reset_prefix_cache``)."""
+        self.scheduler.block_manager.reset_prefix_cache()
+        return True
+
     def stats(self) -> dict:
         bm = self.scheduler.block_manager
         return {

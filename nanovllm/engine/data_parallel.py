@@ -5,13 +5,14 @@ A request goes whole (all its ``n`` completions, which share its prompt's blocks
 with the fewest outstanding tokens (prompt and ``max_tokens`` of each completion, until it ends).
 The replicas run side by side: each step sends every replica that has work its next call (the
 requests added, aborted or stopped since its last one), then takes the replies that are ready,
-at least one. A replica that dies ends the engine with a RuntimeError naming it.
+at least one. A replica that dies ends the engine with a RuntimeError naming it. Weight updates
+and prefix-cache resets go to every replica as controls, between steps (``_control``).
 """
 import copy
 from dataclasses import dataclass
 
 from nanovllm.engine.core import SeqOutput
-from nanovllm.engine.replica import ReplicaCall, ReplicaDied, ReplicaReply
+from nanovllm.engine.replica import ReplicaCall, ReplicaControl, ReplicaDied, ReplicaReply
 from nanovllm.sampling_params import SamplingParams
 
 SUMMED_STATS = ("num_requests_running", "num_requests_waiting", "num_preemptions", "prompt_tokens",
@@ -134,8 +135,11 @@ class DataParallelCore:
     def _submit(self, i: int, step: bool) -> None:
         call, self.calls[i] = self.calls[i], ReplicaCall()
         call.step = step
+        self._send(i, call)
+
+    def _send(self, i: int, message: ReplicaCall | ReplicaControl) -> None:
         try:
-            self.replicas[i].submit(call)
+            self.replicas[i].submit(message)
         except ReplicaDied as e:
             self._fail(str(e), e)
 
@@ -154,6 +158,38 @@ class DataParallelCore:
                     self._ended(out.request_id, out.seq_id)
             replies.append(reply)
         return replies
+
+    # ---- controls: every replica, between steps ------------------------------------------------
+
+    def update_weights(self, weights: list) -> None:
+        """Every replica loads the ``(name, tensor)`` pairs (``EngineCore.update_weights``; each
+        checks them all before writing any, so they all refuse the same ones). The tensors are
+        moved to the CPU and pickled to each replica in turn: simple, not the fastest way to carry
+        a large model to many replicas."""
+        self._control("update_weights", [(name, tensor.cpu()) for name, tensor in weights])
+
+    def reset_prefix_cache(self) -> bool:
+        return all(self._control("reset_prefix_cache"))
+
+    def _control(self, method: str, *args) -> list:
+        """``EngineCore.<method>(*args)`` on every replica (none may have a call in flight:
+        ``settle`` first); returns what each returned. A replica's error is raised once every
+        replica has replied."""
+        if any(r.busy for r in self.replicas):
+            raise RuntimeError(f"{method}: a replica has a call in flight (settle() first)")
+        for i in range(len(self.replicas)):
+            self._send(i, ReplicaControl(method, args))
+        results, error = [], None
+        for replica in self.replicas:
+            try:
+                results.append(replica.result())
+            except ReplicaDied as e:
+                self._fail(str(e), e)
+            except Exception as e:
+                error = error or e
+        if error is not None:
+            raise error
+        return results
 
     def _fail(self, failure: str, cause: BaseException):
         self.failure_message = f"{failure}; the engine has stopped, create a new LLM to continue"

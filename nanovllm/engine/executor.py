@@ -12,6 +12,8 @@ from nanovllm.engine.model_runner import ModelRunner
 from nanovllm.engine.step import Step
 from nanovllm.engine.workers import WorkerGroup
 
+UPDATE_BATCH = 256  # weight-update entries per control message: a few tens of KB, well inside the channel
+
 
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -65,6 +67,25 @@ class Executor:
                 self.channel.write("run", step.for_workers())
             return self.runner.run(step)
         return self._guarded(launch)
+
+    def update_weights(self, weights: list) -> None:
+        """Copy ``(checkpoint name, tensor)`` pairs into the model on every rank, in place. Rank 0
+        checks them all first (``ModelRunner.plan_weights``: a ValueError leaves every rank as it
+        was); then the plan travels through the control channel in batches of at most
+        ``UPDATE_BATCH`` entries (names, shapes and loader arguments: plain data) and the tensors
+        by broadcasts from rank 0 (``ModelRunner.load_weights``)."""
+        if self.failure_message:
+            raise RuntimeError(self.failure_message)
+        entries = self.runner.plan_weights(weights)
+        tensors = [weights[entry.index][1] for entry in entries]
+
+        def load():
+            for start in range(0, len(entries), UPDATE_BATCH):
+                batch = entries[start : start + UPDATE_BATCH]
+                if self.channel is not None:
+                    self.channel.write("load_weights", batch)
+                self.runner.load_weights(batch, tensors[start : start + UPDATE_BATCH])
+        self._guarded(load)
 
     def result(self, output) -> tuple[list[int], list | None]:
         """A launched step's token ids and log-probabilities, once the device has them."""

@@ -151,6 +151,43 @@ class LLMEngine:
         return {**self.core.stats(), "prefill_throughput": self.last_throughput["prefill"],
                 "decode_throughput": self.last_throughput["decode"]}
 
+    # ---- weights and the prefix cache --------------------------------------------------------
+
+    def update_weights(self, weights) -> None:
+        """Copy new weights into the model in place, on every tensor-parallel rank and every
+        data-parallel replica, and drop the prefix cache (its KV came from the old weights): for
+        RL rollouts between training steps. ``weights``: ``(name, tensor)`` pairs under the
+        checkpoint's Hugging Face names (a trainer's ``model.state_dict().items()``, or any subset),
+        or a mapping of them; read once (a generator is fine); tensors on any device, in any
+        floating-point dtype. Fused projections, experts and tensor-parallel shards load as from
+        the checkpoint's files.
+
+        All or nothing: every tensor is checked before any is written; an unknown name or a shape
+        that config.json does not imply is a ValueError naming the tensor and both shapes, a pair
+        that is not a name and a floating-point tensor a TypeError, and the engine is unchanged.
+        Only between requests: with any request queued or running it is a RuntimeError (let them
+        finish, or abort them, first)."""
+        from nanovllm.utils.loader import named_tensors
+
+        self._check_running()
+        named = named_tensors(weights)
+        self._process(self.core.settle())  # a step computing only past its sequences' ends
+        if not self.core.is_finished():
+            stats = self.core.stats()
+            raise RuntimeError(
+                f"update_weights needs an idle engine, but sequences are queued (running "
+                f"{stats['num_requests_running']}, waiting {stats['num_requests_waiting']}): let them finish "
+                f"(generate, or step() until is_finished()) or abort them first"
+            )
+        self.core.update_weights(named)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache, on every replica: later requests hit nothing cached so far
+        (requests running now keep their blocks). Returns True."""
+        self._check_running()
+        self._process(self.core.settle())  # with replicas: no call in flight, so each takes this one
+        return self.core.reset_prefix_cache()
+
     # ---- offline calls -----------------------------------------------------------------------
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,

@@ -20,7 +20,8 @@ from nanovllm.sampling import Sampler, SamplerOutput
 from nanovllm.sampling.batch import make_sampling_batch
 from nanovllm.utils.context import Context, step_context
 from nanovllm.utils.distributed import abort_nccl, init_process_group, wait_device
-from nanovllm.utils.loader import init_dummy_weights, load_model
+from nanovllm.utils.loader import (WeightEntry, copy_weight, expected_shapes, init_dummy_weights, load_model,
+                                   plan_weights)
 from nanovllm.utils.profiling import phase
 
 
@@ -144,6 +145,34 @@ class ModelRunner:
         else:
             pinned = torch.tensor(data, dtype=dtype, pin_memory=True)
         return pinned.to(self.device, non_blocking=True)
+
+    # ---- weights in place ---------------------------------------------------------------------
+
+    def plan_weights(self, weights: list[tuple[str, torch.Tensor]]) -> list[WeightEntry]:
+        """Where each ``(checkpoint name, tensor)`` goes; a ValueError, before anything is written,
+        for an unknown name or a shape that ``config.json`` does not imply (rank 0 checks)."""
+        expected = expected_shapes(self.config.model, self.config.hf_config)
+        return plan_weights(self.model, [(name, tensor.shape) for name, tensor in weights], expected,
+                            " given to update_weights")
+
+    @torch.no_grad()
+    def load_weights(self, entries: list[WeightEntry], tensors: list[torch.Tensor] | None = None) -> None:
+        """Copy planned tensors into the parameters in place, each rank its shard (``copy_weight``).
+        Rank 0 has the ``tensors`` (one per entry); with tensor parallelism it broadcasts each one
+        from its device, in the parameter's dtype, and the other ranks (called with the entries
+        alone) receive it into a buffer of the entry's shape, one tensor at a time."""
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        for i, entry in enumerate(entries):
+            param = params[entry.target]
+            tensor = None if tensors is None else tensors[i]
+            if self.world_size > 1:
+                if tensor is None:
+                    tensor = torch.empty(entry.shape, dtype=param.dtype, device=self.device)
+                else:
+                    tensor = tensor.to(self.device, param.dtype).contiguous()
+                dist.broadcast(tensor, 0)
+            copy_weight(param, entry, tensor, " given to update_weights")
+        self.sync()
 
     # ---- device waits and the end ------------------------------------------------------------
 

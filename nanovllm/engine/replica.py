@@ -1,6 +1,7 @@
 """One data-parallel replica's side: an engine core serving the front end's calls, as plain
 messages. A call carries the requests to add, abort and stop since the last one, and whether to
-step; the reply carries what the step gave, whether the replica has work left, and its counts.
+step; the reply carries what the step gave, whether the replica has work left, and its counts. A
+control (a weight update, a prefix-cache reset) is a call of its own between steps.
 The same server runs in a process of this host (``replica_process``) or in a Ray actor
 (``replica_ray``)."""
 from dataclasses import dataclass, field
@@ -27,6 +28,20 @@ class ReplicaCall:
     def __bool__(self) -> bool:
         """Whether it has anything to deliver."""
         return bool(self.adds or self.aborts or self.finishes)
+
+
+@dataclass
+class ReplicaControl:
+    """A call outside the step loop, sent only while the replica is idle (no call in flight):
+    ``EngineCore.<method>(*args)`` for a method of ``CONTROL_METHODS``; the reply is what it
+    returns. ``update_weights``' tensors travel pickled, on the CPU, to each replica in turn:
+    simple, and as fast as a pipe (or Ray's object store) carries them."""
+
+    method: str
+    args: tuple = ()
+
+
+CONTROL_METHODS = ("update_weights", "reset_prefix_cache")
 
 
 @dataclass
@@ -63,6 +78,11 @@ class ReplicaServer:
         if core.is_finished():
             outputs += core.settle()  # nothing in flight while the replica waits for its next call
         return ReplicaReply(outputs, num_tokens, core.is_finished(), core.stats())
+
+    def control(self, control: ReplicaControl):
+        if control.method not in CONTROL_METHODS:
+            raise ValueError(f"unknown replica control {control.method!r}; known: {', '.join(CONTROL_METHODS)}")
+        return getattr(self.core, control.method)(*control.args)
 
     def exit(self) -> None:
         self.core.exit()

@@ -8,7 +8,7 @@ import pickle
 import signal
 from multiprocessing.connection import wait as wait_handles
 
-from nanovllm.engine.replica import ReplicaCall, ReplicaDied, ReplicaReply, ReplicaServer
+from nanovllm.engine.replica import ReplicaCall, ReplicaControl, ReplicaDied, ReplicaReply, ReplicaServer
 
 
 def _picklable(error: BaseException) -> BaseException:
@@ -45,7 +45,7 @@ def _replica_main(conn, config, eos_token_ids: list[int], visible_devices: str |
             if call is None:
                 break
             try:
-                reply = server.call(call)
+                reply = server.control(call) if isinstance(call, ReplicaControl) else server.call(call)
             except Exception as e:
                 reply = _picklable(e)
             conn.send(reply)
@@ -88,16 +88,16 @@ class ProcessReplica:
         self.process.join(1.0)  # its sentinel fires a moment before the exit status can be read
         return f"data-parallel replica {self.index} (pid {self.process.pid}) exited with code {self.process.exitcode}"
 
-    def submit(self, call: ReplicaCall) -> None:
+    def submit(self, call: ReplicaCall | ReplicaControl) -> None:
         try:
             self.conn.send(call)
         except OSError as e:  # the pipe broke: the replica has died
             raise ReplicaDied(self.failure()) from e
         self.busy = True
 
-    def result(self) -> ReplicaReply:
-        """The reply to the submitted call (waits for it); the replica's own error is raised as
-        it is, its death as ``ReplicaDied`` naming it."""
+    def result(self) -> ReplicaReply | bool | None:
+        """The reply to the submitted call (waits for it): a ``ReplicaReply``, or what a control
+        returned; the replica's own error is raised as it is, its death as ``ReplicaDied`` naming it."""
         self.busy = False
         try:
             reply = self.conn.recv()

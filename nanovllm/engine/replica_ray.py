@@ -7,7 +7,7 @@ from ray.exceptions import RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from nanovllm.engine.replica import ReplicaCall, ReplicaDied, ReplicaReply, ReplicaServer
+from nanovllm.engine.replica import ReplicaCall, ReplicaControl, ReplicaDied, ReplicaReply, ReplicaServer
 
 PLACEMENT_TIMEOUT = 300.0  # seconds to wait for a replica's GPUs to be free on the cluster
 
@@ -52,12 +52,14 @@ class RayReplica:
         self.ref, self.busy = self.actor.ready.remote(), True
         self.num_kvcache_blocks, self.stats = self.result()
 
-    def submit(self, call: ReplicaCall) -> None:
-        self.ref, self.busy = self.actor.call.remote(call), True
+    def submit(self, call: ReplicaCall | ReplicaControl) -> None:
+        method = self.actor.control if isinstance(call, ReplicaControl) else self.actor.call
+        self.ref, self.busy = method.remote(call), True
 
-    def result(self) -> ReplicaReply:
-        """The reply to the submitted call (waits for it); the replica's own error is raised as
-        it is (Ray's error is an instance of its type), the actor's death as ``ReplicaDied``."""
+    def result(self) -> ReplicaReply | bool | None:
+        """The reply to the submitted call (waits for it): a ``ReplicaReply``, or what a control
+        returned; the replica's own error is raised as it is (Ray's error is an instance of its
+        type), the actor's death as ``ReplicaDied``."""
         self.busy = False
         try:
             return ray.get(self.ref)

@@ -102,7 +102,29 @@ def weight_shapes(config: dict) -> dict[str, tuple[int, ...]]:
             inter = config["intermediate_size"]
             shapes[p + "mlp.gate_proj.weight"] = shapes[p + "mlp.up_proj.weight"] = (inter, hidden)
             shapes[p + "mlp.down_proj.weight"] = (hidden, inter)
+            if config.get("mlp_bias"):
+                shapes[p + "mlp.gate_proj.bias"] = shapes[p + "mlp.up_proj.bias"] = (inter,)
+                shapes[p + "mlp.down_proj.bias"] = (hidden,)
     return shapes
+
+
+def accepted_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """Every tensor name a checkpoint, or a transformers model's ``state_dict()``, may hold for
+    the config, with its full shape: ``weight_shapes``', plus a tied head under ``lm_head.weight``
+    too (a state_dict lists both names) and each sparse layer's experts fused as transformers 5
+    holds them (``experts.gate_up_proj`` [experts, 2 * inter, hidden], ``experts.down_proj``
+    [experts, hidden, inter])."""
+    shapes = weight_shapes(config)
+    aliases = {}
+    if config["tie_word_embeddings"]:
+        aliases["lm_head.weight"] = shapes["model.embed_tokens.weight"]
+    for name, shape in shapes.items():
+        if name.endswith(".experts.0.down_proj.weight"):
+            (hidden, inter), experts = shape, config["num_experts"]
+            prefix = name.removesuffix("0.down_proj.weight")
+            aliases[prefix + "gate_up_proj"] = (experts, 2 * inter, hidden)
+            aliases[prefix + "down_proj"] = (experts, hidden, inter)
+    return shapes | aliases
 
 
 def _is_sparse(config: dict, layer_idx: int) -> bool:

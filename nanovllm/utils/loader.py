@@ -1,6 +1,10 @@
-"""Load a Hugging Face safetensors checkpoint into a model built from the parallel layers."""
+"""Load a Hugging Face safetensors checkpoint into a model built from the parallel layers, from its
+files or from tensors in memory (``update_weights``): both go through ``plan_weights``, which
+checks every tensor before any is written, and ``copy_weight``, which writes one in place."""
 import os
+from collections.abc import Iterable, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from glob import glob
 
 import torch
@@ -8,16 +12,68 @@ from safetensors import safe_open
 from torch import nn
 
 
+@dataclass(frozen=True)
+class WeightEntry:
+    """One checkpoint tensor's way into the model: ``params[target].weight_loader(param, tensor,
+    *args)``. ``index``: its position in what was planned. Plain data: it travels to the
+    tensor-parallel workers through the control channel, the tensor itself by a broadcast."""
+
+    index: int
+    name: str  # the checkpoint (Hugging Face) name
+    target: str  # the parameter it goes to (a fused one for q/k/v, gate/up and the experts)
+    args: tuple  # the loader's arguments after the tensor: shard id, expert
+    shape: tuple[int, ...]  # the full (unsharded) shape, as checked
+
+
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded)
 
 
+def plan_weights(model: nn.Module, shapes: Iterable[tuple[str, tuple[int, ...]]],
+                 expected: dict[str, tuple[int, ...]], where: str = "") -> list[WeightEntry]:
+    """Where each ``(checkpoint name, shape)`` goes, every one checked before anything is written:
+    a name the model does not have, or a shape that is not the one ``config.json`` implies
+    (``expected``, from ``expected_shapes``), is a ValueError naming the tensor, ``where`` it
+    comes from and both shapes. Names the model fuses (``model.packed_modules_mapping``, e.g.
+    q/k/v -> qkv_proj) go to the fused parameter with their shard id; a model may map other names
+    first (``model.map_checkpoint_name(name)`` -> (parameter name, loader arguments) or None), as
+    Qwen3-MoE does for its per-expert tensors. RoPE's ``inv_freq`` buffers are skipped."""
+    packed = getattr(model, "packed_modules_mapping", {})
+    map_name = getattr(model, "map_checkpoint_name", lambda name: None)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    entries = []
+    for index, (name, shape) in enumerate(shapes):
+        if name.endswith("rotary_emb.inv_freq"):
+            continue
+        mapped = map_name(name)
+        target, args = mapped if mapped is not None else packed_target(name, packed)
+        if target not in params or name not in expected:
+            raise ValueError(f"checkpoint tensor {name!r}{where} has no matching model parameter")
+        shape = tuple(shape)
+        if shape != expected[name]:
+            raise ValueError(f"checkpoint tensor {name!r}{where} has shape {shape}, but config.json implies "
+                             f"{expected[name]}: the tensor and the model's config.json disagree")
+        entries.append(WeightEntry(index, name, target, args, shape))
+    return entries
+
+
+def copy_weight(param: nn.Parameter, entry: WeightEntry, tensor: torch.Tensor, where: str = "") -> None:
+    """Copy this rank's shard of ``tensor`` into ``param`` in place (its storage is kept, so CUDA
+    graphs stay valid), through the parameter's ``weight_loader``; the copy converts the dtype
+    and the device."""
+    loader = getattr(param, "weight_loader", default_weight_loader)
+    try:
+        loader(param, tensor, *entry.args)
+    except RuntimeError as e:  # a shape the config check could not know
+        raise ValueError(
+            f"checkpoint tensor {entry.name!r}{where} with shape {tuple(tensor.shape)} does not fit "
+            f"parameter {entry.target!r} with shape {tuple(param.shape)}: {e}"
+        ) from e
+
+
 def load_model(model: nn.Module, path: str, hf_config=None) -> None:
     """Copy every tensor of ``path/*.safetensors`` into ``model``, each parameter taking its own
-    shard through its ``weight_loader``. Checkpoint names that the model fuses
-    (``model.packed_modules_mapping``, e.g. q/k/v -> qkv_proj) go to the fused parameter with their
-    shard id; a model may map other names first (``model.map_checkpoint_name(name)`` -> (parameter
-    name, loader arguments) or None), as Qwen3-MoE does for its per-expert tensors.
+    shard through its ``weight_loader`` (``plan_weights``, ``copy_weight``).
 
     Every file's header is read first, and before any weight loads, an unreadable or truncated
     file, an unknown tensor, a tensor whose shape is not the one ``config.json`` implies
@@ -28,56 +84,56 @@ def load_model(model: nn.Module, path: str, hf_config=None) -> None:
     if not files:
         raise ValueError(f"no *.safetensors files in model folder {path!r}")
     expected = expected_shapes(path, hf_config)
-    packed = getattr(model, "packed_modules_mapping", {})
-    map_name = getattr(model, "map_checkpoint_name", lambda name: None)
     params = dict(model.named_parameters(remove_duplicate=False))
-    plan: list[tuple[str, list[tuple[str, str, tuple]]]] = []  # file -> (tensor, parameter, loader arguments)
+    plan: list[tuple[str, list[WeightEntry]]] = []
     for file in files:
         with _open(file) as f:
-            entries = []
-            for name in f.keys():
-                if name.endswith("rotary_emb.inv_freq"):
-                    continue
-                mapped = map_name(name)
-                target, args = mapped if mapped is not None else packed_target(name, packed)
-                if target not in params:
-                    raise ValueError(f"checkpoint tensor {name!r} in {file} has no matching model parameter")
-                shape = tuple(f.get_slice(name).get_shape())
-                if name in expected and shape != expected[name]:
-                    raise ValueError(
-                        f"checkpoint tensor {name!r} in {file} has shape {shape}, but config.json implies "
-                        f"{expected[name]}: the folder's config.json and weights disagree"
-                    )
-                entries.append((name, target, args))
-            plan.append((file, entries))
-    loaded_ids = {id(params[target]) for _, entries in plan for _, target, _ in entries}  # a tied weight loads under either name
+            shapes = [(name, tuple(f.get_slice(name).get_shape())) for name in f.keys()]
+        plan.append((file, plan_weights(model, shapes, expected, f" in {file}")))
+    # a tied weight loads under either name
+    loaded_ids = {id(params[e.target]) for _, entries in plan for e in entries}
     missing = [name for name, param in params.items() if id(param) not in loaded_ids]
     if missing:
         raise ValueError(f"checkpoint {path!r} lacks weights for: {', '.join(sorted(missing)[:8])}")
     for file, entries in plan:
         with _open(file) as f:
-            for name, target, args in entries:
-                param = params[target]
-                loader = getattr(param, "weight_loader", default_weight_loader)
+            for entry in entries:
                 try:
-                    tensor = f.get_tensor(name)
+                    tensor = f.get_tensor(entry.name)
                 except Exception as e:
-                    raise ValueError(f"cannot read tensor {name!r} from {file}: {e}") from e
-                try:
-                    loader(param, tensor, *args)
-                except RuntimeError as e:  # a shape the config check could not know
-                    raise ValueError(
-                        f"checkpoint tensor {name!r} in {file} with shape {tuple(tensor.shape)} does not fit "
-                        f"parameter {target!r} with shape {tuple(param.shape)}: {e}"
-                    ) from e
+                    raise ValueError(f"cannot read tensor {entry.name!r} from {file}: {e}") from e
+                copy_weight(params[entry.target], entry, tensor, f" in {file}")
     missing = [f"{name}.{m}" for name, module in model.named_modules() for m in getattr(module, "missing", lambda: [])()]
     if missing:
         raise ValueError(f"checkpoint {path!r} lacks weights for: {', '.join(sorted(missing)[:8])}")
 
 
+def named_tensors(weights) -> list[tuple[str, torch.Tensor]]:
+    """``update_weights``' argument as a list, read once (it may be a generator): ``(name,
+    tensor)`` pairs, or a mapping of them. A pair that is not a name and a floating-point tensor
+    is a TypeError naming it. The tensors are detached (a trainer's may require grad)."""
+    items = weights.items() if isinstance(weights, Mapping) else weights
+    try:
+        items = list(items)
+    except TypeError:
+        raise TypeError(f"weights must be an iterable of (name, tensor) pairs, got {type(weights).__name__}") from None
+    named = []
+    for i, item in enumerate(items):
+        if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)):
+            raise TypeError(f"weights[{i}] must be a (name, tensor) pair, got {type(item).__name__}")
+        name, tensor = item
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"weight {name!r} must be a torch.Tensor, got {type(tensor).__name__}")
+        if not tensor.is_floating_point():
+            raise TypeError(f"weight {name!r} must be a floating-point tensor, got {tensor.dtype}")
+        named.append((name, tensor.detach()))
+    return named
+
+
 def expected_shapes(path: str, hf_config=None) -> dict[str, tuple[int, ...]]:
-    """Checkpoint tensor name -> the full (unsharded) shape the folder's config.json implies."""
-    from nanovllm.utils.checkpoint import weight_shapes
+    """Checkpoint tensor name -> the full (unsharded) shape the folder's config.json implies, under
+    every name a checkpoint or a transformers ``state_dict()`` may use (``accepted_shapes``)."""
+    from nanovllm.utils.checkpoint import accepted_shapes
 
     if hf_config is None:
         from transformers import AutoConfig
@@ -85,7 +141,7 @@ def expected_shapes(path: str, hf_config=None) -> dict[str, tuple[int, ...]]:
         hf_config = AutoConfig.from_pretrained(path)
     values = hf_config.to_dict()  # under transformers' names, and under the aliases models read
     values.update({alias: getattr(hf_config, alias) for alias in getattr(hf_config, "attribute_map", {})})
-    return {name: tuple(shape) for name, shape in weight_shapes(values).items()}
+    return {name: tuple(shape) for name, shape in accepted_shapes(values).items()}
 
 
 @contextmanager

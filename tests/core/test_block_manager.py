@@ -306,6 +306,40 @@ def test_can_allocate_counts_free_remembered_hits_but_not_in_use_hits():
     assert not bm.can_allocate(f)
 
 
+def test_reset_prefix_cache_forgets_every_hash_and_keeps_held_blocks():
+    """Free blocks lose their content; a held block keeps its table entry and hash but is no hit,
+    and the sequence holding it goes on hashing from it."""
+    bm = BlockManager(8, 4)
+    a = make_seq(PREFIX + [1])  # blocks 0, 1, 2
+    b = make_seq([31, 32, 33, 34, 35])  # blocks 3, 4
+    bm.allocate(a)
+    bm.allocate(b)
+    compute(bm, a)
+    compute(bm, b)
+    bm.deallocate(b)
+    h = expected_chain(PREFIX, 4)
+    assert bm.hash_to_block_id == {h[0]: 0, h[1]: 1, expected_hash([31, 32, 33, 34]): 3}
+
+    bm.reset_prefix_cache()
+    assert bm.hash_to_block_id == {}
+    assert [bm.blocks[i].hash for i in (3, 4)] == [-1, -1] and bm.blocks[3].token_ids == []
+    assert [bm.blocks[i].hash for i in (0, 1)] == h and a.block_table == [0, 1, 2]
+    assert bm.blocks[0].ref_count == 1
+    check_block_invariants(bm, [a])
+
+    again = make_seq(PREFIX + [1])
+    assert bm.cached_prefix(again) == []
+    bm.allocate(again)
+    assert again.block_table == [5, 6, 7] and again.num_cached_tokens == 0
+    for token in (2, 3, 4):  # a fills block 2; its hash chains from block 1's
+        a.append_token(token)
+        bm.may_append(a)
+        compute(bm, a)
+    assert bm.blocks[2].hash == expected_hash([1, 2, 3, 4], h[1])
+    assert bm.hash_to_block_id == {bm.blocks[2].hash: 2}
+    check_block_invariants(bm, [a, again])
+
+
 # ---- decode growth ---------------------------------------------------------------------------
 
 

@@ -1,9 +1,12 @@
 """Data-parallel replicas as Ray actors, on a local Ray cluster of CPUs: the tokens one engine
-gives (greedy, seeded, streamed), every replica idle after an early break, and an actor that dies
-is a clear error."""
+gives (greedy, seeded, streamed), every replica idle after an early break, weight updates and
+prefix-cache resets on every actor, and an actor that dies is a clear error."""
+import os
 import threading
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from dp_helpers import assert_idle, seeded_params, streamed, summary, workload
 from hf_reference import BLOCK_SIZE, random_prompts
@@ -38,8 +41,25 @@ def test_ray_replicas_give_what_one_engine_gives(cluster, ckpt_tied):
                 for _ in llm.stream(prompts, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)):
                     break
                 assert_idle(llm)
+                check_controls(llm, ckpt_tied.path, prompts, params, results[0][0])
     assert results[1] == results[0]
     assert results[0][2] == results[0][0]  # the stream concatenates to generate's outputs
+
+
+def check_controls(llm: LLM, path: str, prompts, params, want) -> None:
+    """Weight updates and prefix-cache resets reach every actor: a zero final norm makes every
+    logit 0 (greedy token 0 everywhere), the checkpoint's own tensor brings the tokens back."""
+    fresh, greedy = random_prompts(7, [40, 33]), SamplingParams(temperature=0, max_tokens=4)
+    cached = [[o["num_cached_tokens"] for o in llm.generate(fresh, greedy, use_tqdm=False)] for _ in range(2)]
+    assert llm.reset_prefix_cache() is True
+    cached.append([o["num_cached_tokens"] for o in llm.generate(fresh, greedy, use_tqdm=False)])
+    assert cached == [[0, 0], [32, 32], [0, 0]]
+    norm = load_file(os.path.join(path, "model.safetensors"))["model.norm.weight"]
+    llm.update_weights([("model.norm.weight", torch.zeros_like(norm))])
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert {t for o in outputs for c in o["outputs"] for t in c["token_ids"]} == {0}
+    llm.update_weights({"model.norm.weight": norm})
+    assert summary(llm.generate(prompts, params, use_tqdm=False)) == want
 
 
 def test_a_dead_actor_is_a_clear_error(cluster, ckpt_tied):

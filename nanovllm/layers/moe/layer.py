@@ -34,6 +34,7 @@ class Experts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
         tp_size = get_tp_size()
+        self.tp_rank = get_tp_rank()  # the group's, when built: an engine of one rank may live beside a group
         if intermediate_size % tp_size:
             raise ValueError(f"moe_intermediate_size ({intermediate_size}) must be divisible by "
                              f"tensor_parallel_size ({tp_size})")
@@ -46,7 +47,7 @@ class Experts(nn.Module):
         self.loaded: set[tuple[str, int, int]] = set()  # (parameter, expert, shard) seen by load_expert
 
     def _slice(self, loaded: torch.Tensor, dim: int) -> torch.Tensor:
-        return loaded.narrow(dim, get_tp_rank() * self.inter, self.inter)
+        return loaded.narrow(dim, self.tp_rank * self.inter, self.inter)
 
     def load_gate_up(self, param: nn.Parameter, loaded: torch.Tensor, expert: int | None = None,
                      shard: int | None = None) -> None:
@@ -98,6 +99,7 @@ class SparseMoeBlock(nn.Module):
             raise ValueError(f"num_experts_per_tok must be in [1, num_experts={num_experts}], got {top_k}")
         self.top_k = top_k
         self.renormalize = renormalize
+        self.tp_size = get_tp_size()
         self.gate = ReplicatedLinear(hidden_size, num_experts)
         self.experts = Experts(num_experts, hidden_size, intermediate_size)
 
@@ -105,6 +107,6 @@ class SparseMoeBlock(nn.Module):
         weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
         run = fused_moe if x.is_cuda else fused_moe_torch
         out = run(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
-        if get_tp_size() > 1:
+        if self.tp_size > 1:
             dist.all_reduce(out)
         return out
