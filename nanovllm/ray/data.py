@@ -1,0 +1,303 @@
+"""Ray Data batch inference: a dataset's rows through an actor pool of nano-vllm engines.
+
+Columns in, with the names of Ray Data's own LLM processors (``ray.data.llm``): ``prompt`` (text
+or a list of token ids) or ``messages`` (a conversation, through the model's chat template, with
+the row's ``chat_template_kwargs`` when it has them), and optionally ``sampling_params`` (a dict of
+``SamplingParams`` fields). Columns out: every input column, plus ``generated_text``,
+``generated_tokens``, ``num_input_tokens``, ``num_generated_tokens`` and ``finish_reason``.
+
+Batches reach the engines as Arrow tables (``batch_format="pyarrow"``) and only the request
+columns are read from them, as Python values: Ray's NumPy batches would turn a struct's integer
+field that is null in another row into a float (``max_tokens=3.0``) and lists into object arrays.
+The other columns pass through untouched, so they come out with the types they went in with.
+"""
+import os
+import reprlib
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields, replace
+
+try:
+    import pyarrow as pa
+    import ray
+    import ray.data
+except ImportError as e:  # the optional extra is missing
+    raise ImportError('nanovllm.ray needs Ray Data: pip install -e ".[ray]" (or pip install "ray[data]>=2.40")') from e
+
+from nanovllm.config import Config
+from nanovllm.sampling_params import SamplingParams
+
+REQUEST_COLUMNS = ("prompt", "messages", "sampling_params", "chat_template_kwargs")
+OUTPUT_TYPES = {
+    "generated_text": pa.string(),
+    "generated_tokens": pa.list_(pa.int64()),
+    "num_input_tokens": pa.int64(),
+    "num_generated_tokens": pa.int64(),
+    "finish_reason": pa.string(),
+}
+ENGINE_KWARGS = tuple(name for name in Config.field_names() if name != "model")
+SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
+
+_short = reprlib.Repr()  # values in error messages
+_short.maxstring, _short.maxother, _short.maxlist, _short.maxdict = 60, 60, 8, 12
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_count(name: str, value, low: int = 1) -> None:
+    if not _is_int(value):
+        raise TypeError(f"ProcessorConfig.{name} must be an int, got {value!r} ({type(value).__name__})")
+    if value < low:
+        raise ValueError(f"ProcessorConfig.{name} must be >= {low}, got {value}")
+
+
+@dataclass(frozen=True)
+class ProcessorConfig:
+    """How ``build_llm_processor`` runs the engines; every value is checked here.
+
+    model_source: the model folder, at this path on every node that runs an engine.
+    engine_kwargs: ``LLM()`` keywords, the same for every engine; an unknown one is a TypeError
+        here (their values are checked by each engine as it starts).
+    concurrency: engines in the actor pool: an int, or ``(min, max)`` for a pool that Ray Data
+        grows and shrinks between those sizes.
+    batch_size: rows per batch sent to an engine (one ``generate`` call each).
+    num_gpus: GPUs each engine's actor asks Ray for. None: when the processor is applied to a
+        dataset, ``tensor_parallel_size`` if the cluster has GPUs, else 0 (an autoscaling cluster
+        with no GPU node up yet counts as CPU-only: set it there).
+    """
+
+    model_source: str
+    engine_kwargs: dict = field(default_factory=dict)
+    concurrency: int | tuple[int, int] = 1
+    batch_size: int = 64
+    num_gpus: float | None = None
+
+    def __post_init__(self) -> None:
+        source = self.model_source
+        if not isinstance(source, (str, os.PathLike)) or not os.fspath(source):
+            kind = ValueError if isinstance(source, (str, os.PathLike)) else TypeError
+            raise kind(f"ProcessorConfig.model_source must be the path of a model folder, got {source!r}")
+        object.__setattr__(self, "model_source", os.fspath(source))
+        self._check_engine_kwargs()
+        concurrency = self.concurrency
+        if isinstance(concurrency, tuple):
+            if len(concurrency) != 2 or not all(_is_int(c) for c in concurrency):
+                raise TypeError(f"ProcessorConfig.concurrency must be an int or a (min, max) tuple of ints, "
+                                f"got {concurrency!r}")
+            if not 1 <= concurrency[0] <= concurrency[1]:
+                raise ValueError(f"ProcessorConfig.concurrency as (min, max) must have 1 <= min <= max, "
+                                 f"got {concurrency!r}")
+        elif not _is_int(concurrency):
+            raise TypeError(f"ProcessorConfig.concurrency must be an int or a (min, max) tuple of ints, "
+                            f"got {concurrency!r} ({type(concurrency).__name__})")
+        else:
+            _check_count("concurrency", concurrency)
+        _check_count("batch_size", self.batch_size)
+        self._check_num_gpus()
+
+    def _check_engine_kwargs(self) -> None:
+        kwargs = self.engine_kwargs
+        if not isinstance(kwargs, dict):
+            raise TypeError(f"ProcessorConfig.engine_kwargs must be a dict of LLM() keywords, "
+                            f"got {type(kwargs).__name__}")
+        for key in kwargs:
+            if key == "model":
+                raise TypeError("ProcessorConfig.engine_kwargs must not hold 'model': model_source names the model")
+            if key not in ENGINE_KWARGS:
+                raise TypeError(f"ProcessorConfig.engine_kwargs holds {key!r}, which LLM() does not accept; "
+                                f"accepted: {', '.join(ENGINE_KWARGS)}")
+        tp = kwargs.get("tensor_parallel_size", 1)
+        if not _is_int(tp) or tp < 1:
+            kind = ValueError if _is_int(tp) else TypeError
+            raise kind(f"ProcessorConfig.engine_kwargs['tensor_parallel_size'] must be an int >= 1, got {tp!r}")
+        object.__setattr__(self, "engine_kwargs", dict(kwargs))  # its own copy: the caller's later changes stay out
+
+    def _check_num_gpus(self) -> None:
+        gpus = self.num_gpus
+        if gpus is None:
+            return
+        if isinstance(gpus, bool) or not isinstance(gpus, (int, float)):
+            raise TypeError(f"ProcessorConfig.num_gpus must be a number or None, got {gpus!r} ({type(gpus).__name__})")
+        if not 0 <= gpus < float("inf"):
+            raise ValueError(f"ProcessorConfig.num_gpus must be a finite number >= 0 or None, got {gpus!r}")
+        tp = self.tensor_parallel_size
+        if tp > 1 and 0 < gpus < tp:  # one engine may share a GPU (a fraction); tensor-parallel ranks need one each
+            raise ValueError(f"ProcessorConfig.num_gpus must be 0 (engines on the CPU) or at least "
+                             f"tensor_parallel_size={tp}, got {gpus}")
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.engine_kwargs.get("tensor_parallel_size", 1)
+
+    def resolved_num_gpus(self, cluster_gpus: float) -> float:
+        """GPUs per engine: ``num_gpus`` when set, else ``tensor_parallel_size`` when the cluster
+        has GPUs (``cluster_gpus > 0``), else 0."""
+        if self.num_gpus is not None:
+            return self.num_gpus
+        return self.tensor_parallel_size if cluster_gpus > 0 else 0
+
+
+def _plain(value):
+    """A value as plain Python: NumPy arrays and scalars (what Ray hands over for a column that a
+    ``preprocess`` filled with arrays) as lists and Python numbers, inside lists and dicts too."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if hasattr(value, "tolist") and hasattr(value, "dtype"):  # np.ndarray, NumPy scalars
+        return _plain(value.tolist())
+    return value
+
+
+def _without_nulls(d: dict) -> dict:
+    """Arrow gives every row of a struct column every key that any row has (None where it had none)."""
+    return {k: v for k, v in d.items() if v is not None}
+
+
+def _describe(row: dict) -> str:
+    """A row for an error message: its columns in the dataset's order (so that an id column names
+    it), long values shortened, the None values Arrow filled in left out."""
+    return "{" + ", ".join(f"{k!r}: {_short.repr(_plain(v))}" for k, v in _without_nulls(row).items()) + "}"
+
+
+class _EngineReplica:
+    """One engine of the actor pool: builds its ``LLM`` once, then completes the batches Ray Data
+    sends it, one ``generate`` call per batch. A bad row fails its batch before any row is queued."""
+
+    def __init__(self, model_source: str, engine_kwargs: dict):
+        from nanovllm import LLM
+
+        self.llm = LLM(model_source, **engine_kwargs)
+        self.defaults = self.llm.get_default_sampling_params()
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        present = [name for name in REQUEST_COLUMNS if name in batch.column_names]
+        columns = {name: _plain(batch.column(name).to_pylist()) for name in present}
+        requests = []
+        for i in range(batch.num_rows):
+            try:
+                requests.append(self.request({name: values[i] for name, values in columns.items()}))
+            except (TypeError, ValueError) as e:
+                kind = TypeError if isinstance(e, TypeError) else ValueError
+                raise kind(f"nanovllm.ray: row {_describe(batch.slice(i, 1).to_pylist()[0])}: {e}") from None
+        if not requests:
+            return _with_outputs(batch, [])
+        outputs = self.llm.generate([ids for ids, _ in requests], [sp for _, sp in requests], use_tqdm=False)
+        return _with_outputs(batch, outputs)
+
+    def request(self, row: dict) -> tuple[list[int], SamplingParams]:
+        """One row's prompt token ids and sampling params, every value checked (as ``generate``
+        checks them: the token ids against the vocabulary, the length against the cache)."""
+        prompt, messages = row.get("prompt"), row.get("messages")
+        if prompt is None and messages is None:
+            raise ValueError("a row needs a 'prompt' (text or token ids) or 'messages' (a conversation); "
+                             "it has neither")
+        if prompt is not None and messages is not None:
+            raise ValueError("a row needs one of 'prompt' and 'messages'; it has both")
+        sampling_params = self.sampling_params(row.get("sampling_params"))
+        if messages is not None:
+            token_ids = self.chat_prompt(messages, row.get("chat_template_kwargs"))
+            return self.llm.inputs.check(token_ids, sampling_params, "'messages'"), sampling_params
+        return self.llm.inputs.check(prompt, sampling_params, "'prompt'"), sampling_params
+
+    def sampling_params(self, value) -> SamplingParams:
+        """The model folder's recommended settings (``get_default_sampling_params``: what
+        ``generate`` uses without params) with the row's fields over them. None values are left
+        out, so a row that sets no field, or has no ``sampling_params``, gets the defaults."""
+        if value is None:
+            return self.defaults
+        if not isinstance(value, dict):
+            raise TypeError(f"'sampling_params' must be a dict of SamplingParams fields, "
+                            f"got {value!r} ({type(value).__name__})")
+        given = _without_nulls(value)
+        for key in given:
+            if key not in SAMPLING_FIELDS:
+                raise TypeError(f"'sampling_params' holds {key!r}, which is not a SamplingParams field; "
+                                f"fields: {', '.join(SAMPLING_FIELDS)}")
+        if given.get("n", 1) != 1:
+            raise ValueError(f"'sampling_params': n must be 1 (one output row per input row), got {given['n']!r}")
+        try:
+            return replace(self.defaults, **given)
+        except (TypeError, ValueError) as e:
+            kind = TypeError if isinstance(e, TypeError) else ValueError
+            raise kind(f"'sampling_params': {e}") from None
+
+    def chat_prompt(self, messages, template_kwargs) -> list[int]:
+        """A conversation's token ids through the chat template, as ``LLM.chat`` makes them."""
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            raise TypeError(f"'messages' must be a non-empty list of {{'role', 'content'}} dicts, got {messages!r}")
+        conversation = [_without_nulls(m) for m in messages]
+        for m in conversation:
+            if not (isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                raise TypeError(f"'messages': a message must have str 'role' and 'content', got {m!r}")
+        if template_kwargs is not None and not isinstance(template_kwargs, dict):
+            raise TypeError(f"'chat_template_kwargs' must be a dict or None, got {template_kwargs!r}")
+        return self.llm.inputs.chat_prompts([conversation], _without_nulls(template_kwargs or {}))[0]
+
+
+def _with_outputs(batch: pa.Table, outputs: list[dict]) -> pa.Table:
+    """The batch's own columns, then the output columns (replacing any of those names it had)."""
+    values = {
+        "generated_text": [o["text"] for o in outputs],
+        "generated_tokens": [o["token_ids"] for o in outputs],
+        "num_input_tokens": [len(o["prompt_token_ids"]) for o in outputs],
+        "num_generated_tokens": [len(o["token_ids"]) for o in outputs],
+        "finish_reason": [o["finish_reason"] for o in outputs],
+    }
+    for name, column in values.items():
+        array = pa.array(column, OUTPUT_TYPES[name])
+        if name in batch.column_names:
+            batch = batch.set_column(batch.column_names.index(name), name, array)
+        else:
+            batch = batch.append_column(name, array)
+    return batch
+
+
+def _actor_pool(concurrency: int | tuple[int, int]) -> "ray.data.ActorPoolStrategy":
+    if isinstance(concurrency, tuple):
+        return ray.data.ActorPoolStrategy(min_size=concurrency[0], max_size=concurrency[1])
+    return ray.data.ActorPoolStrategy(size=concurrency)
+
+
+def _cluster_gpus() -> float:
+    if not ray.is_initialized():
+        ray.init()  # as Ray Data does on a dataset's first execution
+    return ray.cluster_resources().get("GPU", 0)
+
+
+def build_llm_processor(
+    config: ProcessorConfig,
+    preprocess: Callable[[dict], dict] | None = None,
+    postprocess: Callable[[dict], dict] | None = None,
+) -> Callable[["ray.data.Dataset"], "ray.data.Dataset"]:
+    """A function ``Dataset -> Dataset``: ``preprocess`` on each row (``Dataset.map``), the rows
+    through an actor pool of ``config.concurrency`` engines (``map_batches``, ``config.batch_size``
+    rows per batch), then ``postprocess`` on each row; its rows are what ``postprocess`` returns.
+    Lazy like every Ray Data transform: the engines start when the dataset is consumed, once for
+    each execution."""
+    if not isinstance(config, ProcessorConfig):
+        raise TypeError(f"config must be a ProcessorConfig, got {type(config).__name__}")
+    for name, fn in (("preprocess", preprocess), ("postprocess", postprocess)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{name} must be a function from row (dict) to row, or None, got {fn!r}")
+
+    def process(ds: ray.data.Dataset) -> ray.data.Dataset:
+        if not isinstance(ds, ray.data.Dataset):
+            raise TypeError(f"the processor takes a ray.data.Dataset, got {type(ds).__name__}")
+        num_gpus = config.resolved_num_gpus(_cluster_gpus() if config.num_gpus is None else 0)
+        if preprocess is not None:
+            ds = ds.map(preprocess)
+        ds = ds.map_batches(
+            _EngineReplica,
+            fn_constructor_kwargs={"model_source": config.model_source, "engine_kwargs": config.engine_kwargs},
+            batch_size=config.batch_size,
+            batch_format="pyarrow",
+            compute=_actor_pool(config.concurrency),
+            num_gpus=num_gpus,
+        )
+        if postprocess is not None:
+            ds = ds.map(postprocess)
+        return ds
+
+    return process
