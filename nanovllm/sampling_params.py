@@ -37,8 +37,9 @@ def _checked(values: dict) -> dict:
         _check_number(v, name, lambda x: -2 <= x <= 2, "in [-2, 2] (0 = off)")
     if v["seed"] is not None and not _is_int(v["seed"]):
         raise TypeError(f"SamplingParams.seed must be an int or None, got {v['seed']!r} ({type(v['seed']).__name__})")
-    if v["logprobs"] is not None:
-        _check_int(v, "logprobs", 0, extra=" or None")
+    for name in ("logprobs", "prompt_logprobs"):
+        if v[name] is not None:
+            _check_int(v, name, 0, extra=" or None")
     for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
         if not isinstance(v[name], bool):
             raise TypeError(f"SamplingParams.{name} must be a bool, got {v[name]!r}")
@@ -117,6 +118,10 @@ class SamplingParams:
     logprobs: None, or how many top tokens' log-probabilities to return per generated token (the
         sampled token's is always included); from log_softmax of the raw logits.
     skip_special_tokens: leave special tokens out of ``text``.
+    prompt_logprobs: None, or how many top tokens' log-probabilities to return for each prompt
+        token after the first (the prompt token's own is always included), from log_softmax of
+        the raw logits at the position before it. A request that asks computes its whole prompt:
+        it takes no prefix-cache hits (its blocks still serve later requests).
     """
 
     temperature: float = 1.0
@@ -136,6 +141,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.__dict__.update(_checked({name: self.__dict__[name] for name in _FIELDS}))

@@ -73,7 +73,10 @@ class BlockManager:
 
     def cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids of the longest cached prefix of ``seq``. The last block of the sequence is
-        never a hit, so a prefill always has at least one token to compute."""
+        never a hit, so a prefill always has at least one token to compute. A sequence that scores
+        its prompt (``prompt_logprobs``) computes all of it: no hits."""
+        if seq.scores_prompt:
+            return []
         hits = []
         h = -1
         for i in range(seq.num_blocks - 1):

@@ -24,6 +24,8 @@ class SeqOutput:
     request_id: int
     new_token_ids: list[int]
     new_logprobs: list[tuple[float, dict[int, float]]] | None = None
+    # the request's prompt log-probabilities (``prompt_logprobs``), once, with completion 0's first report
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     finish_reason: str | None = None  # "stop" or "length"
     stop_reason: int | None = None  # the stop token id that ended it
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served at first admission
@@ -38,6 +40,13 @@ class LaunchedStep:
     seqs: list[Sequence]
     positions: list[int]
     needs_sync: bool = False
+
+
+def take_prompt_logprobs(seq: Sequence, first: int, entries: list) -> None:
+    """Prompt tokens ``first``, ``first + 1``, ... scored by a step: those not scored before (a
+    preempted sequence computes its prompt again) join ``seq.prompt_logprobs``."""
+    if seq.prompt_logprobs is not None:
+        seq.prompt_logprobs += entries[len(seq.prompt_logprobs) - first :]
 
 
 class EngineCore:
@@ -142,8 +151,10 @@ class EngineCore:
         """Take the launched step's tokens into its sequences; report what they gained."""
         launched, self._launched = self._launched, None
         with phase("wait"):
-            token_ids, logprobs = self.executor.result(launched.output)
+            token_ids, logprobs, prompt_logprobs = self.executor.result(launched.output)
         with phase("update"):
+            for row, (first, entries) in (prompt_logprobs or {}).items():
+                take_prompt_logprobs(launched.seqs[row], first, entries)
             finished = self.scheduler.resolve(launched.seqs, launched.positions, token_ids)
             outputs = []
             if self.reporting:
@@ -162,6 +173,8 @@ class EngineCore:
         seq.num_reported += len(new)
         out = SeqOutput(seq.seq_id, seq.request_id, new, None if logprobs is None else [logprobs],
                         num_cached_tokens=max(seq.num_prefix_hit_tokens, 0))
+        if seq.prompt_logprobs is not None and not seq.scores_prompt:
+            out.prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None  # reported once
         if seq.is_finished:
             out.finish_reason, out.stop_reason = seq.finish_reason, seq.stop_reason
         return out

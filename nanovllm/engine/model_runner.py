@@ -10,7 +10,7 @@ import torch.distributed as dist
 from nanovllm.config import Config
 from nanovllm.engine import kv_cache
 from nanovllm.engine.cuda_graphs import DecodeGraphs
-from nanovllm.engine.step import SamplingRows, Step
+from nanovllm.engine.step import PromptScoring, SamplingRows, Step
 from nanovllm.engine.step_inputs import DecodeBuffer, decode_inputs, prefill_inputs
 from nanovllm.engine.step_output import StepOutput
 from nanovllm.layers.attention import Attention, get_attention_backend, resolve_backend_name
@@ -18,6 +18,7 @@ from nanovllm.models.llama import head_dim
 from nanovllm.models.registry import model_class
 from nanovllm.sampling import Sampler, SamplerOutput
 from nanovllm.sampling.batch import make_sampling_batch
+from nanovllm.sampling.prompt_logprobs import score_prompt
 from nanovllm.utils.context import Context, step_context
 from nanovllm.utils.distributed import abort_nccl, init_process_group, wait_device
 from nanovllm.utils.loader import (WeightEntry, copy_weight, expected_shapes, init_dummy_weights, load_model,
@@ -112,17 +113,22 @@ class ModelRunner:
                     context = Context(is_prefill=False)
         with phase("forward"), step_context(context):
             if step.is_prefill or graph_batch is None:
-                logits = self.model.compute_logits(self.model(input_ids, positions))
+                hidden_states = self.model(input_ids, positions)
+                logits = self.model.compute_logits(hidden_states)
             elif self.graphs.draw:
                 logits = self.graphs.replay(n, graph_batch)  # and its rows drawn into sampled[:n]
             else:  # tensor parallelism: gathered on rank 0 only
                 logits = self.model.compute_logits(self.graphs.replay(n, graph_batch))
+        prompt = None  # prompt log-probabilities (rank 0), with the step's output
+        if step.prompt_scoring is not None:
+            with phase("sample"):
+                prompt = score_prompt(self.model, hidden_states, step.prompt_scoring, self.vocab_size)
         output = None
         if step.sampling is not None:
             if graph_batch is not None and self.graphs.draw and step.sampling.plain:
                 output = StepOutput(SamplerOutput(self.sampled[:n]), None, self.wait_event)
             else:
-                output = self.sample(logits, step.sampling)
+                output = self.sample(logits, step.sampling, step.prompt_scoring, prompt)
                 if self.config.async_scheduling:
                     self.sampled[:n] = output.device_token_ids
         if self.config.async_scheduling and self.world_size > 1:
@@ -130,11 +136,12 @@ class ModelRunner:
         return output
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, rows: SamplingRows) -> StepOutput:
+    def sample(self, logits: torch.Tensor, rows: SamplingRows, scoring: PromptScoring | None = None,
+               prompt: tuple[torch.Tensor, ...] | None = None) -> StepOutput:
         with phase("sample"):
             out = self.sampler(logits, make_sampling_batch(rows, self.vocab_size, self._tensor))
             num_logprobs = None if out.logprobs is None else [p.logprobs for p in rows.params]
-            return StepOutput(out, num_logprobs, self.wait_event)
+            return StepOutput(out, num_logprobs, self.wait_event, scoring, prompt)
 
     def _tensor(self, data: list | np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         """A host list or NumPy array on this rank's device (pinned and non-blocking on a GPU)."""

@@ -32,6 +32,8 @@ class Completion:
 class RequestState:
     prompt_token_ids: list[int]
     completions: list[Completion]
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # ``prompt_logprobs``, once the core sends them
+    prompt_logprobs_sent: bool = False  # a stream sends them once, in completion 0's first increment
 
     @property
     def finished(self) -> bool:
@@ -70,6 +72,8 @@ class OutputProcessor:
             request = self.requests.get(out.request_id)
             if request is None:
                 continue
+            if out.prompt_logprobs is not None:
+                request.prompt_logprobs = out.prompt_logprobs
             c = request.completions[out.seq_id - out.request_id]
             if c.finished:
                 continue
@@ -118,7 +122,7 @@ class OutputProcessor:
         request = self.requests[request_id]
         completions = [self._completion_output(i, c) for i, c in enumerate(request.completions)]
         first = {k: v for k, v in completions[0].items() if k != "index"}
-        return {**first, "prompt_token_ids": request.prompt_token_ids,
+        return {**first, "prompt_token_ids": request.prompt_token_ids, "prompt_logprobs": request.prompt_logprobs,
                 "num_cached_tokens": request.completions[0].num_cached_tokens, "outputs": completions}
 
     def _completion_output(self, index: int, c: Completion) -> dict:
@@ -132,17 +136,22 @@ class OutputProcessor:
     def increments(self, request_id: int) -> list[tuple[int, dict]]:
         """A stream's new output of each completion of the request: ``(completion index, dict)``
         with ``token_ids`` and ``text`` new since the last increment (text never ends inside a
-        character or a possible stop string), ``logprobs``, ``finished``, and once finished
+        character or a possible stop string), ``logprobs``, ``prompt_logprobs`` (the request's, in
+        completion 0's first increment; else None), ``finished``, and once finished
         ``finish_reason`` and ``stop_reason``."""
         out = []
-        for i, c in enumerate(self.requests[request_id].completions):
+        request = self.requests[request_id]
+        for i, c in enumerate(request.completions):
             d = c.detokenizer
             if d.sent_final or (d.sent_tokens == len(d.token_ids) and not c.finished):
                 continue  # done, or nothing new
             start = d.sent_tokens
             token_ids, text = d.take_increment(c.finished)
             inc = {"token_ids": token_ids, "text": text, "finished": c.finished,
-                   "logprobs": None if c.logprobs is None else c.logprobs[start : start + len(token_ids)]}
+                   "logprobs": None if c.logprobs is None else c.logprobs[start : start + len(token_ids)],
+                   "prompt_logprobs": None}
+            if i == 0 and not request.prompt_logprobs_sent:
+                inc["prompt_logprobs"], request.prompt_logprobs_sent = request.prompt_logprobs, True
             if c.finished:
                 inc["finish_reason"], inc["stop_reason"] = c.finish_reason, c.stop_reason
             out.append((i, inc))

@@ -56,6 +56,9 @@ class Sequence:
         self.finish_reason: str | None = None  # "stop", "length" or "abort" once finished
         self.stop_reason: int | None = None  # the stop token id that ended it
         self.num_reported = 0  # completion tokens the core has handed to the front end
+        # prompt_logprobs (completion 0 of a request that asks): an entry per prompt token scored so
+        # far, None for the first; handed to the front end once, with the sequence's first report
+        self.prompt_logprobs: list[dict[int, float] | None] | None = None
 
     def __len__(self) -> int:
         return self.num_tokens
@@ -75,6 +78,12 @@ class Sequence:
     def num_known_tokens(self) -> int:
         """Tokens whose values the host has (all but the pending placeholders)."""
         return self.num_tokens - self.num_pending
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether it still owes prompt log-probabilities: then it computes its whole prompt (it
+        takes no prefix-cache hits), and each prefill chunk scores the prompt tokens after it."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -138,7 +147,8 @@ def request_sequences(request_id: int, prompt_token_ids: list[int], sampling_par
                       block_size: int, eos_token_ids: list[int]) -> list["Sequence"]:
     """A request's ``n`` completions as sequences ``request_id + i``. EOS (unless ``ignore_eos``)
     joins the ids suppressed before ``min_tokens``. Completion 0 is computed first; the others are
-    admitted once its prompt is in the cache, so they share the prompt's full blocks."""
+    admitted once its prompt is in the cache, so they share the prompt's full blocks. Completion 0
+    scores the prompt when the request asks for ``prompt_logprobs``."""
     sp = sampling_params
     suppressed = [] if sp.ignore_eos else [e for e in eos_token_ids if e not in sp.stop_token_ids]
     seqs = []
@@ -146,6 +156,8 @@ def request_sequences(request_id: int, prompt_token_ids: list[int], sampling_par
         seq = Sequence(prompt_token_ids, sp.for_completion(i) if sp.n > 1 else sp, block_size,
                        seq_id=request_id + i, request_id=request_id)
         seq.min_tokens_ids += suppressed
+        if i == 0 and sp.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None]
         if i and len(prompt_token_ids) > block_size:
             seq.wait_for = seqs[0]
         seqs.append(seq)

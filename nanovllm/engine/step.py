@@ -35,6 +35,25 @@ class SamplingRows:
 
 
 @dataclass
+class PromptScoring:
+    """Prompt tokens a prefill step scores (``prompt_logprobs``). Row ``rows[j]`` scores
+    ``counts[j]`` consecutive prompt tokens, the first at position ``firsts[j]``: the logits at
+    step token ``indices[i]`` (an index into the step's tokens) score ``targets[i]``, the prompt
+    token after it, and give the ``num`` most likely tokens (each row keeps its own ``nums[j]``)."""
+
+    rows: list[int]
+    firsts: list[int]
+    counts: list[int]
+    nums: list[int]
+    indices: list[int]
+    targets: list[int]
+
+    @property
+    def num(self) -> int:
+        return max(self.nums)
+
+
+@dataclass
 class Step:
     """One forward pass. Sequence ``i`` has ``num_computed[i]`` tokens in the cache and computes
     ``num_new[i]`` more (decode: one), whose ids are ``token_ids`` (all sequences', in order); a
@@ -49,6 +68,7 @@ class Step:
     block_tables: list[list[int]]
     prev_rows: list[int] | None = None
     sampling: SamplingRows | None = None
+    prompt_scoring: PromptScoring | None = None  # every rank joins the LM head's gather for it
 
     @property
     def num_seqs(self) -> int:
@@ -73,8 +93,31 @@ def build_step(seqs: list[Sequence], is_prefill: bool, rng: Random) -> Step:
         prev_rows = [seq.pending_row if seq.num_pending else -1 for seq in seqs]
         if max(prev_rows) < 0:
             prev_rows = None
+    scoring = prompt_scoring(seqs, num_computed, num_new) if is_prefill else None
     return Step(is_prefill, token_ids, num_computed, num_new, [seq.block_table for seq in seqs], prev_rows,
-                sampling_rows(seqs, rng))
+                sampling_rows(seqs, rng), scoring)
+
+
+def prompt_scoring(seqs: list[Sequence], num_computed: list[int], num_new: list[int]) -> PromptScoring | None:
+    """The prompt tokens this prefill scores: for each sequence that owes prompt log-probabilities,
+    those after the tokens it computes, within its prompt, not scored before (a preempted sequence
+    computes its prompt again)."""
+    scoring = None
+    offset = 0  # the sequence's first token among the step's
+    for i, seq in enumerate(seqs):
+        if seq.scores_prompt:
+            start = max(num_computed[i], len(seq.prompt_logprobs) - 1)  # the logits at p score token p + 1
+            end = min(num_computed[i] + num_new[i], seq.num_prompt_tokens - 1)
+            if start < end:
+                scoring = scoring or PromptScoring([], [], [], [], [], [])
+                scoring.rows.append(i)
+                scoring.firsts.append(start + 1)
+                scoring.counts.append(end - start)
+                scoring.nums.append(seq.sampling_params.prompt_logprobs)
+                scoring.indices += range(offset + start - num_computed[i], offset + end - num_computed[i])
+                scoring.targets += seq.token_ids[start + 1 : end + 1]
+        offset += num_new[i]
+    return scoring
 
 
 def sampling_rows(seqs: list[Sequence], rng: Random) -> SamplingRows:
