@@ -14,8 +14,9 @@ Grouping, in two launches over chunks of consecutive pairs (one chunk for a smal
 every chunk sum those counts (all chunks, and the chunks before it), derive the padded group
 starts, and write its own pairs at start + (pairs of that expert in earlier chunks) + (earlier pairs
 of the chunk). So each expert's pairs land in pair order, as with a stable sort, and no atomics are
-needed. Each program of the second launch also writes the sentinel into the padding rows of its
-share of the rows, and the expert of every block that starts in it.
+needed. Each program of the second launch (there may be more of them than chunks) also writes the
+sentinel into the padding rows of its share of the rows, and the expert of every block that starts
+in it.
 """
 import torch
 import triton
@@ -77,7 +78,7 @@ def _count_kernel(ids_ptr, chunk_counts_ptr, num_pairs, chunk_size, BLOCK_P: tl.
     start = chunk * chunk_size
     end = tl.minimum(start + chunk_size, num_pairs)
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for sub in range(0, chunk_size, BLOCK_P):
+    for sub in range(0, end - start, BLOCK_P):
         _, _, onehot = _pair_tile(ids_ptr, start + sub, end, BLOCK_P, BLOCK_E)
         counts += tl.sum(onehot.to(tl.int32), axis=0)
     tl.store(chunk_counts_ptr + chunk * BLOCK_E + tl.arange(0, BLOCK_E), counts)
@@ -90,8 +91,9 @@ def _scatter_kernel(
     NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
-    """Chunk c's pairs into their rows of the grouped layout, then the padding and the block experts
-    of rows [c * rows_per_program, (c + 1) * rows_per_program). grid: (num_chunks,)"""
+    """Chunk c's pairs (none for c >= num_chunks) into their rows of the grouped layout, then the
+    padding and the block experts of rows [c * rows_per_program, (c + 1) * rows_per_program).
+    grid: (at least num_chunks,)"""
     chunk = tl.program_id(0)
     offs_e = tl.arange(0, BLOCK_E)
     total = tl.zeros([BLOCK_E], dtype=tl.int32)  # pairs per expert
@@ -111,7 +113,7 @@ def _scatter_kernel(
     start = chunk * chunk_size
     end = tl.minimum(start + chunk_size, num_pairs)
     next_row = starts + before
-    for sub in range(0, chunk_size, BLOCK_P):
+    for sub in range(0, end - start, BLOCK_P):  # no pass past the last chunk
         offs_p, exists, onehot = _pair_tile(ids_ptr, start + sub, end, BLOCK_P, BLOCK_E)
         hits = onehot.to(tl.int32)
         earlier = tl.cumsum(hits, axis=0) - hits  # [BLOCK_P, BLOCK_E]: earlier pairs of the tile, per expert
@@ -194,8 +196,11 @@ def group_by_expert_triton(topk_ids: torch.Tensor, num_experts: int, block_m: in
     block_e = triton.next_power_of_2(num_experts)
     chunk_counts = torch.empty(num_chunks, block_e, **like)  # [num_chunks, BLOCK_E]
     _count_kernel[(num_chunks,)](ids, chunk_counts, num_pairs, chunk_size, BLOCK_P=block_p, BLOCK_E=block_e)
-    rows_per_program = triton.cdiv(triton.cdiv(num_rows, num_chunks), block_p) * block_p
-    _scatter_kernel[(num_chunks,)](
+    # more programs than chunks where the rows are many and the pairs few (decode: up to 15 padding
+    # rows per used expert), so that no program walks many row tiles alone
+    num_programs = max(num_chunks, min(triton.cdiv(num_rows, block_p), MAX_CHUNKS))
+    rows_per_program = triton.cdiv(triton.cdiv(num_rows, num_programs), block_p) * block_p
+    _scatter_kernel[(num_programs,)](
         ids, chunk_counts, sorted_pairs, block_experts, expert_ends,
         num_pairs, num_chunks, chunk_size, num_rows, rows_per_program,
         NUM_EXPERTS=num_experts, BLOCK_M=block_m, BLOCK_P=block_p,
