@@ -12,6 +12,8 @@ Qwen3-30B-A3B step runs 48 of them.
     python benchmarks/bench_moe_routing.py                  # 1..512 decode tokens, 1k..16k prefill tokens
     python benchmarks/bench_moe_routing.py --eager --tokens 1 64 4096 16384
     python benchmarks/bench_moe_routing.py --experts 60 --top-k 4
+
+Results: ``bench_moe_routing.md`` beside this file.
 """
 import argparse
 import statistics
