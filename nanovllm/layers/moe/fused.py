@@ -5,8 +5,9 @@ For every token t and each of its top_k routed experts e = topk_ids[t, k]:
 ``out[t] = sum_k topk_weights[t, k] * w2[e] @ (silu(w13[e, :inter] @ x[t]) * (w13[e, inter:] @ x[t]))``.
 
 The Triton path groups the (token, k) pairs by expert on the device (no host synchronisation, every
-size derived from shapes, so it can be captured in a CUDA graph) and runs two grouped GEMMs from
-``triton_kernels.py``: gate/up with SiLU-and-mul fused, then down with the routing weight
+size derived from shapes, so it can be captured in a CUDA graph: the kernels of ``routing.py``, or
+``group_by_expert`` below, their torch reference, past their number of experts) and runs two grouped
+GEMMs from ``triton_kernels.py``: gate/up with SiLU-and-mul fused, then down with the routing weight
 applied. With tensor parallelism every rank holds a slice of each expert's intermediate dimension
 and calls this unchanged; the caller all-reduces the output.
 """
@@ -148,6 +149,7 @@ def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, tile: MoeTile | No
     ``moe_tile`` would choose. The GEMMs accumulate in float32; the intermediate and each pair's
     weighted output are held in the input dtype, and the top_k outputs of a token are summed by
     torch (accumulating in float32). CUDA-graph safe: no host synchronisation."""
+    from nanovllm.layers.moe.routing import MAX_ROUTED_EXPERTS, group_by_expert_triton
     from nanovllm.layers.moe.triton_kernels import launch_down, launch_gate_up
 
     check_moe_inputs(hidden_states, w13, w2, topk_weights, topk_ids)
@@ -157,7 +159,8 @@ def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, tile: MoeTile | No
     if num_tokens == 0:
         return torch.zeros_like(hidden_states)
     tile = tile or moe_tile(num_tokens, top_k, num_experts, hidden_states.element_size())
-    groups = group_by_expert(topk_ids, num_experts, tile.block_m)
+    group = group_by_expert_triton if num_experts <= MAX_ROUTED_EXPERTS else group_by_expert
+    groups = group(topk_ids, num_experts, tile.block_m)
     num_pairs = num_tokens * top_k
 
     # [max_padded_rows, inter]: row r is the SiLU-and-mul of the pair at sorted_pairs[r]

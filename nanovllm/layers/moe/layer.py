@@ -17,13 +17,29 @@ EXPERT_TENSOR = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax over the experts in float32, the ``top_k`` largest, optionally divided by their sum.
-    -> (weights [num_tokens, top_k] float32, expert ids [num_tokens, top_k])"""
-    probs = torch.softmax(router_logits.float(), dim=-1)
-    weights, ids = probs.topk(top_k, dim=-1)
+    """Softmax over the experts in float32 and the ``top_k`` most probable, optionally divided by their
+    sum. -> (weights [num_tokens, top_k] float32, expert ids [num_tokens, top_k] int64)
+
+    The experts come in the order of their float32 logits, largest first, and equal logits in
+    ascending id order (a stable sort): the order of the probabilities, with ties settled by a rule
+    the routing kernel (``routing.select_experts_triton``) follows too. ``torch.topk`` leaves the order
+    of equal values unspecified (on the CPU it is not by id), and bf16 router logits tie often."""
+    logits = router_logits.float()
+    ids = logits.sort(dim=-1, descending=True, stable=True).indices[..., :top_k]
+    weights = torch.softmax(logits, dim=-1).gather(-1, ids)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``select_experts`` by the Triton routing kernel where it applies (at most
+    ``MAX_ROUTED_EXPERTS`` experts), else by torch; the same experts and weights either way."""
+    from nanovllm.layers.moe.routing import MAX_ROUTED_EXPERTS, select_experts_triton
+
+    if router_logits.shape[-1] <= MAX_ROUTED_EXPERTS:
+        return select_experts_triton(router_logits, top_k, renormalize)
+    return select_experts(router_logits, top_k, renormalize)
 
 
 class Experts(nn.Module):
@@ -104,9 +120,13 @@ class SparseMoeBlock(nn.Module):
         self.experts = Experts(num_experts, hidden_size, intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
-        run = fused_moe if x.is_cuda else fused_moe_torch
-        out = run(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+        router_logits = self.gate(x)
+        if x.is_cuda:  # Triton: routing, grouping and the grouped GEMMs, all without host synchronisation
+            weights, ids = route(router_logits, self.top_k, self.renormalize)
+            out = fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+        else:
+            weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
+            out = fused_moe_torch(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
         if self.tp_size > 1:
             dist.all_reduce(out)
         return out
