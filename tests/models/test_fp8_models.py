@@ -213,3 +213,14 @@ def test_old_gpus_are_refused(fp8_folder, monkeypatch):
         resolve_quantization(None, hf_config, 1, "cuda")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert resolve_quantization(None, hf_config, 1, "cuda") == "fp8"
+
+
+@pytest.mark.parametrize("shape", ["llama3.2-1b", "qwen2.5-0.5b"])  # Qwen2: biases on q/k/v stay in float
+def test_llama_and_qwen2_quantized_at_load_match_the_reference(tmp_path, shape):
+    bf16 = make_random_checkpoint(str(tmp_path / shape), shape, dtype=torch.bfloat16, seed=7, std=0.3,
+                                  **(TINY | dict(tie_word_embeddings=True)))
+    with LLM(bf16, quantization="fp8", **CPU) as llm:
+        tokens, logprobs = generate(llm)
+    dequantized = write_dequantized(write_fp8_from(bf16, str(tmp_path / "fp8")), str(tmp_path / "dequantized"))
+    errors = logprob_errors(load_reference(dequantized), tokens, logprobs)
+    assert len(errors) >= 20 and statistics.median(errors) < 1e-4, errors  # see MEDIAN_ONLY
