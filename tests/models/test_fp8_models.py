@@ -224,3 +224,14 @@ def test_llama_and_qwen2_quantized_at_load_match_the_reference(tmp_path, shape):
     dequantized = write_dequantized(write_fp8_from(bf16, str(tmp_path / "fp8")), str(tmp_path / "dequantized"))
     errors = logprob_errors(load_reference(dequantized), tokens, logprobs)
     assert len(errors) >= 20 and statistics.median(errors) < 1e-4, errors  # see MEDIAN_ONLY
+
+
+def test_a_float8_weight_without_its_scales_is_an_error(fp8_folder, tmp_path):
+    from safetensors.torch import save_file
+
+    tensors = load_file(os.path.join(fp8_folder, "model.safetensors"))
+    del tensors["model.layers.1.self_attn.v_proj.weight_scale_inv"]
+    folder = with_config(fp8_folder, tmp_path / "no-scale")
+    save_file(tensors, os.path.join(folder, "model.safetensors"))
+    with pytest.raises(ValueError, match=r"lacks weights for: model.layers.1.self_attn.qkv_proj.weight_scale_inv \(v\)"):
+        LLM(folder, **CPU)
