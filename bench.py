@@ -11,6 +11,7 @@ ignore_eos. One short warm-up generate comes first. 133,966 output tokens in all
     python bench.py --sampler --top-p 0.95 --top-k 20               # the sampler alone, GPU time per step
     python bench.py --random qwen3-0.6b --profile   # GPU time per kernel category and GPU idle share
     python bench.py --random qwen3-8b --dp 2 --num-seqs 1024   # two replicas, one GPU each
+    python bench.py --random qwen3-8b --quantization fp8       # FP8 weights in Qwen's block format
 
 --profile runs the timed generate under torch.profiler (kineto's CUDA activity only, see
 benchmarks/bench_profile.py); its result line is the profiled run's, so compare it with a run without --profile
@@ -29,7 +30,7 @@ from random import randint, seed
 from nanovllm import LLM, SamplingParams
 
 
-DUMMY_ABOVE = 8 << 30  # bytes of bf16 weights
+DUMMY_ABOVE = 8 << 30  # bytes of weights (bf16, or FP8 with its scales)
 
 def workload(num_seqs: int, max_input_len: int = 1024, max_output_len: int = 1024, **sampling):
     seed(0)
@@ -100,6 +101,8 @@ def main() -> None:
     parser.add_argument("--sampler", action="store_true", help="time the sampler alone (GPU), at --num-seqs rows")
     parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                         help="LLM(kv_cache_dtype=...); 'auto' passes nothing (the engine's default)")
+    parser.add_argument("--quantization", choices=("fp8",), default=None,
+                        help="with --random: the checkpoint in Qwen's FP8 format (128x128 blocks, W8A8)")
     parser.add_argument("--no-async-scheduling", action="store_true", help="LLM(async_scheduling=False)")
     parser.add_argument("--profile", action="store_true",
                         help="print GPU time per kernel category and the GPU idle share of the timed run")
@@ -119,8 +122,11 @@ def main() -> None:
 
         tmp = tempfile.TemporaryDirectory(prefix="nanovllm-bench-")
         # shapes over DUMMY_ABOVE bytes are not written: their weights are drawn on the device
-        dummy = weight_bytes(model_config(args.random)) > DUMMY_ABOVE
-        path = make_random_checkpoint(tmp.name, args.random, dtype=torch.bfloat16, weights=not dummy)
+        dummy = weight_bytes(model_config(args.random), quantization=args.quantization) > DUMMY_ABOVE
+        path = make_random_checkpoint(tmp.name, args.random, dtype=torch.bfloat16, weights=not dummy,
+                                      quantization=args.quantization)
+    elif args.quantization:
+        parser.error("--quantization goes with --random (a checkpoint's own format is read from its config.json)")
     elif not os.path.isdir(path):
         parser.error(f"no model at {path}; pass --model PATH or --random qwen3-0.6b")
 
@@ -134,6 +140,8 @@ def main() -> None:
         llm_kwargs["kv_cache_dtype"] = args.kv_cache_dtype
     if args.no_async_scheduling:
         llm_kwargs["async_scheduling"] = False
+    if args.quantization:  # only then, so this script also runs on engines without the keyword
+        llm_kwargs["quantization"] = args.quantization
     profiling = args.profile or args.profile_trace is not None
     profiler = contextlib.nullcontext()
     if profiling:
@@ -156,6 +164,7 @@ def main() -> None:
     print(f"backend={backend} eager={config.enforce_eager} tp={config.tensor_parallel_size} "
           f"dp={getattr(config, 'data_parallel_size', 1)}{'/ray' if args.dp_backend == 'ray' else ''} "
           f"kv_cache_dtype={getattr(config, 'kv_cache_dtype', 'auto')} "
+          f"weights={getattr(config, 'weight_quantization', None) or 'model dtype'} "
           f"async_scheduling={getattr(config, 'async_scheduling', None)} max_model_len={config.max_model_len} "
           f"block_size={config.kvcache_block_size} max_num_seqs={config.max_num_seqs} "
           f"max_num_batched_tokens={config.max_num_batched_tokens} requests={args.num_seqs} "

@@ -11,6 +11,7 @@ looked up (an untied embedding matrix is not read whole), activations and the sa
 
     python benchmarks/bench_floor.py --shape qwen3-30b-a3b --bandwidth 4.3          # TB/s
     python benchmarks/bench_floor.py --shape qwen3-0.6b --measure                   # bandwidth from a device copy (GPU)
+    python benchmarks/bench_floor.py --shape qwen3-8b --quantization fp8 --bandwidth 3.35  # FP8 weights
     python benchmarks/bench_floor.py --shape qwen3-4b --set hidden_size=4096 --set intermediate_size=12288 \
         --set num_attention_heads=32 --bandwidth 3.06                               # Qwen3-8B's shape
 
@@ -28,15 +29,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: bench.py
 
 from bench import workload  # noqa: E402
-from nanovllm.utils.checkpoint import model_config, weight_shapes  # noqa: E402
+from nanovllm.utils.checkpoint import model_config, tensor_bytes  # noqa: E402
 
 
-def weight_bytes_by_kind(config: dict, itemsize: int = 2) -> tuple[int, int]:
+def weight_bytes_by_kind(config: dict, itemsize: int = 2, quantization: str | None = None) -> tuple[int, int]:
     """(bytes of all experts of all MoE layers, bytes every decode step reads whatever its batch:
-    all other weights, the LM head included, an untied input embedding not)."""
+    all other weights, the LM head included, an untied input embedding not). With
+    ``quantization="fp8"`` a quantized weight counts 1 byte a value plus its float32 block scales."""
     expert, dense = 0, 0
-    for name, shape in weight_shapes(config).items():
-        size = math.prod(shape) * itemsize
+    for name, size in tensor_bytes(config, itemsize, quantization).items():
         if ".experts." in name:
             expert += size
         elif name != "model.embed_tokens.weight" or config["tie_word_embeddings"]:
@@ -58,10 +59,11 @@ def step_bytes(config: dict, contexts: list[int], kv_bytes_per_token_head: float
     return dense, kv
 
 
-def workload_floor(config: dict, num_seqs: int, kv_bytes_per_token_head: float) -> tuple[float, float, int]:
+def workload_floor(config: dict, num_seqs: int, kv_bytes_per_token_head: float,
+                   quantization: str | None = None) -> tuple[float, float, int]:
     """(weight bytes, KV bytes) over all decode steps of the workload, and the number of steps."""
     prompts, params = workload(num_seqs)
-    by_kind = weight_bytes_by_kind(config)
+    by_kind = weight_bytes_by_kind(config, quantization=quantization)
     weights = kv = 0.0
     steps = max(p.max_tokens for p in params) - 1  # the first token of each request comes from its prefill
     for t in range(steps):
@@ -98,6 +100,8 @@ def main() -> None:
     parser.add_argument("--measure", action="store_true", help="measure the bandwidth with a device copy")
     parser.add_argument("--kv-bytes", type=float, default=0,
                         help="K+V bytes per token and KV head (default bf16: 4 * head_dim; FP8: 2 * head_dim + 8)")
+    parser.add_argument("--quantization", choices=("fp8",), default=None,
+                        help="FP8 weights: 1 byte a weight plus a float32 scale per 128x128 block")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override one config.json field of the shape (an integer), repeatable")
     args = parser.parse_args()
@@ -108,10 +112,11 @@ def main() -> None:
     per_head = args.kv_bytes or 4 * head_dim
     prompts, params = workload(args.num_seqs)
     full = [len(p) + 1 for p in prompts]
-    w1, kv1 = step_bytes(config, full, per_head)
-    weights, kv, steps = workload_floor(config, args.num_seqs, per_head)
+    by_kind = weight_bytes_by_kind(config, quantization=args.quantization)
+    w1, kv1 = step_bytes(config, full, per_head, by_kind)
+    weights, kv, steps = workload_floor(config, args.num_seqs, per_head, args.quantization)
     tokens = sum(p.max_tokens for p in params)
-    shape = " ".join([args.shape] + args.set)
+    shape = " ".join([args.shape] + args.set + ([args.quantization] if args.quantization else []))
     print(f"{shape}: first decode step ({len(full)} sequences): weights {w1 / 1e9:.2f} GB, KV {kv1 / 1e9:.2f} GB")
     print(f"{steps} decode steps: weights {weights / 1e12:.2f} TB, KV {kv / 1e12:.2f} TB, {tokens} output tokens")
     bandwidth = measured_bandwidth() if args.measure else (args.bandwidth or 0) * 1e12

@@ -7,6 +7,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "flash-attn", "triton", "torch")
 LOAD_FORMATS = ("auto", "dummy")  # "dummy": no weight files; random weights drawn on the device
 DATA_PARALLEL_BACKENDS = ("mp", "ray")  # replicas in processes of this host, or in Ray actors of a cluster
+QUANTIZATIONS = (None, "fp8")  # weights: None (as the checkpoint is), "fp8" (128x128 blocks, W8A8)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # "auto": the model's dtype; "fp8" (= "fp8_e4m3"): e4m3 with per-row scales
 # config.json keys every supported model reads (transformers would fill in its own defaults, which
 # then disagree with the weights), and those only some architectures read
@@ -48,7 +49,10 @@ class Config:
     kv_cache_dtype: str = "auto"
     load_format: str = "auto"
     async_scheduling: bool = True
+    quantization: str | None = None  # "fp8": quantize a float checkpoint's linear layers at load (FP8 checkpoints need not ask)
     hf_config: object = field(default=None, init=False, repr=False)
+    # what the weights run as: an FP8 checkpoint's "fp8" whatever ``quantization`` says, else ``quantization``
+    weight_quantization: str | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, (str, os.PathLike)):
@@ -84,6 +88,8 @@ class Config:
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _check_choice("load_format", self.load_format, LOAD_FORMATS)
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"Config.quantization must be None or 'fp8', got {self.quantization!r}")
 
         from transformers import AutoConfig
 
@@ -108,6 +114,10 @@ class Config:
             self.attention_backend, device, self.kvcache_block_size, self.resolved_dtype(device), self.kv_cache_dtype
         )
         self._check_parallel(device)
+        from nanovllm.layers.quantization import resolve_quantization
+
+        self.weight_quantization = resolve_quantization(self.quantization, self.hf_config, self.tensor_parallel_size,
+                                                        device)
         if self.num_kvcache_blocks > 0:
             self._check_kv_cache_fits(device)
 

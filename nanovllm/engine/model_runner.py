@@ -14,6 +14,7 @@ from nanovllm.engine.step import PromptScoring, SamplingRows, Step
 from nanovllm.engine.step_inputs import DecodeBuffer, decode_inputs, prefill_inputs
 from nanovllm.engine.step_output import StepOutput
 from nanovllm.layers.attention import Attention, get_attention_backend, resolve_backend_name
+from nanovllm.layers.quantization import building_quantized
 from nanovllm.models.llama import head_dim
 from nanovllm.models.registry import model_class
 from nanovllm.sampling import Sampler, SamplerOutput
@@ -21,8 +22,8 @@ from nanovllm.sampling.batch import make_sampling_batch
 from nanovllm.sampling.prompt_logprobs import score_prompt
 from nanovllm.utils.context import Context, step_context
 from nanovllm.utils.distributed import abort_nccl, init_process_group, wait_device
-from nanovllm.utils.loader import (WeightEntry, copy_weight, expected_shapes, init_dummy_weights, load_model,
-                                   plan_weights)
+from nanovllm.utils.loader import (WeightEntry, check_fp8_tensors, copy_weight, expected_shapes, init_dummy_weights,
+                                   is_fp8_model, load_model, plan_weights)
 from nanovllm.utils.profiling import phase
 
 
@@ -60,7 +61,7 @@ class ModelRunner:
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
-            with self.device:
+            with self.device, building_quantized(config.weight_quantization):
                 self.model = model_class(hf_config)(hf_config)
         finally:
             torch.set_default_dtype(default_dtype)
@@ -71,8 +72,10 @@ class ModelRunner:
         for module in self.model.modules():
             if isinstance(module, Attention):
                 module.backend = backend
-        # CUDA graphs need a capturable backend on a GPU; the torch backend syncs on the host
-        self.enforce_eager = config.enforce_eager or self.device.type == "cpu" or backend.name == "torch"
+        # CUDA graphs need a capturable backend on a GPU; the torch backend syncs on the host, and so
+        # does the torch path of FP8 experts
+        fp8_moe = config.weight_quantization == "fp8" and getattr(hf_config, "num_experts", 0)
+        self.enforce_eager = config.enforce_eager or self.device.type == "cpu" or backend.name == "torch" or fp8_moe
         self.sampler = Sampler()
         # each step's sampled ids, where the next step reads the tokens the host does not know yet
         self.sampled = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
@@ -157,27 +160,35 @@ class ModelRunner:
 
     def plan_weights(self, weights: list[tuple[str, torch.Tensor]]) -> list[WeightEntry]:
         """Where each ``(checkpoint name, tensor)`` goes; a ValueError, before anything is written,
-        for an unknown name or a shape that ``config.json`` does not imply (rank 0 checks)."""
-        expected = expected_shapes(self.config.model, self.config.hf_config)
-        return plan_weights(self.model, [(name, tensor.shape) for name, tensor in weights], expected,
-                            " given to update_weights")
+        for an unknown name or a shape that ``config.json`` does not imply (rank 0 checks). An FP8
+        model takes float weights (quantized on load) or float8 weights with their scales."""
+        fp8 = is_fp8_model(self.model)
+        expected = expected_shapes(self.config.model, self.config.hf_config, fp8)
+        where = " given to update_weights"
+        entries = plan_weights(self.model, [(name, tensor.shape) for name, tensor in weights], expected, where)
+        return check_fp8_tensors(self.model, entries, [weights[e.index][1] for e in entries], where)
 
     @torch.no_grad()
     def load_weights(self, entries: list[WeightEntry], tensors: list[torch.Tensor] | None = None) -> None:
         """Copy planned tensors into the parameters in place, each rank its shard (``copy_weight``).
         Rank 0 has the ``tensors`` (one per entry); with tensor parallelism it broadcasts each one
         from its device, in the parameter's dtype, and the other ranks (called with the entries
-        alone) receive it into a buffer of the entry's shape, one tensor at a time."""
+        alone) receive it into a buffer of the entry's shape, one tensor at a time. For an FP8
+        parameter the tensor travels as float8 values (``entry.fp8``, as bytes) or in float32, to
+        be quantized on every rank alike."""
         params = dict(self.model.named_parameters(remove_duplicate=False))
         for i, entry in enumerate(entries):
             param = params[entry.target]
             tensor = None if tensors is None else tensors[i]
             if self.world_size > 1:
+                dtype = param.dtype
+                if dtype == torch.float8_e4m3fn and not entry.fp8:
+                    dtype = torch.float32
                 if tensor is None:
-                    tensor = torch.empty(entry.shape, dtype=param.dtype, device=self.device)
+                    tensor = torch.empty(entry.shape, dtype=dtype, device=self.device)
                 else:
-                    tensor = tensor.to(self.device, param.dtype).contiguous()
-                dist.broadcast(tensor, 0)
+                    tensor = tensor.to(self.device, dtype).contiguous()
+                dist.broadcast(tensor.view(torch.uint8) if entry.fp8 else tensor, 0)  # gloo sends no float8
             copy_weight(param, entry, tensor, " given to update_weights")
         self.sync()
 

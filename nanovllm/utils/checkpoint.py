@@ -48,6 +48,8 @@ SHAPES = {
     "llama3.2-1b": dict(model_type="llama", num_hidden_layers=16, hidden_size=2048, intermediate_size=8192,
                         num_attention_heads=32, num_key_value_heads=8, head_dim=64, tie_word_embeddings=True),
 }
+# config.json's quantization_config of Qwen's FP8 checkpoints (Qwen3-8B-FP8, Qwen3-30B-A3B-FP8)
+FP8_QUANTIZATION_CONFIG = dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic", weight_block_size=[128, 128])
 COMMON = dict(rms_norm_eps=1e-6, hidden_act="silu", bos_token_id=151643, eos_token_id=151645, torch_dtype="bfloat16")
 
 
@@ -66,9 +68,34 @@ def qwen3_config(**overrides) -> dict:
     return model_config("qwen3-0.6b", **overrides)
 
 
-def weight_bytes(config: dict, itemsize: int = 2) -> int:
-    """The checkpoint's size: every tensor ``random_weights`` would write, at ``itemsize`` bytes."""
-    return sum(math.prod(shape) for shape in weight_shapes(config).values()) * itemsize
+def weight_bytes(config: dict, itemsize: int = 2, quantization: str | None = None) -> int:
+    """The checkpoint's size: every tensor ``random_weights`` would write, at ``itemsize`` bytes
+    (``tensor_bytes``)."""
+    return sum(tensor_bytes(config, itemsize, quantization).values())
+
+
+def tensor_bytes(config: dict, itemsize: int = 2, quantization: str | None = None) -> dict[str, int]:
+    """Tensor name -> its bytes at ``itemsize`` bytes a value; with ``quantization="fp8"`` the
+    quantized layers' weights take 1 byte a value plus 4 bytes per 128x128 block scale."""
+    sizes = {}
+    for name, shape in weight_shapes(config).items():
+        if quantization == "fp8" and is_quantized_weight(name):
+            sizes[name] = math.prod(shape) + 4 * math.prod(scale_shape(shape))
+        else:
+            sizes[name] = math.prod(shape) * itemsize
+    return sizes
+
+
+def is_quantized_weight(name: str) -> bool:
+    """Whether an FP8 checkpoint holds this tensor in float8 with block scales: the decoder layers'
+    projections (q/k/v/o, gate/up/down, each expert's). Embeddings, norms, MoE routers and the LM
+    head stay in the model dtype."""
+    return name.startswith("model.layers.") and name.endswith("_proj.weight")
+
+
+def scale_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of a [out, in] weight's ``weight_scale_inv``: one scale per 128x128 block."""
+    return tuple(-(-n // 128) for n in shape)
 
 
 def weight_shapes(config: dict) -> dict[str, tuple[int, ...]]:
@@ -108,14 +135,18 @@ def weight_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def accepted_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+def accepted_shapes(config: dict, fp8: bool = False) -> dict[str, tuple[int, ...]]:
     """Every tensor name a checkpoint, or a transformers model's ``state_dict()``, may hold for
     the config, with its full shape: ``weight_shapes``', plus a tied head under ``lm_head.weight``
     too (a state_dict lists both names) and each sparse layer's experts fused as transformers 5
     holds them (``experts.gate_up_proj`` [experts, 2 * inter, hidden], ``experts.down_proj``
-    [experts, hidden, inter])."""
+    [experts, hidden, inter]). With ``fp8``, or a ``quantization_config`` in the config, the
+    quantized weights' ``weight_scale_inv`` too."""
     shapes = weight_shapes(config)
     aliases = {}
+    if fp8 or config.get("quantization_config"):
+        aliases |= {name + "_scale_inv": scale_shape(shape) for name, shape in shapes.items()
+                    if is_quantized_weight(name)}
     if config["tie_word_embeddings"]:
         aliases["lm_head.weight"] = shapes["model.embed_tokens.weight"]
     for name, shape in shapes.items():
@@ -145,21 +176,44 @@ def random_weights(config: dict, dtype: torch.dtype, seed: int = 0, std: float =
     return weights
 
 
+def quantize_checkpoint(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Qwen's FP8 format: each quantized weight (``is_quantized_weight``) as float8_e4m3fn and its
+    float32 ``weight_scale_inv`` (one per 128x128 block); the other tensors as they are."""
+    from nanovllm.layers.quantization.fp8 import quantize_weight_blocks
+
+    out = {}
+    for name, tensor in weights.items():
+        if is_quantized_weight(name):
+            out[name], out[name + "_scale_inv"] = quantize_weight_blocks(tensor)
+        else:
+            out[name] = tensor
+    return out
+
+
 def make_random_checkpoint(
     path: str, shape: str = "tiny", dtype: torch.dtype = torch.bfloat16, seed: int = 0, std: float = 0.02,
-    weights: bool = True, **overrides,
+    weights: bool = True, quantization: str | None = None, **overrides,
 ) -> str:
     """Write ``config.json``, ``model.safetensors`` (unless ``weights`` is False: then the folder
     is for ``load_format="dummy"``), the Qwen3 tokenizer files and Qwen3's ``generation_config.json``
-    (its recommended sampling settings) into ``path``."""
+    (its recommended sampling settings) into ``path``. ``quantization="fp8"``: in Qwen's FP8
+    format (``FP8_QUANTIZATION_CONFIG``, ``quantize_checkpoint``) the weights of ``dtype`` the
+    same seed draws, quantized."""
     if shape not in SHAPES:
         raise ValueError(f"shape must be one of {', '.join(SHAPES)}, got {shape!r}")
+    if quantization not in (None, "fp8"):
+        raise ValueError(f"quantization must be None or 'fp8', got {quantization!r}")
     config = model_config(shape, torch_dtype=str(dtype).removeprefix("torch."), **overrides)
+    if quantization == "fp8":
+        config["quantization_config"] = dict(FP8_QUANTIZATION_CONFIG)
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     if weights:
-        save_file(random_weights(config, dtype, seed, std), os.path.join(path, "model.safetensors"))
+        tensors = random_weights(config, dtype, seed, std)
+        if quantization == "fp8":
+            tensors = quantize_checkpoint(tensors)
+        save_file(tensors, os.path.join(path, "model.safetensors"))
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copy(os.path.join(TOKENIZER_DIR, name), os.path.join(path, name))
     return path

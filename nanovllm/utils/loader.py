@@ -4,7 +4,7 @@ checks every tensor before any is written, and ``copy_weight``, which writes one
 import os
 from collections.abc import Iterable, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from glob import glob
 
 import torch
@@ -23,6 +23,7 @@ class WeightEntry:
     target: str  # the parameter it goes to (a fused one for q/k/v, gate/up and the experts)
     args: tuple  # the loader's arguments after the tensor: shard id, expert
     shape: tuple[int, ...]  # the full (unsharded) shape, as checked
+    fp8: bool = False  # the tensor holds float8_e4m3fn values (update_weights: they travel as such)
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -83,7 +84,7 @@ def load_model(model: nn.Module, path: str, hf_config=None) -> None:
     files = sorted(glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ValueError(f"no *.safetensors files in model folder {path!r}")
-    expected = expected_shapes(path, hf_config)
+    expected = expected_shapes(path, hf_config, fp8=is_fp8_model(model))
     params = dict(model.named_parameters(remove_duplicate=False))
     plan: list[tuple[str, list[WeightEntry]]] = []
     for file in files:
@@ -92,7 +93,8 @@ def load_model(model: nn.Module, path: str, hf_config=None) -> None:
         plan.append((file, plan_weights(model, shapes, expected, f" in {file}")))
     # a tied weight loads under either name
     loaded_ids = {id(params[e.target]) for _, entries in plan for e in entries}
-    missing = [name for name, param in params.items() if id(param) not in loaded_ids]
+    # an FP8 layer's scales may come from the file or from quantizing a float weight: its ``missing()`` says
+    missing = [name for name, param in params.items() if id(param) not in loaded_ids and not name.endswith("scale_inv")]
     if missing:
         raise ValueError(f"checkpoint {path!r} lacks weights for: {', '.join(sorted(missing)[:8])}")
     for file, entries in plan:
@@ -130,9 +132,10 @@ def named_tensors(weights) -> list[tuple[str, torch.Tensor]]:
     return named
 
 
-def expected_shapes(path: str, hf_config=None) -> dict[str, tuple[int, ...]]:
+def expected_shapes(path: str, hf_config=None, fp8: bool = False) -> dict[str, tuple[int, ...]]:
     """Checkpoint tensor name -> the full (unsharded) shape the folder's config.json implies, under
-    every name a checkpoint or a transformers ``state_dict()`` may use (``accepted_shapes``)."""
+    every name a checkpoint or a transformers ``state_dict()`` may use (``accepted_shapes``); with
+    ``fp8``, the block scales of the quantized layers' weights too (``weight_scale_inv``)."""
     from nanovllm.utils.checkpoint import accepted_shapes
 
     if hf_config is None:
@@ -141,7 +144,34 @@ def expected_shapes(path: str, hf_config=None) -> dict[str, tuple[int, ...]]:
         hf_config = AutoConfig.from_pretrained(path)
     values = hf_config.to_dict()  # under transformers' names, and under the aliases models read
     values.update({alias: getattr(hf_config, alias) for alias in getattr(hf_config, "attribute_map", {})})
-    return {name: tuple(shape) for name, shape in accepted_shapes(values).items()}
+    return {name: tuple(shape) for name, shape in accepted_shapes(values, fp8).items()}
+
+
+def is_fp8_model(model: nn.Module) -> bool:
+    return any(param.dtype == torch.float8_e4m3fn for param in model.parameters())
+
+
+def check_fp8_tensors(model: nn.Module, entries: list[WeightEntry], tensors: list[torch.Tensor],
+                      where: str = "") -> list[WeightEntry]:
+    """``entries`` with their ``fp8`` flag set from ``tensors`` (one each), checked for an FP8 model:
+    a float weight is quantized on load, a float8_e4m3fn one needs its ``weight_scale_inv`` among
+    the entries and a scale needs its float8 weight (the two belong together). A float8 tensor for
+    a parameter that is not FP8 is a TypeError; a broken pair a ValueError."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    fp8 = {entry.name for entry, tensor in zip(entries, tensors) if tensor.dtype == torch.float8_e4m3fn}
+    names = {entry.name for entry in entries}
+    for entry in entries:
+        is_scale = entry.name.endswith("_scale_inv")
+        if entry.name in fp8 and params[entry.target].dtype != torch.float8_e4m3fn:
+            raise TypeError(f"weight {entry.name!r}{where} is float8_e4m3fn, but its parameter {entry.target!r} is "
+                            f"{params[entry.target].dtype}; give it in a float dtype")
+        if is_scale and entry.name.removesuffix("_scale_inv") not in fp8:
+            raise ValueError(f"scale {entry.name!r}{where} comes without its float8_e4m3fn weight "
+                             f"{entry.name.removesuffix('_scale_inv')!r}; give both, or the weight alone in a float dtype")
+        if entry.name in fp8 and entry.name + "_scale_inv" not in names:
+            raise ValueError(f"weight {entry.name!r}{where} is float8_e4m3fn without its scales "
+                             f"{entry.name + '_scale_inv'!r}; give both, or the weight alone in a float dtype")
+    return [replace(entry, fp8=entry.name in fp8) for entry in entries]
 
 
 @contextmanager
@@ -168,15 +198,26 @@ def packed_target(name: str, packed: dict) -> tuple[str, tuple]:
 def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
     """``load_format="dummy"``: no files; norm weights 1, biases 0, everything else N(0, std), drawn
     on the parameters' device from one seed, so every rank draws the same (a replicated router
-    agrees across ranks). For benchmarks of shapes too large to write to disk."""
+    agrees across ranks). An FP8 weight is drawn in float32 and quantized, its scales with it.
+    For benchmarks of shapes too large to write to disk."""
+    from nanovllm.layers.quantization.fp8 import FP8_DTYPE, quantize_weight_blocks
+
     generators = {}
-    for name, param in model.named_parameters():
-        if name.endswith("norm.weight"):
+    params = dict(model.named_parameters())
+    for name, param in params.items():
+        device = param.device
+        if device not in generators:
+            generators[device] = torch.Generator(device=device).manual_seed(seed)
+        if name.endswith("scale_inv"):
+            continue  # set with its weight
+        if param.dtype == FP8_DTYPE:
+            drawn = torch.empty(param.shape, dtype=torch.float32, device=device)
+            q, scale = quantize_weight_blocks(drawn.normal_(0.0, std, generator=generators[device]))
+            param.data.copy_(q)
+            params[name + "_scale_inv"].data.copy_(scale)
+        elif name.endswith("norm.weight"):
             param.data.fill_(1.0)
         elif name.endswith("bias"):
             param.data.zero_()
         else:
-            device = param.device
-            if device not in generators:
-                generators[device] = torch.Generator(device=device).manual_seed(seed)
             param.data.normal_(0.0, std, generator=generators[device])

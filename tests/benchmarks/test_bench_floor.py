@@ -45,3 +45,17 @@ def test_workload_kv_is_the_closed_form_sum():
     assert kv == expected
     assert weights == steps * weight_bytes(config)
     assert math.isclose(kv / 1e12, 13.85, abs_tol=0.01)  # the figure BENCHMARKS.md quotes
+
+
+def test_fp8_weights_count_one_byte_plus_block_scales():
+    config = model_config("qwen3-8b")
+    _, dense = weight_bytes_by_kind(config)
+    _, fp8 = weight_bytes_by_kind(config, quantization="fp8")
+    # per layer: q 4096x4096, k and v 1024x4096, o 4096x4096, gate and up 12288x4096, down 4096x12288
+    values = 2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 12288 * 4096
+    blocks = 2 * 32 * 32 + 2 * 8 * 32 + 3 * 96 * 32  # 128x128 blocks of the same
+    assert dense - fp8 == 36 * (values * 2 - (values + 4 * blocks))  # embeddings, norms and LM head unchanged
+    moe = model_config("qwen3-30b-a3b")
+    experts, _ = weight_bytes_by_kind(moe, quantization="fp8")
+    assert experts == 48 * 128 * 3 * (768 * 2048 + 4 * 6 * 16)
+    assert weight_bytes(config, quantization="fp8") == weight_bytes(config) - 36 * (values - 4 * blocks)

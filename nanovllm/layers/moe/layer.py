@@ -8,12 +8,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nanovllm.layers.moe.fused import fused_moe, fused_moe_torch
 from nanovllm.layers.linear import ReplicatedLinear
+from nanovllm.layers.moe.fused import fused_moe, fused_moe_torch
+from nanovllm.layers.moe.fused_fp8 import fused_moe_torch_fp8
+from nanovllm.layers.quantization import get_quantization
+from nanovllm.layers.quantization.fp8 import BLOCK, FP8_DTYPE, quantize_weight_blocks
 from nanovllm.utils.distributed import get_tp_rank, get_tp_size
 
 # one expert's tensor in a Hugging Face checkpoint: "...experts.<id>.<gate_proj|up_proj|down_proj>.weight"
-EXPERT_TENSOR = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+EXPERT_TENSOR = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight(_scale_inv)?$")
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,7 +48,10 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
 class Experts(nn.Module):
     """``gate_up_proj`` [num_experts, 2 * inter, hidden] ([gate | up] per expert) and ``down_proj``
     [num_experts, hidden, inter], ``inter`` being this rank's slice of ``intermediate_size``. They
-    load from per-expert checkpoint tensors (``load_expert``) or from fused ones of the full size."""
+    load from per-expert checkpoint tensors (``load_expert``) or from fused ones of the full size.
+    Built under ``building_quantized("fp8")`` they are float8_e4m3fn, each with float32 scales of
+    its 128x128 blocks (``gate_up_proj_scale_inv``, ``down_proj_scale_inv``), placed like the
+    weights in block units; a float checkpoint tensor is quantized on the way in."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
@@ -56,42 +62,94 @@ class Experts(nn.Module):
                              f"tensor_parallel_size ({tp_size})")
         self.num_experts = num_experts
         self.inter = intermediate_size // tp_size
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, self.inter))
+        self.fp8 = get_quantization() == "fp8"
+        dtype = FP8_DTYPE if self.fp8 else None
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden_size, dtype=dtype),
+                                         requires_grad=not self.fp8)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, self.inter, dtype=dtype),
+                                      requires_grad=not self.fp8)
         self.gate_up_proj.weight_loader = self.load_gate_up
         self.down_proj.weight_loader = self.load_down
+        if self.fp8:
+            hidden_blocks, inter_blocks = -(-hidden_size // BLOCK), self.inter // BLOCK
+            self.gate_up_proj_scale_inv = nn.Parameter(
+                torch.ones(num_experts, 2 * inter_blocks, hidden_blocks), requires_grad=False)
+            self.down_proj_scale_inv = nn.Parameter(
+                torch.ones(num_experts, hidden_blocks, inter_blocks), requires_grad=False)
+            self.gate_up_proj_scale_inv.weight_loader = self.load_gate_up
+            self.down_proj_scale_inv.weight_loader = self.load_down
         self.loaded: set[tuple[str, int, int]] = set()  # (parameter, expert, shard) seen by load_expert
+        self.scaled: set[tuple[str, int, int]] = set()  # (parameter, expert, shard) whose scales are loaded
 
-    def _slice(self, loaded: torch.Tensor, dim: int) -> torch.Tensor:
-        return loaded.narrow(dim, self.tp_rank * self.inter, self.inter)
+    def _scale_of(self, param: nn.Parameter) -> nn.Parameter | None:
+        """The scale parameter of an FP8 weight parameter, else None."""
+        if not self.fp8:
+            return None
+        return {id(self.gate_up_proj): self.gate_up_proj_scale_inv, id(self.down_proj): self.down_proj_scale_inv}.get(
+            id(param))
+
+    def _load(self, param: nn.Parameter, loaded: torch.Tensor, place, keys: list[tuple[str, int, int]]) -> None:
+        """``place(param, loaded, block)`` copies in units of ``block`` rows of the inter dimension;
+        an FP8 weight from a float tensor is quantized first and its scales placed too."""
+        if self.fp8:
+            scale = self._scale_of(param)
+            if scale is None:  # ``param`` is a scale tensor
+                place(param, loaded, BLOCK)
+                self.scaled.update(keys)
+                return
+            if loaded.dtype != FP8_DTYPE:
+                loaded, scales = quantize_weight_blocks(loaded.to(param.device))
+                place(scale, scales, BLOCK)
+                self.scaled.update(keys)
+        place(param, loaded, 1)
+        self.loaded.update(keys)
+
+    def _slice(self, loaded: torch.Tensor, dim: int, block: int = 1) -> torch.Tensor:
+        size = self.inter // block
+        return loaded.narrow(dim, self.tp_rank * size, size)
 
     def load_gate_up(self, param: nn.Parameter, loaded: torch.Tensor, expert: int | None = None,
                      shard: int | None = None) -> None:
         """One expert's gate (shard 0) or up (shard 1) projection [intermediate, hidden], or, with no
-        expert, the fused [num_experts, 2 * intermediate, hidden] tensor."""
+        expert, the fused [num_experts, 2 * intermediate, hidden] tensor (or their scales)."""
         if expert is None:
-            gate, up = loaded.chunk(2, dim=1)
-            param.data.copy_(torch.cat((self._slice(gate, 1), self._slice(up, 1)), dim=1))
-            self.loaded.update(("gate_up_proj", e, s) for e in range(self.num_experts) for s in (0, 1))
-            return
-        param.data[expert, shard * self.inter:(shard + 1) * self.inter].copy_(self._slice(loaded, 0))
-        self.loaded.add(("gate_up_proj", expert, shard))
+            def place(p, t, block):
+                gate, up = t.chunk(2, dim=1)
+                p.data.copy_(torch.cat((self._slice(gate, 1, block), self._slice(up, 1, block)), dim=1))
+
+            keys = [("gate_up_proj", e, s) for e in range(self.num_experts) for s in (0, 1)]
+        else:
+            def place(p, t, block):
+                size = self.inter // block
+                p.data[expert, shard * size:(shard + 1) * size].copy_(self._slice(t, 0, block))
+
+            keys = [("gate_up_proj", expert, shard)]
+        self._load(param, loaded, place, keys)
 
     def load_down(self, param: nn.Parameter, loaded: torch.Tensor, expert: int | None = None) -> None:
-        """One expert's down projection [hidden, intermediate], or the fused [num_experts, hidden, intermediate]."""
+        """One expert's down projection [hidden, intermediate], or the fused [num_experts, hidden,
+        intermediate] (or their scales)."""
         if expert is None:
-            param.data.copy_(self._slice(loaded, 2))
-            self.loaded.update(("down_proj", e, 0) for e in range(self.num_experts))
-            return
-        param.data[expert].copy_(self._slice(loaded, 1))
-        self.loaded.add(("down_proj", expert, 0))
+            def place(p, t, block):
+                p.data.copy_(self._slice(t, 2, block))
+
+            keys = [("down_proj", e, 0) for e in range(self.num_experts)]
+        else:
+            def place(p, t, block):
+                p.data[expert].copy_(self._slice(t, 1, block))
+
+            keys = [("down_proj", expert, 0)]
+        self._load(param, loaded, place, keys)
 
     def missing(self) -> list[str]:
         """The expert tensors not loaded yet, by checkpoint name (after the ``experts.`` prefix)."""
         want = [("gate_up_proj", e, s) for e in range(self.num_experts) for s in (0, 1)]
         want += [("down_proj", e, 0) for e in range(self.num_experts)]
         names = {("gate_up_proj", 0): "gate_proj", ("gate_up_proj", 1): "up_proj", ("down_proj", 0): "down_proj"}
-        return [f"{e}.{names[p, s]}.weight" for p, e, s in want if (p, e, s) not in self.loaded]
+        missing = [f"{e}.{names[p, s]}.weight" for p, e, s in want if (p, e, s) not in self.loaded]
+        if self.fp8:
+            missing += [f"{e}.{names[p, s]}.weight_scale_inv" for p, e, s in want if (p, e, s) not in self.scaled]
+        return missing
 
 
 def map_expert_tensor(name: str) -> tuple[str, tuple] | None:
@@ -99,10 +157,10 @@ def map_expert_tensor(name: str) -> tuple[str, tuple] | None:
     match = EXPERT_TENSOR.match(name)
     if match is None:
         return None
-    prefix, expert, proj = match.group(1), int(match.group(2)), match.group(3)
+    prefix, expert, proj, scale = match.group(1), int(match.group(2)), match.group(3), match.group(4) or ""
     if proj == "down_proj":
-        return f"{prefix}.down_proj", (expert,)
-    return f"{prefix}.gate_up_proj", (expert, 0 if proj == "gate_proj" else 1)
+        return f"{prefix}.down_proj{scale}", (expert,)
+    return f"{prefix}.gate_up_proj{scale}", (expert, 0 if proj == "gate_proj" else 1)
 
 
 class SparseMoeBlock(nn.Module):
@@ -116,17 +174,23 @@ class SparseMoeBlock(nn.Module):
         self.top_k = top_k
         self.renormalize = renormalize
         self.tp_size = get_tp_size()
-        self.gate = ReplicatedLinear(hidden_size, num_experts)
+        self.gate = ReplicatedLinear(hidden_size, num_experts, quantizable=False)  # FP8 checkpoints keep it too
         self.experts = Experts(num_experts, hidden_size, intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         router_logits = self.gate(x)
-        if x.is_cuda:  # Triton: routing, grouping and the grouped GEMMs, all without host synchronisation
+        experts = self.experts
+        if x.is_cuda:  # Triton routing and grouping, without host synchronisation
             weights, ids = route(router_logits, self.top_k, self.renormalize)
-            out = fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
         else:
             weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
-            out = fused_moe_torch(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+        if experts.fp8:  # the torch path on every device, until a Triton FP8 variant exists
+            out = fused_moe_torch_fp8(x, experts.gate_up_proj, experts.gate_up_proj_scale_inv, experts.down_proj,
+                                      experts.down_proj_scale_inv, weights, ids)
+        elif x.is_cuda:  # the grouped GEMMs
+            out = fused_moe(x, experts.gate_up_proj, experts.down_proj, weights, ids)
+        else:
+            out = fused_moe_torch(x, experts.gate_up_proj, experts.down_proj, weights, ids)
         if self.tp_size > 1:
             dist.all_reduce(out)
         return out
