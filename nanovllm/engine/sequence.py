@@ -56,6 +56,9 @@ class Sequence:
         self.finish_reason: str | None = None  # "stop", "length" or "abort" once finished
         self.stop_reason: int | None = None  # the stop token id that ended it
         self.num_reported = 0  # completion tokens the core has handed to the front end
+        # structured outputs: the matcher of its grammar (``structured_outputs.grammar.SequenceGrammar``,
+        # set by the core), which has taken every known completion token
+        self.grammar = None
 
     def __len__(self) -> int:
         return self.num_tokens
