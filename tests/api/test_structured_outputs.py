@@ -2,6 +2,11 @@
 temperature 1 every constrained completion is in its grammar's language and ends with "stop" at
 the grammar's end, with async scheduling on and off, beside unconstrained requests (whose seeded
 tokens are those they get alone), under preemption, streamed and aborted."""
+import os
+import pickle
+import subprocess
+import sys
+
 import pytest
 from structured_helpers import (
     CHOICES, EOS_IDS, REGEX, SCHEMA, check_completion, check_output, constrained_batch, make_checkpoint, make_engine,
@@ -10,6 +15,7 @@ from transformers import AutoTokenizer
 
 from nanovllm import SamplingParams, StructuredOutputsParams
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FREE_PROMPTS = ["An unconstrained prompt", "Another one, a little longer than the first"]
 
 
@@ -171,3 +177,19 @@ def test_bad_requests_queue_nothing_and_the_engine_serves_on(llm, tokenizer):
         llm.generate(["a"], SamplingParams(structured_outputs=StructuredOutputsParams(regex="[")), use_tqdm=False)
     assert llm.is_finished() and not llm.core.requests
     check_output(llm.generate(["Label:"], params[0], use_tqdm=False)[0], params[0], tokenizer)
+
+
+def test_params_pickle_without_a_compiled_grammar_and_plain_use_imports_no_xgrammar():
+    sp = SamplingParams(n=2, structured_outputs=StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True))
+    copy = pickle.loads(pickle.dumps(sp))
+    assert copy == sp and copy.structured_outputs.key == sp.structured_outputs.key
+    assert len(pickle.dumps(sp)) < 2000  # the spec only
+    code = (
+        "import sys\n"
+        "from nanovllm import SamplingParams, StructuredOutputsParams\n"
+        "import nanovllm.engine.core, nanovllm.engine.step\n"
+        "SamplingParams(max_tokens=3)\n"
+        "print('xgrammar' in sys.modules, 'torch' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.stdout.split() == ["False", "False"], result.stdout + result.stderr
