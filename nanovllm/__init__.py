@@ -2,9 +2,9 @@
 
 ``LLM`` is imported lazily so that ``import nanovllm`` (and the engine core) stays free of torch.
 """
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams"]
 __version__ = "0.1.0"
 
 

@@ -3,6 +3,9 @@ by the engine core). Every field is checked here; a bad value is a TypeError or 
 the field, the value and what is allowed."""
 from dataclasses import dataclass, fields, replace
 
+from nanovllm.structured_outputs.params import StructuredOutputsParams
+
+__all__ = ["SamplingParams", "StructuredOutputsParams"]
 
 GREEDY_BELOW = 1e-5  # a temperature under this samples greedily (as in vLLM): logits / T would overflow
 
@@ -43,6 +46,7 @@ def _checked(values: dict) -> dict:
     for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
         if not isinstance(v[name], bool):
             raise TypeError(f"SamplingParams.{name} must be a bool, got {v[name]!r}")
+    _check_structured_outputs(v)
     v["stop"] = _string_list(v["stop"])
     v["stop_token_ids"] = _id_list(v["stop_token_ids"])
     if v["top_k"] == -1:
@@ -65,6 +69,19 @@ def _check_int(v: dict, name: str, low: int, extra: str = "") -> None:
         raise TypeError(f"SamplingParams.{name} must be an int{extra}, got {value!r} ({type(value).__name__})")
     if value < low:
         raise ValueError(f"SamplingParams.{name} must be >= {low}{extra}, got {value}")
+
+
+def _check_structured_outputs(v: dict) -> None:
+    so = v["structured_outputs"]
+    if so is None:
+        return
+    if not isinstance(so, StructuredOutputsParams):
+        raise TypeError(f"SamplingParams.structured_outputs must be a StructuredOutputsParams or None, got {so!r}")
+    if v["min_tokens"]:  # the grammar decides where the completion ends
+        raise ValueError(
+            f"SamplingParams.min_tokens must be 0 with structured_outputs (the grammar decides where the "
+            f"completion ends), got min_tokens={v['min_tokens']}"
+        )
 
 
 def _string_list(stop) -> list[str]:
@@ -122,6 +139,9 @@ class SamplingParams:
         token after the first (the prompt token's own is always included), from log_softmax of
         the raw logits at the position before it. A request that asks computes its whole prompt:
         it takes no prefix-cache hits (its blocks still serve later requests).
+    structured_outputs: a ``StructuredOutputsParams``: the completion matches its JSON schema,
+        regex, choices or grammar; it ends with "stop" where the grammar ends (also with
+        ``ignore_eos``), or with "length" at ``max_tokens``. Not with ``min_tokens``.
     """
 
     temperature: float = 1.0
@@ -142,6 +162,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self.__dict__.update(_checked({name: self.__dict__[name] for name in _FIELDS}))

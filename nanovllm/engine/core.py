@@ -1,9 +1,9 @@
 """The engine core: the scheduler, the step pipeline and the executor, on token ids only.
 
-It knows no tokenizer and no text: requests come in as token ids and sampling params, and each
-``step()`` reports what the requests gained and which of their sequences finished, as plain data.
-With async scheduling the host schedules and launches step N+1 while the device computes step N,
-and takes step N's tokens after that launch.
+It knows no text: requests come in as token ids and sampling params, and each ``step()`` reports
+what the requests gained and which of their sequences finished, as plain data (the tokenizer's
+vocabulary serves only structured outputs' grammars). With async scheduling the host schedules and
+launches step N+1 while the device computes step N, and takes step N's tokens after that launch.
 """
 from dataclasses import dataclass
 from random import Random
@@ -50,10 +50,14 @@ def take_prompt_logprobs(seq: Sequence, first: int, entries: list) -> None:
 
 
 class EngineCore:
-    def __init__(self, config, eos_token_ids: list[int], executor):
+    def __init__(self, config, eos_token_ids: list[int], executor, tokenizer=None):
         """``executor`` runs steps on every rank (``engine.executor.Executor``: ``run(step)``,
-        ``result(output)``, ``exit()``, ``num_kvcache_blocks``); the core itself needs no torch."""
+        ``result(output)``, ``exit()``, ``num_kvcache_blocks``); the core itself needs no torch.
+        ``tokenizer``: the front end's, for structured outputs (None: loaded from the model folder
+        when a request first needs it)."""
         self.config = config
+        self.tokenizer = tokenizer
+        self.grammars = None  # structured_outputs.grammar.GrammarCompiler, made by the first request that needs it
         self.executor = executor
         self.num_kvcache_blocks = self.executor.num_kvcache_blocks
         self.scheduler = Scheduler(
@@ -77,11 +81,23 @@ class EngineCore:
         (streams, stop strings, logprobs), not only when they finish."""
         seqs = request_sequences(request_id, prompt_token_ids, sampling_params, self.config.kvcache_block_size,
                                  self.eos_token_ids)
+        if sampling_params.structured_outputs is not None:
+            for seq in seqs:  # one matcher per completion
+                seq.grammar = self._grammar_compiler().matcher(sampling_params.structured_outputs)
         self.requests[request_id] = seqs
         for seq in seqs:
             if report_every_step:
                 self.reporting.add(seq.seq_id)
             self.scheduler.add(seq)
+
+    def _grammar_compiler(self):
+        if self.grammars is None:
+            from nanovllm.structured_outputs.grammar import GrammarCompiler  # xgrammar: only when used
+            from nanovllm.utils.model_folder import load_tokenizer
+
+            tokenizer = self.tokenizer if self.tokenizer is not None else load_tokenizer(self.config.model)
+            self.grammars = GrammarCompiler(tokenizer, self.config.hf_config.vocab_size, self.eos_token_ids)
+        return self.grammars
 
     def abort_request(self, request_id: int) -> bool:
         """End a request's sequences and free their blocks; they report nothing more. False when
@@ -138,8 +154,10 @@ class EngineCore:
         num_tokens = sum(step.num_new) if is_prefill else -len(seqs)
         if is_prefill:
             self.num_prompt_tokens += num_tokens
-        # penalties count the sampled tokens on the host: the next step's sampling needs their values
-        launched = LaunchedStep(output, seqs, self.scheduler.advance(seqs), step.sampling.penalty_tokens is not None)
+        # penalties count the sampled tokens on the host, and grammar matchers take them there: the
+        # next step's sampling needs their values
+        needs_sync = step.sampling.penalty_tokens is not None or step.sampling.token_bitmask is not None
+        launched = LaunchedStep(output, seqs, self.scheduler.advance(seqs), needs_sync)
         if self._launched is not None:
             outputs += self._resolve()
         self._launched = launched

@@ -3,6 +3,7 @@ and how many blocks fit: on a GPU, sized from a warm-up's activation peak and th
 import gc
 import os
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -52,11 +53,13 @@ def warmup_step(config) -> Step:
     return Step(True, [0] * (seq_len * num_seqs), [0] * num_seqs, [seq_len] * num_seqs, [[]] * num_seqs)
 
 
-def heaviest_sampling(num_rows: int) -> SamplingRows:
-    """The sampler's heaviest path: penalties, top-p past its candidates, logprobs, suppression."""
+def heaviest_sampling(num_rows: int, vocab_size: int) -> SamplingRows:
+    """The sampler's heaviest path: penalties, top-p past its candidates, logprobs, suppression,
+    a grammar's token mask."""
     params = SamplingParams(top_p=0.9, repetition_penalty=1.1, presence_penalty=0.5, logprobs=20, min_tokens=1)
+    bitmask = np.full((num_rows, -(-vocab_size // 32)), -1, dtype=np.int32)  # every token allowed
     return SamplingRows([1.0] * num_rows, list(range(num_rows)), [params] * num_rows, False,
-                        [[0]] * num_rows, [([0] * 8, [])] * num_rows)
+                        [[0]] * num_rows, [([0] * 8, [])] * num_rows, (list(range(num_rows)), bitmask))
 
 
 def activation_peak(runner) -> int:
@@ -69,7 +72,7 @@ def activation_peak(runner) -> int:
     if runner.rank == 0:
         rows = min(runner.config.max_num_seqs, 512)
         logits = torch.zeros(rows, runner.vocab_size, dtype=runner.dtype, device=runner.device)
-        runner.sample(logits, heaviest_sampling(rows)).result()
+        runner.sample(logits, heaviest_sampling(rows, runner.vocab_size)).result()
         del logits
     peak = torch.cuda.max_memory_reserved() - torch.cuda.memory_allocated()
     torch.cuda.empty_cache()

@@ -44,7 +44,7 @@ class LLMEngine:
 
             self.core = DataParallelCore(config, self.eos_token_ids)
         else:
-            self.core = EngineCore(config, self.eos_token_ids, Executor(config))
+            self.core = EngineCore(config, self.eos_token_ids, Executor(config), self.tokenizer)
         self._exited = False
         atexit.register(self.exit)
         self.num_kvcache_blocks = self.core.num_kvcache_blocks

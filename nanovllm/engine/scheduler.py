@@ -130,14 +130,18 @@ class Scheduler:
         seq.finish_reason, seq.stop_reason = finish_reason, stop_reason
         seq.num_scheduled_tokens = 0
         seq.wait_for = None
+        seq.grammar = None  # its matcher is freed
         seq.discard_pending()
         self.block_manager.deallocate(seq)
 
     def check_stop(self, seq: Sequence, token_id: int) -> tuple[str, int | None] | None:
-        """The one place that decides whether a sequence ends with the token just set: EOS (unless
-        ``ignore_eos``) and ``stop_token_ids`` once ``min_tokens`` are out, then the length limit.
-        Returns ``(finish_reason, stop_reason)`` or None. (Stop strings need the text: the front end
-        finds them and ends the sequence through ``finish``.)"""
+        """The one place that decides whether a sequence ends with the token just set: the end of
+        its grammar (the matcher took a stop token there), EOS (unless ``ignore_eos``) and
+        ``stop_token_ids`` once ``min_tokens`` are out, then the length limit. Returns
+        ``(finish_reason, stop_reason)`` or None. (Stop strings need the text: the front end finds
+        them and ends the sequence through ``finish``.)"""
+        if seq.grammar is not None and seq.grammar.is_terminated:
+            return "stop", None
         if seq.num_known_tokens - seq.num_prompt_tokens > seq.min_tokens:
             if not seq.ignore_eos and token_id in self.eos_token_ids:
                 return "stop", None
@@ -178,6 +182,8 @@ class Scheduler:
             if not 0 <= position < len(seq) or seq.is_finished:
                 continue
             seq.set_token(position, token_id)
+            if seq.grammar is not None:
+                seq.grammar.accept(token_id)
             self.num_generated_tokens += 1
             self.block_manager.hash_blocks(seq)
             if (stop := self.check_stop(seq, token_id)) is not None:

@@ -59,6 +59,9 @@ class Sequence:
         # prompt_logprobs (completion 0 of a request that asks): an entry per prompt token scored so
         # far, None for the first; handed to the front end once, with the sequence's first report
         self.prompt_logprobs: list[dict[int, float] | None] | None = None
+        # structured outputs: the matcher of its grammar (``structured_outputs.grammar.SequenceGrammar``,
+        # set by the core), which has taken every known completion token
+        self.grammar = None
 
     def __len__(self) -> int:
         return self.num_tokens

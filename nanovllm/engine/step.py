@@ -5,6 +5,8 @@ from dataclasses import dataclass, replace
 from itertools import chain
 from random import Random
 
+import numpy as np
+
 from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
 
@@ -24,7 +26,9 @@ def draw_seed(seed: int, step: int) -> int:
 class SamplingRows:
     """How each row of a step samples (rank 0 only). ``plain``: every row samples with a
     temperature (0: greedy) and a draw seed alone, which the fused draw does on its own; rows of
-    any other step go through the whole sampler, with ``params`` for filters and log-probabilities."""
+    any other step go through the whole sampler, with ``params`` for filters and log-probabilities.
+    ``token_bitmask``: the rows with a grammar and, one row each, the tokens their grammar allows
+    (bit ``t % 32`` of int32 word ``t // 32`` set for token ``t``); the sampler masks the others."""
 
     temperatures: list[float]  # 0 = greedy
     seeds: list[int]  # each row's draw seed in [0, 2**32)
@@ -32,6 +36,7 @@ class SamplingRows:
     plain: bool
     suppressed: list[list[int]] | None = None  # per row: ids masked before min_tokens (None: no row has any)
     penalty_tokens: list[tuple[list[int], list[int]] | None] | None = None  # per row: (prompt, output) ids
+    token_bitmask: tuple[list[int], np.ndarray] | None = None  # (rows, [len(rows), words] int32)
 
 
 @dataclass
@@ -139,4 +144,21 @@ def sampling_rows(seqs: list[Sequence], rng: Random) -> SamplingRows:
             penalty_tokens[i] = (seq.prompt_token_ids, seq.completion_token_ids)
         if plain and (sp.has_filters or sp.has_penalties or sp.logprobs is not None or step < sp.min_tokens):
             plain = False
-    return SamplingRows(temperatures, seeds, params, plain, suppressed, penalty_tokens)
+    token_bitmask = grammar_bitmask(seqs)
+    plain = plain and token_bitmask is None
+    return SamplingRows(temperatures, seeds, params, plain, suppressed, penalty_tokens, token_bitmask)
+
+
+def grammar_bitmask(seqs: list[Sequence]) -> tuple[list[int], np.ndarray] | None:
+    """The tokens each sequence with a grammar may sample next (``SamplingRows.token_bitmask``);
+    None when none of them samples in this step (a prompt chunk that is not the last samples
+    nothing). Its matcher has taken every earlier token: the core resolves a step with grammar rows
+    before it schedules the next one."""
+    rows = [i for i, seq in enumerate(seqs)
+            if seq.grammar is not None and seq.num_cached_tokens + seq.num_scheduled_tokens >= seq.num_tokens]
+    if not rows:
+        return None
+    bitmask = np.empty((len(rows), seqs[rows[0]].grammar.bitmask_width), dtype=np.int32)
+    for j, i in enumerate(rows):
+        seqs[i].grammar.fill_bitmask(bitmask, j)
+    return rows, bitmask

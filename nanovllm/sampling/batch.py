@@ -34,6 +34,9 @@ def make_sampling_batch(rows, vocab_size: int, to_device: ToDevice) -> SamplingB
     filtered = [i for i, (p, t) in enumerate(zip(params, rows.temperatures)) if t and p.has_filters]
     if filtered:
         batch.filters = _filters([params[i] for i in filtered], filtered, vocab_size, to_device)
+    if rows.token_bitmask is not None:
+        grammar_rows, bitmask = rows.token_bitmask
+        batch.token_bitmask = (to_device(grammar_rows, torch.int64), to_device(bitmask, torch.int32))
     logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     if logprob_rows:
         batch.logprob_rows = to_device(logprob_rows, torch.int64)

@@ -1,6 +1,6 @@
 """The sampler: one token per row from the logits, with each row's own settings as tensors.
 
-Order, as in vLLM: min_tokens suppression, penalties, then greedy argmax or temperature, min-p,
+Order, as in vLLM: min_tokens suppression, penalties, the grammar's token mask, then greedy argmax or temperature, min-p,
 top-k, top-p and the draw. Rows that use none of these pay nothing for them: the plain
 temperature draw is one fused pass on the GPU (``triton_draw``) and an inverse-CDF draw on the
 CPU (``torch_ops.cdf_draw``); log-probabilities come from the raw logits, before any of it.
@@ -42,6 +42,8 @@ class SamplingBatch:
     all_greedy: bool
     suppress: tuple[torch.Tensor, torch.Tensor] | None = None  # (row, token id) pairs masked to -inf
     penalties: Penalties | None = None
+    # (rows [G] int64, bitmask [G, words] int32): tokens a row's grammar does not allow are masked
+    token_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None
     filters: Filters | None = None
     logprob_rows: torch.Tensor | None = None  # [L] int64: rows that return log-probabilities
     num_logprobs: int = 0  # top tokens returned for each of them
@@ -67,7 +69,7 @@ def _plain_draw(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.T
 class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         raw = logits
-        if batch.suppress is not None or batch.penalties is not None:
+        if batch.suppress is not None or batch.penalties is not None or batch.token_bitmask is not None:
             logits = logits.to(torch.float32, copy=True)  # never modify the raw logits in place
             if batch.suppress is not None:
                 logits[batch.suppress] = float("-inf")
@@ -75,6 +77,8 @@ class Sampler(nn.Module):
                 torch_ops.apply_penalties(
                     logits, p.rows, p.repetition, p.presence, p.frequency, p.prompt_tokens, p.output_tokens
                 )
+            if batch.token_bitmask is not None:
+                torch_ops.apply_token_bitmask(logits, *batch.token_bitmask)
         if batch.all_greedy:
             token_ids = logits.argmax(dim=-1)
         else:

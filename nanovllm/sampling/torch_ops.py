@@ -136,6 +136,20 @@ def apply_penalties(
     logits[rows] = x
 
 
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """In place on float32 ``logits`` [batch, vocab]: in each of ``rows`` [G], the tokens its
+    ``bitmask`` row [G, words] int32 does not allow become -inf. Token ``t`` is allowed when bit
+    ``t % 32`` of word ``t // 32`` is set (xgrammar's layout); tokens past the bitmask are not."""
+    vocab = logits.size(1)
+    # the words' bytes, least significant first (little-endian), then each byte's bits: [G, 32 * words]
+    as_bytes = bitmask.contiguous().view(torch.uint8)
+    shifts = torch.arange(8, dtype=torch.uint8, device=bitmask.device)
+    allowed = ((as_bytes.unsqueeze(-1) >> shifts) & 1).flatten(1).bool()
+    if allowed.size(1) < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.size(1)))
+    logits[rows] = logits[rows].masked_fill(~allowed[:, :vocab], float("-inf"))
+
+
 def _candidates(logits, temperatures, top_k, top_p, min_p, num_candidates, all_top_k):
     """The ``num_candidates`` most likely tokens of each row (scaled by its temperature), and which of
     them top-k, top-p and min-p keep. ``complete`` is False for a row whose kept set may reach past
