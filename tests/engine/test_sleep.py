@@ -4,7 +4,7 @@ rotary cos/sin caches kept on the host) and the model calls are refused; after `
 ``wake_up()`` the outputs are the same token for token, after ``sleep(2)``, ``wake_up()`` and
 ``update_weights`` with the checkpoint's tensors too; the prefix cache is dropped. For Qwen3 and
 Qwen3-MoE on one rank, Qwen3 on two ranks (gloo) and through two data-parallel replicas; bad values
-and states."""
+and states (with async scheduling off); an engine that exits asleep."""
 import os
 
 import pytest
@@ -46,12 +46,20 @@ def generate(llm: LLM) -> tuple[list[list[int]], list[int]]:
     return [o["token_ids"] for o in outputs], [o["num_cached_tokens"] for o in outputs]
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
-def family(request, tmp_path_factory, hf_ref):
+def checkpoint_and_reference(root, family: str, hf_ref) -> tuple[str, list]:
     """A family's checkpoint and its transformers greedy completions of PROMPTS."""
-    path = build(tmp_path_factory.mktemp("sleep"), request.param)
-    want = [hf_ref.greedy(path, p, GREEDY.max_tokens) for p in PROMPTS]
-    return path, want
+    path = build(root, family)
+    return path, [hf_ref.greedy(path, p, GREEDY.max_tokens) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory, hf_ref):
+    return checkpoint_and_reference(tmp_path_factory.mktemp("sleep"), "qwen3", hf_ref)
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory, hf_ref):
+    return checkpoint_and_reference(tmp_path_factory.mktemp("sleep"), "qwen3_moe", hf_ref)
 
 
 def warm(llm: LLM, want) -> list[list[int]]:
@@ -87,11 +95,11 @@ def assert_asleep(llm: LLM, level: int) -> None:
     assert (stats["num_requests_waiting"], stats["num_requests_running"]) == (0, 0)
 
 
-def test_sleep_and_wake_up_keep_the_outputs(family):
+def test_sleep_and_wake_up_keep_the_outputs(qwen3):
     """Level 1: the weights come back from the host. Level 2: they come back zeroed (the model then
     answers differently) and ``update_weights`` with the checkpoint's tensors restores the outputs.
     The buffers come back with their values; the prefix cache is dropped at each sleep."""
-    path, want = family
+    path, want = qwen3
     with LLM(path, **CPU) as llm:
         runner = llm.core.executor.runner
         out = warm(llm, want)
@@ -114,18 +122,16 @@ def test_sleep_and_wake_up_keep_the_outputs(family):
         assert generate(llm) == (out, COLD)
 
 
-def test_bad_values_and_states(family, tmp_path):
+def test_bad_values_and_states(qwen3):
     """Sleep mode off, bad levels, a request queued or a stream being read, sleeping twice: errors that
     change nothing; ``wake_up`` while awake does nothing. The engine keeps serving throughout."""
-    path, want = family
-    if path.endswith("qwen3_moe"):
-        pytest.skip("one family is enough")
+    path, want = qwen3
     with pytest.raises(TypeError, match=r"Config\.enable_sleep_mode must be a bool, got 'yes'"):
         LLM(path, **(CPU | {"enable_sleep_mode": "yes"}))
     with LLM(path, **(CPU | {"enable_sleep_mode": False})) as llm:
         with pytest.raises(RuntimeError, match=r"sleep\(\) needs sleep mode: create the LLM with enable_sleep_mode=True"):
             llm.sleep(1)
-    with LLM(path, **CPU) as llm:
+    with LLM(path, **(CPU | {"async_scheduling": False})) as llm:
         out = warm(llm, want)
         for level, error in ((0, ValueError), (3, ValueError), (True, TypeError), ("1", TypeError), (1.0, TypeError)):
             with pytest.raises(error, match=rf"sleep level must be (an int \(1 or 2\)|1 \(weights kept on the host\)"
@@ -175,22 +181,34 @@ def sleep_both_levels(llm: LLM, path: str, want) -> None:
     llm.wake_up()
     llm.update_weights(tensors(path))
     assert generate(llm) == (out, COLD)
+    llm.sleep(1)  # and the engine exits asleep
 
 
-def test_tensor_parallel_ranks_sleep_too(family):
+def test_tensor_parallel_ranks_sleep_too(qwen3):
     """Two ranks (gloo): each frees and restores its shard, the worker told through the control channel."""
-    path, want = family
-    if path.endswith("qwen3_moe"):
-        pytest.skip("one family is enough")
+    path, want = qwen3
     with LLM(path, tensor_parallel_size=2, **CPU) as llm:
         sleep_both_levels(llm, path, want)
 
 
-def test_data_parallel_replicas_sleep_too(family):
+def test_data_parallel_replicas_sleep_too(qwen3):
     """Two replicas (processes): each sleeps and wakes through a control call."""
-    path, want = family
-    if path.endswith("qwen3_moe"):
-        pytest.skip("one family is enough")
+    path, want = qwen3
     with LLM(path, data_parallel_size=2, **CPU) as llm:
         sleep_both_levels(llm, path, want)
-        assert all(r["generation_tokens"] > 0 for r in llm.get_stats()["replicas"])
+        assert all(r["generation_tokens"] > 0 for r in llm.get_stats()["replicas"]) and llm.is_sleeping()
+
+
+def test_moe_experts_sleep_too(qwen3_moe):
+    """Qwen3-MoE (a sparse layer's router and stacked experts, a dense layer): level 2 frees every
+    parameter, and the checkpoint's per-expert tensors restore the reference's tokens."""
+    path, want = qwen3_moe
+    with LLM(path, **CPU) as llm:
+        out, _ = generate(llm)
+        for i, (got, ref) in enumerate(zip(out, want)):
+            assert_greedy_match(got, ref, f"prompt {i}")
+        llm.sleep(2)
+        assert_asleep(llm, 2)
+        llm.wake_up()
+        llm.update_weights(tensors(path))
+        assert generate(llm) == (out, COLD)
