@@ -185,24 +185,25 @@ class ModelRunner:
         """Free the CUDA graphs, the KV cache (the layers' views with it), the step buffers and the
         model's tensors (level 1: weights kept on the host; level 2: dropped). Only between steps."""
         self.sync()
+        self.offloaded = sleep.offload(self.model, level)
         self._drop_graphs()
         kv_cache.unbind_kv_cache(self.model)
         self.kv_cache = self.sampled = self.decode_buffer = None
-        self.offloaded = sleep.offload(self.model, level)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         sleep.log_device_memory(self.device, f"rank {self.rank} asleep (level {level})")
 
     def wake_up(self) -> None:
         """Reallocate the model's tensors (level 1's values restored), the KV cache with as many
-        blocks as before, the step buffers, and capture the CUDA graphs again."""
+        blocks as before, the step buffers, and capture the CUDA graphs again. If the device is
+        short of memory it raises, and stays asleep (one rank can try again)."""
         sleep.restore(self.offloaded, self.device)
-        self.offloaded = None
         self._build_buffers()
         self.kv_cache = self.bind_kv_cache(self.num_kvcache_blocks)
         if not self.enforce_eager:
             self.graphs = self.capture_graphs()
         self.sync()
+        self.offloaded = None
         sleep.log_device_memory(self.device, f"rank {self.rank} awake")
 
     # ---- device waits and the end ------------------------------------------------------------

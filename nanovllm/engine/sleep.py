@@ -44,11 +44,10 @@ def offload(model: nn.Module, level: int) -> list[Offloaded]:
     """Empty every parameter and buffer of ``model`` (each shared one once); level 1 keeps the
     weights on the host, level 2 drops them. Buffers are kept on the host at both levels."""
     kept = [(p, level == 1) for p in model.parameters()] + [(b, True) for b in model.buffers()]
-    out = []
-    for tensor, keep in kept:
-        data = tensor.data
-        out.append(Offloaded(tensor, data.shape, data.stride(), data.dtype, to_host(data) if keep else None))
-        tensor.data = torch.empty(0, dtype=data.dtype, device=data.device)
+    # every host copy first: if host memory runs out, the model is still whole
+    out = [Offloaded(t, t.shape, t.stride(), t.dtype, to_host(t.data) if keep else None) for t, keep in kept]
+    for entry in out:
+        entry.tensor.data = torch.empty(0, dtype=entry.dtype, device=entry.tensor.device)
     return out
 
 
