@@ -50,6 +50,7 @@ class Config:
     load_format: str = "auto"
     async_scheduling: bool = True
     quantization: str | None = None  # "fp8": quantize a float checkpoint's linear layers at load (FP8 checkpoints need not ask)
+    enable_sleep_mode: bool = False  # allow llm.sleep(level) / llm.wake_up() (engine/sleep.py)
     hf_config: object = field(default=None, init=False, repr=False)
     # what the weights run as: an FP8 checkpoint's "fp8" whatever ``quantization`` says, else ``quantization``
     weight_quantization: str | None = field(default=None, init=False)
@@ -83,6 +84,8 @@ class Config:
             raise TypeError(f"Config.enforce_eager must be a bool, got {self.enforce_eager!r}")
         if not isinstance(self.async_scheduling, bool):
             raise TypeError(f"Config.async_scheduling must be a bool, got {self.async_scheduling!r}")
+        if not isinstance(self.enable_sleep_mode, bool):
+            raise TypeError(f"Config.enable_sleep_mode must be a bool, got {self.enable_sleep_mode!r}")
         _check_choice("device", self.device, DEVICES)
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)

@@ -15,6 +15,9 @@ from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.profiling import phase
 
 
+ASLEEP = "the engine is asleep; call wake_up()"
+
+
 @dataclass
 class SeqOutput:
     """What one sequence gained in a step: its new token ids (and their log-probabilities, each
@@ -71,6 +74,7 @@ class EngineCore:
         self.reporting: set[int] = set()  # sequences that report their tokens every step
         self._launched: LaunchedStep | None = None
         self.num_prompt_tokens = 0  # computed in prefill (prefix-cache hits not counted)
+        self.sleep_level = 0  # 0: awake; 1 or 2: asleep at that level (``sleep``)
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -132,6 +136,8 @@ class EngineCore:
         host learns a step's tokens while the device computes the next), or this one (without).
         Returns what sequences gained, and the prefill tokens this step computes (> 0) or minus
         the sequences it decodes (< 0; 0 when none was launched)."""
+        if self.sleep_level:
+            raise RuntimeError(ASLEEP)
         outputs = []
         if self._launched is not None and self._launched.needs_sync:
             outputs += self._resolve()
@@ -217,10 +223,35 @@ class EngineCore:
         """Copy ``(checkpoint name, tensor)`` pairs into the model on every rank (the executor
         checks them all before any is written), then drop the prefix cache: its KV came from the
         old weights. Only between requests: nothing queued, running or in flight."""
-        if not self.scheduler.is_finished() or self._launched is not None:
-            raise RuntimeError("update_weights needs an idle engine core: a request is queued, running or in flight")
+        self._check_idle("update_weights")
+        if self.sleep_level:
+            raise RuntimeError(ASLEEP)
         self.executor.update_weights(weights)
         self.reset_prefix_cache()
+
+    def _check_idle(self, what: str) -> None:
+        if not self.scheduler.is_finished() or self._launched is not None:
+            raise RuntimeError(f"{what} needs an idle engine core: a request is queued, running or in flight")
+
+    # ---- sleep mode --------------------------------------------------------------------------
+
+    def sleep(self, level: int) -> None:
+        """Free the KV cache, the CUDA graphs and the weights on every rank (level 1: weights kept
+        on the host; 2: dropped), and drop the prefix cache, whose KV is gone. Only while idle and
+        awake."""
+        self._check_idle("sleep")
+        if self.sleep_level:
+            raise RuntimeError(f"the engine is already asleep (level {self.sleep_level}); call wake_up() first")
+        self.executor.sleep(level)
+        self.sleep_level = level
+        self.reset_prefix_cache()
+
+    def wake_up(self) -> None:
+        """Reallocate what ``sleep`` freed, the KV cache with as many blocks as before (a no-op
+        while awake)."""
+        if self.sleep_level:
+            self.executor.wake_up()
+            self.sleep_level = 0
 
     def reset_prefix_cache(self) -> bool:
         """No block cached so far is a prefix-cache hit from now on (``BlockManager.reset_prefix_cache``)."""

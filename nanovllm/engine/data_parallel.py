@@ -5,8 +5,8 @@ A request goes whole (all its ``n`` completions, which share its prompt's blocks
 with the fewest outstanding tokens (prompt and ``max_tokens`` of each completion, until it ends).
 The replicas run side by side: each step sends every replica that has work its next call (the
 requests added, aborted or stopped since its last one), then takes the replies that are ready,
-at least one. A replica that dies ends the engine with a RuntimeError naming it. Weight updates
-and prefix-cache resets go to every replica as controls, between steps (``_control``).
+at least one. A replica that dies ends the engine with a RuntimeError naming it. Weight updates,
+prefix-cache resets, sleep and wake-up go to every replica as controls, between steps (``_control``).
 """
 import copy
 from dataclasses import dataclass
@@ -64,6 +64,7 @@ class DataParallelCore:
         self.load = [0] * n  # outstanding tokens of the requests routed to it
         self.requests: dict[int, Routed] = {}  # request id -> where it went, until it ends
         self.failure_message: str | None = None
+        self.sleep_level = 0  # as every replica's core has it (``EngineCore.sleep``)
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -170,6 +171,16 @@ class DataParallelCore:
 
     def reset_prefix_cache(self) -> bool:
         return all(self._control("reset_prefix_cache"))
+
+    def sleep(self, level: int) -> None:
+        """Every replica sleeps (``EngineCore.sleep``)."""
+        self._control("sleep", level)
+        self.sleep_level = level
+
+    def wake_up(self) -> None:
+        """Every replica wakes up (a no-op on one that is awake)."""
+        self._control("wake_up")
+        self.sleep_level = 0
 
     def _control(self, method: str, *args) -> list:
         """``EngineCore.<method>(*args)`` on every replica (none may have a call in flight:

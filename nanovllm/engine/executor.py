@@ -87,6 +87,21 @@ class Executor:
                 self.runner.load_weights(batch, tensors[start : start + UPDATE_BATCH])
         self._guarded(load)
 
+    def sleep(self, level: int) -> None:
+        """Every rank frees its KV cache, CUDA graphs and weights (``ModelRunner.sleep``)."""
+        self._on_every_rank("sleep", level)
+
+    def wake_up(self) -> None:
+        """Every rank reallocates what ``sleep`` freed (``ModelRunner.wake_up``)."""
+        self._on_every_rank("wake_up")
+
+    def _on_every_rank(self, method: str, *args) -> None:
+        def call():
+            if self.channel is not None:
+                self.channel.write(method, *args)
+            getattr(self.runner, method)(*args)
+        self._guarded(call)
+
     def result(self, output) -> tuple[list[int], list | None]:
         """A launched step's token ids and log-probabilities, once the device has them."""
         return self._guarded(output.result)

@@ -45,6 +45,15 @@ def bind_kv_cache(model, config, num_blocks: int, num_kv_heads: int, head_dim: i
     return cache
 
 
+def unbind_kv_cache(model) -> None:
+    """Take the cache views back from the attention layers (as built: an empty cache, which
+    stores nothing), so that the cache's memory is freed once its tensor is dropped."""
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.k_cache = module.v_cache = torch.tensor([])
+            module.k_scale = module.v_scale = None
+
+
 def warmup_step(config) -> Step:
     """A prefill of the largest batch, without a cache: the activation peak."""
     max_tokens = config.max_num_batched_tokens

@@ -9,7 +9,7 @@ from time import perf_counter
 from tqdm.auto import tqdm
 
 from nanovllm.config import Config
-from nanovllm.engine.core import EngineCore
+from nanovllm.engine.core import ASLEEP, EngineCore
 from nanovllm.engine.executor import Executor
 from nanovllm.engine.input_processor import InputProcessor
 from nanovllm.engine.output_processor import OutputProcessor
@@ -70,11 +70,24 @@ class LLMEngine:
     def __exit__(self, *exc) -> None:
         self.exit()
 
-    def _check_running(self) -> None:
+    def _check_running(self, asleep_ok: bool = False) -> None:
         if self._exited:
             raise RuntimeError("this LLM has exited (exit() or the end of its with block); create a new LLM to continue")
         if self.core.failure_message:
             raise RuntimeError(self.core.failure_message)
+        if self.core.sleep_level and not asleep_ok:
+            raise RuntimeError(ASLEEP)
+
+    def _check_idle(self, what: str) -> None:
+        """Let a step that computes only past its sequences' ends finish; then nothing may be queued."""
+        self._process(self.core.settle())
+        if not self.core.is_finished():
+            stats = self.core.stats()
+            raise RuntimeError(
+                f"{what} needs an idle engine, but sequences are queued (running {stats['num_requests_running']}, "
+                f"waiting {stats['num_requests_waiting']}): let them finish (generate, or step() until "
+                f"is_finished()) or abort them first"
+            )
 
     # ---- requests and steps ------------------------------------------------------------------
 
@@ -171,22 +184,43 @@ class LLMEngine:
 
         self._check_running()
         named = named_tensors(weights)
-        self._process(self.core.settle())  # a step computing only past its sequences' ends
-        if not self.core.is_finished():
-            stats = self.core.stats()
-            raise RuntimeError(
-                f"update_weights needs an idle engine, but sequences are queued (running "
-                f"{stats['num_requests_running']}, waiting {stats['num_requests_waiting']}): let them finish "
-                f"(generate, or step() until is_finished()) or abort them first"
-            )
+        self._check_idle("update_weights")
         self.core.update_weights(named)
 
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache, on every replica: later requests hit nothing cached so far
         (requests running now keep their blocks). Returns True."""
-        self._check_running()
+        self._check_running(asleep_ok=True)
         self._process(self.core.settle())  # with replicas: no call in flight, so each takes this one
         return self.core.reset_prefix_cache()
+
+    # ---- sleep mode (engine/sleep.py) ----------------------------------------------------------
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the device memory the engine holds, for a trainer that shares the GPUs: the KV
+        cache, the CUDA graphs and the weights, on every rank and replica. Level 1 keeps the
+        weights in host memory for ``wake_up``; level 2 drops them (load new ones with
+        ``update_weights`` after ``wake_up``). The prefix cache is dropped. Needs
+        ``enable_sleep_mode=True``, an awake engine and no request queued (else a RuntimeError)."""
+        from nanovllm.engine.sleep import check_level
+
+        self._check_running(asleep_ok=True)
+        if not self.config.enable_sleep_mode:
+            raise RuntimeError("sleep() needs sleep mode: create the LLM with enable_sleep_mode=True")
+        level = check_level(level)
+        if self.core.sleep_level:
+            raise RuntimeError(f"the engine is already asleep (level {self.core.sleep_level}); call wake_up() first")
+        self._check_idle("sleep")
+        self.core.sleep(level)
+
+    def wake_up(self) -> None:
+        """Reallocate the weights (level 1's restored; level 2's undefined until ``update_weights``),
+        the KV cache with as many blocks as before, and the CUDA graphs. A no-op while awake."""
+        self._check_running(asleep_ok=True)
+        self.core.wake_up()
+
+    def is_sleeping(self) -> bool:
+        return bool(self.core.sleep_level)
 
     # ---- offline calls -----------------------------------------------------------------------
 

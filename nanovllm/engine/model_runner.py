@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
-from nanovllm.engine import kv_cache
+from nanovllm.engine import kv_cache, sleep
 from nanovllm.engine.cuda_graphs import DecodeGraphs
 from nanovllm.engine.step import PromptScoring, SamplingRows, Step
 from nanovllm.engine.step_inputs import DecodeBuffer, decode_inputs, prefill_inputs
@@ -30,7 +30,7 @@ from nanovllm.utils.profiling import phase
 class ModelRunner:
     def __init__(self, config: Config, rank: int, dist_port: int, watch: Callable[[], str | None] | None = None):
         """``watch`` (rank 0 with workers) says which worker has died, if any; device waits check it."""
-        self.model = self.kv_cache = self.graphs = self.sampled = None
+        self.model = self.kv_cache = self.graphs = self.sampled = self.offloaded = None
         self.rank = rank
         self.owns_group = False  # this rank joined a process group (tensor parallelism) to leave at the end
         try:
@@ -77,13 +77,18 @@ class ModelRunner:
         fp8_moe = config.weight_quantization == "fp8" and getattr(hf_config, "num_experts", 0)
         self.enforce_eager = config.enforce_eager or self.device.type == "cpu" or backend.name == "torch" or fp8_moe
         self.sampler = Sampler()
-        # each step's sampled ids, where the next step reads the tokens the host does not know yet
-        self.sampled = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
-        self.decode_buffer = DecodeBuffer(config.max_num_seqs, -(-config.max_model_len // self.block_size), self.device)
+        self.offloaded = None  # while asleep: the model's tensors, as sleep.offload left them
+        self._build_buffers()
         self.num_kvcache_blocks = kv_cache.num_blocks(self)
         self.kv_cache = self.bind_kv_cache(self.num_kvcache_blocks)
         if not self.enforce_eager:
             self.graphs = self.capture_graphs()
+
+    def _build_buffers(self) -> None:
+        # each step's sampled ids, where the next step reads the tokens the host does not know yet
+        self.sampled = torch.zeros(self.config.max_num_seqs, dtype=torch.int64, device=self.device)
+        max_blocks = -(-self.config.max_model_len // self.block_size)
+        self.decode_buffer = DecodeBuffer(self.config.max_num_seqs, max_blocks, self.device)
 
     def bind_kv_cache(self, num_blocks: int) -> torch.Tensor:
         return kv_cache.bind_kv_cache(self.model, self.config, num_blocks, self.num_kv_heads, self.head_dim,
@@ -192,6 +197,33 @@ class ModelRunner:
             copy_weight(param, entry, tensor, " given to update_weights")
         self.sync()
 
+    # ---- sleep mode (engine/sleep.py) -----------------------------------------------------------
+
+    def sleep(self, level: int) -> None:
+        """Free the CUDA graphs, the KV cache (the layers' views with it), the step buffers and the
+        model's tensors (level 1: weights kept on the host; level 2: dropped). Only between steps."""
+        self.sync()
+        self.offloaded = sleep.offload(self.model, level)
+        self._drop_graphs()
+        kv_cache.unbind_kv_cache(self.model)
+        self.kv_cache = self.sampled = self.decode_buffer = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        sleep.log_device_memory(self.device, f"rank {self.rank} asleep (level {level})")
+
+    def wake_up(self) -> None:
+        """Reallocate the model's tensors (level 1's values restored), the KV cache with as many
+        blocks as before, the step buffers, and capture the CUDA graphs again. If the device is
+        short of memory it raises, and stays asleep (one rank can try again)."""
+        sleep.restore(self.offloaded, self.device)
+        self._build_buffers()
+        self.kv_cache = self.bind_kv_cache(self.num_kvcache_blocks)
+        if not self.enforce_eager:
+            self.graphs = self.capture_graphs()
+        self.sync()
+        self.offloaded = None
+        sleep.log_device_memory(self.device, f"rank {self.rank} awake")
+
     # ---- device waits and the end ------------------------------------------------------------
 
     def sync(self) -> None:
@@ -229,7 +261,7 @@ class ModelRunner:
         if failed and self.owns_group and not abort_nccl(self._drop_graphs):
             return  # the device is stuck: freeing memory would wait on it forever
         self._drop_graphs()
-        self.model = self.kv_cache = self.sampled = None  # the layers' cache views go with the model
+        self.model = self.kv_cache = self.sampled = self.offloaded = None  # the layers' cache views go with the model
         if torch.cuda.is_initialized():
             torch.cuda.empty_cache()
         if self.owns_group and dist.is_initialized():

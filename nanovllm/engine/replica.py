@@ -1,7 +1,7 @@
 """One data-parallel replica's side: an engine core serving the front end's calls, as plain
 messages. A call carries the requests to add, abort and stop since the last one, and whether to
 step; the reply carries what the step gave, whether the replica has work left, and its counts. A
-control (a weight update, a prefix-cache reset) is a call of its own between steps.
+control (a weight update, a prefix-cache reset, sleep and wake-up) is a call of its own between steps.
 The same server runs in a process of this host (``replica_process``) or in a Ray actor
 (``replica_ray``)."""
 from dataclasses import dataclass, field
@@ -41,7 +41,7 @@ class ReplicaControl:
     args: tuple = ()
 
 
-CONTROL_METHODS = ("update_weights", "reset_prefix_cache")
+CONTROL_METHODS = ("update_weights", "reset_prefix_cache", "sleep", "wake_up")
 
 
 @dataclass

@@ -1,0 +1,83 @@
+"""Sleep mode of one rank: take the model's tensors off the device and put them back.
+
+``offload`` empties every parameter and buffer in place (each keeps its ``nn.Parameter`` object,
+so the modules, a tied head and the loader still find it; only its ``.data`` changes) and returns
+where its values went: weights to the host at level 1 (pinned memory on a GPU; on the CPU the
+storage itself, nothing is copied), nowhere at level 2. Buffers (the rotary cos/sin caches) are
+not checkpoint weights: they go to the host at both levels. ``restore`` reallocates each tensor
+with its shape, dtype and strides, and copies the host values back; level 2's weights come back
+zero-filled, their values undefined until the caller loads new ones."""
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+SLEEP_LEVELS = (1, 2)
+
+
+@dataclass
+class Offloaded:
+    """One emptied tensor: the parameter or buffer itself, how to rebuild it, and its values on
+    the host (None: a level-2 weight, dropped)."""
+
+    tensor: torch.Tensor
+    shape: torch.Size
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    host: torch.Tensor | None
+
+
+def to_host(data: torch.Tensor) -> torch.Tensor:
+    """``data``'s values in host memory: pinned on a GPU (a fast copy back), the tensor itself on the CPU."""
+    if data.device.type == "cpu":
+        return data
+    host = torch.empty_like(data, device="cpu", pin_memory=True)
+    host.copy_(data)
+    return host
+
+
+@torch.no_grad()
+def offload(model: nn.Module, level: int) -> list[Offloaded]:
+    """Empty every parameter and buffer of ``model`` (each shared one once); level 1 keeps the
+    weights on the host, level 2 drops them. Buffers are kept on the host at both levels."""
+    kept = [(p, level == 1) for p in model.parameters()] + [(b, True) for b in model.buffers()]
+    # every host copy first: if host memory runs out, the model is still whole
+    out = [Offloaded(t, t.shape, t.stride(), t.dtype, to_host(t.data) if keep else None) for t, keep in kept]
+    for entry in out:
+        entry.tensor.data = torch.empty(0, dtype=entry.dtype, device=entry.tensor.device)
+    return out
+
+
+@torch.no_grad()
+def restore(offloaded: list[Offloaded], device: torch.device) -> None:
+    """Give each emptied tensor its memory back on ``device``, with its host values if it has them."""
+    for entry in offloaded:
+        if entry.host is not None and entry.host.device == device:  # the CPU: its own storage again
+            data = entry.host
+        else:
+            data = torch.empty_strided(entry.shape, entry.stride, dtype=entry.dtype, device=device)
+            if entry.host is None:
+                data.zero_()
+            else:
+                data.copy_(entry.host)
+        entry.tensor.data = data
+
+
+def check_level(level) -> int:
+    """``sleep``'s level: 1 (weights kept on the host) or 2 (weights dropped)."""
+    if isinstance(level, bool) or not isinstance(level, int):
+        raise TypeError(f"sleep level must be an int (1 or 2), got {level!r} ({type(level).__name__})")
+    if level not in SLEEP_LEVELS:
+        raise ValueError(f"sleep level must be 1 (weights kept on the host) or 2 (weights dropped), got {level}")
+    return level
+
+
+def log_device_memory(device: torch.device, what: str) -> None:
+    """At debug level: what torch holds on the GPU after ``what``."""
+    if device.type == "cuda" and logger.isEnabledFor(logging.DEBUG):
+        mib = 2**20
+        logger.debug("%s: %.1f MiB allocated, %.1f MiB reserved on %s", what,
+                     torch.cuda.memory_allocated(device) / mib, torch.cuda.memory_reserved(device) / mib, device)
