@@ -78,6 +78,7 @@ class ModelRunner:
         self.enforce_eager = config.enforce_eager or self.device.type == "cpu" or backend.name == "torch" or fp8_moe
         self.sampler = Sampler()
         self.offloaded = None  # while asleep: the model's tensors, as sleep.offload left them
+        self.host_arena = sleep.HostArena()  # level 1's pinned host copies, kept between sleeps
         self._build_buffers()
         self.num_kvcache_blocks = kv_cache.num_blocks(self)
         self.kv_cache = self.bind_kv_cache(self.num_kvcache_blocks)
@@ -203,7 +204,7 @@ class ModelRunner:
         """Free the CUDA graphs, the KV cache (the layers' views with it), the step buffers and the
         model's tensors (level 1: weights kept on the host; level 2: dropped). Only between steps."""
         self.sync()
-        self.offloaded = sleep.offload(self.model, level)
+        self.offloaded = sleep.offload(self.model, level, self.host_arena)
         self._drop_graphs()
         kv_cache.unbind_kv_cache(self.model)
         self.kv_cache = self.sampled = self.decode_buffer = None
