@@ -106,10 +106,10 @@ def script_tokens(llm, monkeypatch, scripts: dict[tuple[int, ...], list[int]]) -
         real_result = output.result
 
         def result():
-            token_ids, logprobs = real_result()
+            token_ids, *rest = real_result()
             for i, token_id in scripted:
                 token_ids[i] = token_id
-            return token_ids, logprobs
+            return token_ids, *rest
 
         output.result = result
         return real_advance(seqs)

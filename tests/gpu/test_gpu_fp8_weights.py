@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.layers.quantization.fp8 import fp8_linear, quantize_weight_blocks
+from nanovllm.layers.quantization.fp8 import fp8_linear, quantize_activation_groups, quantize_weight_blocks
 from nanovllm.utils.checkpoint import make_random_checkpoint
 
 pytestmark = pytest.mark.gpu  # skipped without a CUDA GPU (tests/conftest.py)
@@ -23,6 +23,17 @@ ENGINE = dict(max_model_len=1024, max_num_seqs=8, kvcache_block_size=256, num_kv
 def fp8_capable():
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 weights need compute capability 8.9+")
+
+
+def test_gpu_quantization_equals_cpu():
+    """The same e4m3 bytes and float32 scales on both devices (a scale one ulp off moves values to
+    the next e4m3 step): weights of many magnitudes, and activations."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(384, 1000, generator=g) * torch.logspace(-4, 1, 1000)
+    for quantize in (quantize_weight_blocks, quantize_activation_groups):
+        (q, scale), (gq, gscale) = quantize(w), quantize(w.cuda())
+        assert torch.equal(gscale.cpu(), scale)
+        assert torch.equal(gq.cpu().view(torch.uint8), q.view(torch.uint8))
 
 
 def test_gpu_fp8_linear_equals_cpu():

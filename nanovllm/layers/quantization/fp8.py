@@ -22,6 +22,13 @@ def _blocks(n: int) -> int:
     return -(-n // BLOCK)
 
 
+def _scale(amax: torch.Tensor) -> torch.Tensor:
+    """amax / 448, or 1 where amax is 0. Divided by a tensor: CUDA turns a division by a Python
+    number into a multiplication by its reciprocal, one ulp away from the CPU's quotient."""
+    scale = amax / torch.full_like(amax, FP8_MAX)
+    return torch.where(scale == 0, torch.ones_like(scale), scale)
+
+
 def quantize_weight_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight`` [..., out, in] (any float dtype) -> (float8_e4m3fn [..., out, in], float32 scales
     [..., ceil(out/128), ceil(in/128)]). Edge blocks may be smaller than 128x128."""
@@ -29,8 +36,7 @@ def quantize_weight_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     pad_rows, pad_cols = _blocks(rows) * BLOCK - rows, _blocks(cols) * BLOCK - cols
     w = torch.nn.functional.pad(weight.float(), (0, pad_cols, 0, pad_rows))  # zeros do not change a max
     blocks = w.reshape(*lead, _blocks(rows), BLOCK, _blocks(cols), BLOCK)  # [..., rb, 128, cb, 128]
-    scale = blocks.abs().amax(dim=(-3, -1)) / FP8_MAX  # [..., rb, cb]
-    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    scale = _scale(blocks.abs().amax(dim=(-3, -1)))  # [..., rb, cb]
     q = (blocks / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     q = q.reshape(*lead, _blocks(rows) * BLOCK, _blocks(cols) * BLOCK)[..., :rows, :cols]
     return q.contiguous(), scale
@@ -49,8 +55,7 @@ def quantize_activation_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     tokens, k = x.shape
     pad = _blocks(k) * BLOCK - k
     groups = torch.nn.functional.pad(x.float(), (0, pad)).view(tokens, _blocks(k), BLOCK)
-    scale = groups.abs().amax(dim=-1) / FP8_MAX  # [tokens, groups]
-    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    scale = _scale(groups.abs().amax(dim=-1))  # [tokens, groups]
     q = (groups / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q.view(tokens, -1)[:, :k], scale
 
