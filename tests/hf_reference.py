@@ -124,3 +124,17 @@ def mixed_prompts() -> list[list[int]]:
     prompts.append(base[:100])  # a prefix of another prompt
     prompts.append(list(base))  # an exact duplicate
     return prompts
+
+
+def edit_config(path: str, **changes) -> None:
+    """Change keys of ``path/config.json`` in place (a value of None removes the key)."""
+    config_file = os.path.join(path, "config.json")
+    with open(config_file) as f:
+        config = json.load(f)
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    with open(config_file, "w") as f:
+        json.dump(config, f, indent=2)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 from structured_helpers import (
-    CHOICES, EOS_IDS, REGEX, SCHEMA, check_completion, check_output, constrained_batch, make_checkpoint, make_engine,
+    CHOICES, EOS_IDS, SCHEMA, check_output, constrained_batch, make_checkpoint, make_engine,
 )
 from transformers import AutoTokenizer
 

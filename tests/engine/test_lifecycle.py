@@ -4,7 +4,6 @@ engine (as a terminal does), after which the engine serves on with the same gree
 import json
 import multiprocessing
 import os
-import signal
 import subprocess
 import sys
 import textwrap

@@ -5,7 +5,6 @@ against a token-by-token reference. Decode, eager or as a CUDA graph receives it
 against a token-by-token reference, padding rows that write no cache slot, and placeholder tokens
 read from the previous step's sampled ids."""
 import numpy as np
-import pytest
 import torch
 
 from random import Random

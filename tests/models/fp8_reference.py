@@ -2,13 +2,14 @@
 block-dequantized weights, every decoder projection (and each MoE expert's) fed activations that
 are quantized per token and group of 128 channels and dequantized again. Written from the format's
 definition, without the library's quantization code."""
-import json
 import os
 import shutil
 
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
+
+from hf_reference import edit_config
 
 E4M3 = torch.float8_e4m3fn
 
@@ -47,7 +48,7 @@ def write_fp8_from(src: str, dst: str) -> str:
         else:
             out[name] = t
     save_file(out, os.path.join(dst, "model.safetensors"))
-    _edit_config(dst, quantization_config={"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+    edit_config(dst, quantization_config={"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                            "weight_block_size": [128, 128]})
     return dst
 
@@ -59,21 +60,8 @@ def write_dequantized(src: str, dst: str) -> str:
     out = {name: dequantize_blocks(t, tensors[name + "_scale_inv"]) if name + "_scale_inv" in tensors else t.float()
            for name, t in tensors.items() if not name.endswith("_scale_inv")}
     save_file(out, os.path.join(dst, "model.safetensors"))
-    _edit_config(dst, quantization_config=None, torch_dtype="float32")
+    edit_config(dst, quantization_config=None, torch_dtype="float32")
     return dst
-
-
-def _edit_config(path: str, **changes) -> None:
-    config_file = os.path.join(path, "config.json")
-    with open(config_file) as f:
-        config = json.load(f)
-    for key, value in changes.items():
-        if value is None:
-            config.pop(key, None)
-        else:
-            config[key] = value
-    with open(config_file, "w") as f:
-        json.dump(config, f, indent=2)
 
 
 def _quantized_linear(module):

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from fp8_reference import load_reference, reference_logprobs, write_dequantized, write_fp8_from
-from hf_reference import VOCAB_SIZE, random_prompts
+from hf_reference import VOCAB_SIZE, edit_config, random_prompts
 from nanovllm import LLM, SamplingParams
 from nanovllm.utils.checkpoint import make_random_checkpoint
 
@@ -155,13 +155,11 @@ def fp8_folder(tmp_path_factory):
 def with_config(src: str, dst, **changes) -> str:
     """A copy of ``src``'s config.json (and tokenizer; no weights) with ``changes``: anything that
     fails must fail before weights load."""
-    from fp8_reference import _edit_config
-
     os.makedirs(dst, exist_ok=True)
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         with open(os.path.join(src, name), "rb") as f, open(os.path.join(dst, name), "wb") as g:
             g.write(f.read())
-    _edit_config(str(dst), **changes)
+    edit_config(str(dst), **changes)
     return str(dst)
 
 

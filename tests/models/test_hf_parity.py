@@ -4,14 +4,12 @@ The reference is an independent plain transformers loop (hf_reference.HFReferenc
 tiny random Qwen3 models covering a non-default rope theta in both config styles, an explicit
 head_dim != hidden / heads, and tied and untied LM heads.
 """
-import json
-import os
 import shutil
 
 import pytest
 import torch
 
-from hf_reference import BLOCK_SIZE, TIE_GAP, assert_greedy_match, mixed_prompts
+from hf_reference import BLOCK_SIZE, TIE_GAP, assert_greedy_match, edit_config, mixed_prompts
 from nanovllm import LLM, SamplingParams
 
 CHECKPOINTS = ["ckpt_tied", "ckpt_untied"]
@@ -26,16 +24,7 @@ def make_llm(path: str, **kwargs) -> LLM:
 def copy_with_config(src: str, dst: str, **changes) -> str:
     """A copy of checkpoint ``src`` whose config.json has ``changes`` (None removes a key)."""
     shutil.copytree(src, dst, dirs_exist_ok=True)
-    config_file = os.path.join(dst, "config.json")
-    with open(config_file) as f:
-        config = json.load(f)
-    for key, value in changes.items():
-        if value is None:
-            config.pop(key, None)
-        else:
-            config[key] = value
-    with open(config_file, "w") as f:
-        json.dump(config, f, indent=2)
+    edit_config(dst, **changes)
     return dst
 
 

@@ -172,22 +172,27 @@ def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, tile: MoeTile | No
     return pair_out.view(num_tokens, top_k, hidden).sum(dim=1)
 
 
+def pairs_by_expert(topk_ids: torch.Tensor, topk_weights: torch.Tensor):
+    """For each expert some token is routed to: (expert, its tokens, their routing weights [pairs, 1]).
+    One host sync per expert: for the torch paths, not for CUDA graphs."""
+    num_tokens, top_k = topk_ids.shape
+    expert_of_pair = topk_ids.flatten()
+    token_of_pair = torch.arange(num_tokens, device=topk_ids.device).repeat_interleave(top_k)
+    weight_of_pair = topk_weights.flatten()
+    for expert in expert_of_pair.unique().tolist():
+        pairs = (expert_of_pair == expert).nonzero().squeeze(1)
+        yield expert, token_of_pair[pairs], weight_of_pair[pairs, None]
+
+
 def fused_moe_torch(hidden_states, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
     """The reference and the CPU path: float32 matmuls, one expert at a time (only those routed to).
     Synchronises with the device, so it is not for CUDA graphs."""
     check_moe_inputs(hidden_states, w13, w2, topk_weights, topk_ids)
-    num_tokens, hidden = hidden_states.shape
     inter = w13.shape[1] // 2
-    top_k = topk_ids.shape[1]
     x = hidden_states.float()
-    out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
-    expert_of_pair = topk_ids.flatten()
-    token_of_pair = torch.arange(num_tokens, device=x.device).repeat_interleave(top_k)
-    weight_of_pair = topk_weights.flatten()
-    for expert in expert_of_pair.unique().tolist():
-        pairs = (expert_of_pair == expert).nonzero().squeeze(1)
-        tokens = token_of_pair[pairs]
-        gate_up = x[tokens] @ w13[expert].float().T  # [len(pairs), 2 * inter]
+    out = torch.zeros_like(x)
+    for expert, tokens, weights in pairs_by_expert(topk_ids, topk_weights):
+        gate_up = x[tokens] @ w13[expert].float().T  # [pairs, 2 * inter]
         h = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        out.index_add_(0, tokens, (h @ w2[expert].float().T) * weight_of_pair[pairs, None])
+        out.index_add_(0, tokens, (h @ w2[expert].float().T) * weights)
     return out.to(hidden_states.dtype)

@@ -11,6 +11,7 @@ and to h. Synchronises with the device (one expert at a time), so it is not for 
 import torch
 import torch.nn.functional as F
 
+from nanovllm.layers.moe.fused import pairs_by_expert
 from nanovllm.layers.quantization.fp8 import FP8_DTYPE, fp8_linear
 
 
@@ -20,19 +21,11 @@ def fused_moe_torch_fp8(hidden_states, w13, w13_scale, w2, w2_scale, topk_weight
     [experts, ceil(hidden / 128), inter / 128] -> [num_tokens, hidden] in hidden_states' dtype."""
     if w13.dtype != FP8_DTYPE or w2.dtype != FP8_DTYPE:
         raise ValueError(f"w13 and w2 must be {FP8_DTYPE}, got {w13.dtype} and {w2.dtype}")
-    num_tokens, hidden = hidden_states.shape
     inter = w13.shape[1] // 2
-    top_k = topk_ids.shape[1]
-    out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=hidden_states.device)
-    expert_of_pair = topk_ids.flatten()
-    token_of_pair = torch.arange(num_tokens, device=hidden_states.device).repeat_interleave(top_k)
-    weight_of_pair = topk_weights.flatten()
-    for expert in expert_of_pair.unique().tolist():
-        pairs = (expert_of_pair == expert).nonzero().squeeze(1)
-        tokens = token_of_pair[pairs]
-        x = hidden_states[tokens]
-        gate_up = fp8_linear(x, w13[expert], w13_scale[expert], out_dtype=torch.float32)  # [pairs, 2 * inter]
+    out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
+    for expert, tokens, weights in pairs_by_expert(topk_ids, topk_weights):
+        gate_up = fp8_linear(hidden_states[tokens], w13[expert], w13_scale[expert], out_dtype=torch.float32)
         h = (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]).to(hidden_states.dtype)
         down = fp8_linear(h, w2[expert], w2_scale[expert], out_dtype=torch.float32)  # [pairs, hidden]
-        out.index_add_(0, tokens, down * weight_of_pair[pairs, None])
+        out.index_add_(0, tokens, down * weights)
     return out.to(hidden_states.dtype)
