@@ -10,9 +10,10 @@ sleep: ``sleep(1)`` / ``wake_up()`` twice (the first pins the host buffer, the s
     timed, with the device memory in use while asleep against the CUDA context with cuBLAS loaded
     (measured before the engine starts), and the greedy tokens of a small batch compared with those
     before.
-structured: ``bench.py``'s prompts (``--num-seqs``), ``--max-tokens`` each at temperature 1, once
-    unconstrained (ignore_eos) and once as JSON of a small schema (compact whitespace); the time
-    per generated token of each.
+structured: ``bench.py``'s prompts (``--num-seqs``) at temperature 1 as JSON of a small schema
+    (compact whitespace, at most ``--max-tokens``), against the same prompts unconstrained with each
+    request's ``max_tokens`` set to the length its JSON took (ignore_eos): the same prefill and
+    decode tokens, with and without the grammar; twice each, alternating.
 """
 import argparse
 import os
@@ -99,26 +100,25 @@ def part_structured(path: str, num_seqs: int, max_tokens: int, engine: dict) -> 
     from nanovllm import StructuredOutputsParams
 
     prompts, _ = workload(num_seqs)
-    free = SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, seed=0)
     json_params = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
     constrained = SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=0, structured_outputs=json_params)
     with LLM(path, **engine) as llm:
-        llm.generate(["Warm-up: "], [constrained], use_tqdm=False)  # compiles the grammar once
-        results = {}
-        for name, params in (("unconstrained", free), ("json", constrained), ("unconstrained", free),
-                             ("json", constrained)):
+        outs = llm.generate(prompts, constrained, use_tqdm=False)  # also compiles the grammar
+        lengths = [len(o["token_ids"]) for o in outs]
+        free = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True, seed=0) for n in lengths]
+        times = {}
+        for name, params in (("unconstrained", free), ("json", constrained)) * 2:
             llm.reset_prefix_cache()
             t = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
-            t = time.perf_counter() - t
-            tokens = sum(len(o["token_ids"]) for o in outs)
-            stops = sum(o["finish_reason"] == "stop" for o in outs)
-            results.setdefault(name, []).append((t, tokens, stops))
-    for name, runs in results.items():
-        per_token = [t / tokens * 1e3 for t, tokens, _ in runs]
-        print(f"structured {name}: {num_seqs} requests, runs " + "; ".join(
-            f"{t:.2f} s for {tokens} tokens ({tokens / t:.0f} tok/s, {stops} stopped)" for t, tokens, stops in runs)
-            + f"; {statistics.median(per_token):.3f} ms per token (median)")
+            times.setdefault(name, []).append(time.perf_counter() - t)
+            assert [len(o["token_ids"]) for o in outs] == lengths  # the same tokens (seeded)
+    stops = sum(o["finish_reason"] == "stop" for o in outs)
+    print(f"structured: {num_seqs} requests, {sum(lengths)} tokens (longest {max(lengths)}; {stops} JSON "
+          f"completions ended by the grammar)")
+    for name, runs in times.items():
+        print(f"  {name}: " + ", ".join(f"{t:.3f} s" for t in runs))
+    print(f"  json / unconstrained (medians): {statistics.median(times['json']) / statistics.median(times['unconstrained']):.2f}x")
 
 
 def main() -> None:
