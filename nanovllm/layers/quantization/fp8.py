@@ -57,13 +57,17 @@ def quantize_activation_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     groups = torch.nn.functional.pad(x.float(), (0, pad)).view(tokens, _blocks(k), BLOCK)
     scale = _scale(groups.abs().amax(dim=-1))  # [tokens, groups]
     q = (groups / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q.view(tokens, -1)[:, :k], scale
+    return q.view(tokens, _blocks(k) * BLOCK)[:, :k], scale
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x`` [..., in] @ the block-quantized ``weight`` [out, in].T (+ ``bias``), W8A8 as the module
     docstring says; the result in ``out_dtype`` (default: x's dtype; the bias added after the cast)."""
+    if x.is_cuda:  # one Triton kernel, the same arithmetic (compute capability 8.9+: resolve_quantization)
+        from nanovllm.layers.quantization.fp8_triton import fp8_linear_triton
+
+        return fp8_linear_triton(x, weight, weight_scale, bias, out_dtype)
     lead, k = x.shape[:-1], x.shape[-1]
     out_features = weight.shape[0]
     xq, x_scale = quantize_activation_groups(x.reshape(-1, k))

@@ -1,0 +1,80 @@
+"""W8A8 block-FP8 linear as one Triton kernel, for GPUs of compute capability 8.9+: the arithmetic
+of ``fp8.py``'s torch path, with the activations quantized inside the kernel.
+
+A program owns a [BLOCK_M tokens, BLOCK_N outputs] tile and walks K in 128-wide blocks. For each it
+loads the tokens' 128 activations, quantizes them as ``quantize_activation_groups`` does (scale =
+max |x| / 448 by a rounded division, 1 for an all-zero group; x / scale clamped and rounded to the
+nearest e4m3), multiplies them by the weight's e4m3 block on the tensor cores with float32
+accumulation, and adds that times (activation scale x weight scale) to the float32 tile, k-blocks in
+order. The products of e4m3 values are exact in float32; only the order of the sums inside a
+k-block differs from the torch path (a few float32 ulps). Each program quantizes its tokens'
+activations again: for decode they are a few rows, for prefill 128 values per 128 x BLOCK_N
+multiply-adds.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm.layers.quantization.fp8 import BLOCK, FP8_MAX
+
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_BLOCK_K = tl.constexpr(BLOCK)
+
+
+@triton.jit
+def _fp8_linear_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_wsn,
+                       stride_om, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, _BLOCK_K)
+    m_ok, n_ok = rm < M, rn < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, _BLOCK_K)):
+        k = kb * _BLOCK_K + rk
+        k_ok = k < K
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        x = x.to(tl.float32)
+        scale = tl.math.div_rn(tl.max(tl.abs(x), axis=1), _FP8_MAX)
+        scale = tl.where(scale == 0.0, 1.0, scale)
+        q = tl.math.div_rn(x, scale[:, None])
+        q = tl.minimum(tl.maximum(q, -_FP8_MAX), _FP8_MAX).to(tl.float8e4nv, fp_downcast_rounding="rtne")
+        # the weight block transposed: [128, BLOCK_N], element (k, n) = w[n, k]
+        w = tl.load(w_ptr + rn[None, :] * stride_wn + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        partial = tl.dot(q, w, out_dtype=tl.float32)
+        w_scale = tl.load(ws_ptr + (rn // _BLOCK_K) * stride_wsn + kb, mask=n_ok, other=0.0)
+        acc += partial * (scale[:, None] * w_scale[None, :])
+    out = acc.to(out_ptr.dtype.element_ty)
+    if HAS_BIAS:  # added after the cast, as the torch path does (the sum rounded once)
+        bias = tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+        out = (out.to(tl.float32) + bias[None, :]).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], out, mask=m_ok[:, None] & n_ok[None, :])
+
+
+def tile(num_tokens: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for ``num_tokens`` rows: small tiles for decode
+    (a step reads every weight once; more programs keep more loads in flight), large for prefill."""
+    if num_tokens <= 16:
+        return 16, 64, 4, 4
+    if num_tokens <= 64:
+        return 64, 64, 4, 4
+    return 128, 128, 8, 3
+
+
+def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                      bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``fp8.fp8_linear`` on a CUDA device: ``x`` [..., in] (float), ``weight`` [out, in]
+    float8_e4m3fn, ``weight_scale`` [ceil(out/128), ceil(in/128)] float32."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m, n = x2.shape[0], weight.shape[0]
+    out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+    if m:
+        block_m, block_n, num_warps, num_stages = tile(m)
+        grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+        _fp8_linear_kernel[grid](
+            x2, weight, weight_scale, bias if bias is not None else out, out, m, n, k, x2.stride(0),
+            weight.stride(0), weight_scale.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
+    return out.view(*lead, n)

@@ -1,0 +1,85 @@
+"""The block-FP8 linear kernel (``fp8_triton.py``) against the torch path of ``fp8.py`` under the
+Triton interpreter (one subprocess: this file run as a script): token counts on each tile size and
+past it, K and N that are not multiples of 128 or of the tiles, an all-zero activation group (scale
+1), float32, bf16 and fp16 activations, a bias, a float32 result, strided rows, no rows.
+
+The products of e4m3 values are exact in float32 and the k-blocks are summed in the same order, so
+the two differ only by the order of the sums inside a k-block: within a few float32 ulps of the
+result's magnitude, and in bf16/fp16 by at most one rounding step of the result.
+"""
+import pytest
+import torch
+from triton_interpreter import (
+    results_under_interpreter, round_interpreter_casts_to_nearest, run_cases, squeeze_interpreter_loop_bounds,
+)
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+
+
+def check(m: int, n: int, k: int, dtype=F32, bias: bool = False, out_dtype=None, strided: bool = False,
+          zero_group: bool = False) -> dict:
+    from nanovllm.layers.quantization.fp8 import fp8_linear, quantize_weight_blocks
+    from nanovllm.layers.quantization.fp8_triton import fp8_linear_triton
+
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, 2 * k if strided else k, generator=g).to(dtype)
+    x = x[:, ::2] if strided else x
+    if zero_group and m:
+        x[0, :128] = 0
+    wq, ws = quantize_weight_blocks(torch.randn(n, k, generator=g) * 0.05)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    ref = fp8_linear(x, wq, ws, b, out_dtype)
+    got = fp8_linear_triton(x, wq, ws, b, out_dtype)
+    diff = (got.double() - ref.double()).abs()
+    return {"shape": list(got.shape), "want_shape": list(ref.shape), "dtype": str(got.dtype),
+            "want_dtype": str(ref.dtype), "max_diff": diff.max().item() if diff.numel() else 0.0,
+            "max_ref": ref.abs().max().item() if ref.numel() else 0.0, "finite": bool(got.isfinite().all())}
+
+
+CASES = {
+    "decode_m1": dict(m=1, n=256, k=256),
+    "decode_m16": dict(m=16, n=300, k=200),
+    "m17_to_64_tile": dict(m=17, n=130, k=384),
+    "m130_large_tile": dict(m=130, n=260, k=300),
+    "no_rows": dict(m=0, n=128, k=128),
+    "zero_group": dict(m=5, n=128, k=256, zero_group=True),
+    "bf16_bias": dict(m=9, n=200, k=256, dtype=BF16, bias=True),
+    "fp16": dict(m=20, n=128, k=384, dtype=F16),
+    "bf16_to_float32": dict(m=7, n=256, k=256, dtype=BF16, out_dtype=F32),
+    "strided_rows": dict(m=6, n=128, k=256, strided=True),
+}
+
+
+def run_interpreter_cases() -> dict:
+    """Runs in the subprocess, with TRITON_INTERPRET=1 already in the environment."""
+    squeeze_interpreter_loop_bounds()
+    round_interpreter_casts_to_nearest()
+    return run_cases(CASES, lambda case: check(**case))
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    return results_under_interpreter(__file__)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_kernel_matches_the_torch_path(results, case):
+    r = results[case]
+    assert "error" not in r, r["error"]
+    assert r["shape"] == r["want_shape"] and r["dtype"] == r["want_dtype"] and r["finite"], r
+    out_dtype = CASES[case].get("out_dtype") or CASES[case].get("dtype", F32)
+    step = {F32: 2**-23 * 8, BF16: 2**-7, F16: 2**-10}[out_dtype]  # a few ulps, or one rounding step
+    assert r["max_diff"] <= step * max(r["max_ref"], 1e-30), r
+
+
+def test_tiles_cover_decode_and_prefill():
+    from nanovllm.layers.quantization.fp8_triton import tile
+
+    assert [tile(m)[:2] for m in (1, 16, 17, 64, 65, 4096)] == [(16, 64), (16, 64), (64, 64), (64, 64),
+                                                                (128, 128), (128, 128)]
+
+
+if __name__ == "__main__":
+    import json
+
+    print(json.dumps(run_interpreter_cases()))
