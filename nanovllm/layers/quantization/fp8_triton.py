@@ -15,15 +15,30 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.layers.quantization.fp8 import BLOCK, FP8_MAX
+from nanovllm.layers.quantization.fp8 import BLOCK, FP8_DTYPE, FP8_MAX
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
 _BLOCK_K = tl.constexpr(BLOCK)
+PRECISE = True  # see _fp8_gemm_kernel
 
 
 @triton.jit
-def _fp8_linear_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_wsn,
-                       stride_om, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _quantize_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, stride_sm):
+    """One (token, 128-channel group): its e4m3 values and scale, as ``quantize_activation_groups``."""
+    row, group = tl.program_id(0), tl.program_id(1)
+    k = group * _BLOCK_K + tl.arange(0, _BLOCK_K)
+    x = tl.load(x_ptr + row * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
+    scale = tl.math.div_rn(tl.max(tl.abs(x), axis=0), _FP8_MAX)
+    scale = tl.where(scale == 0.0, 1.0, scale)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -_FP8_MAX), _FP8_MAX)
+    tl.store(q_ptr + row * stride_qm + k, q.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=k < K)
+    tl.store(scale_ptr + row * stride_sm + group, scale)
+
+
+@triton.jit
+def _fp8_gemm_kernel(q_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, stride_qm, stride_xsm, stride_wn,
+                     stride_wsn, stride_om, HAS_BIAS: tl.constexpr, PRECISE: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, _BLOCK_K)
@@ -32,17 +47,15 @@ def _fp8_linear_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, stride_
     for kb in range(0, tl.cdiv(K, _BLOCK_K)):
         k = kb * _BLOCK_K + rk
         k_ok = k < K
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        x = x.to(tl.float32)
-        scale = tl.math.div_rn(tl.max(tl.abs(x), axis=1), _FP8_MAX)
-        scale = tl.where(scale == 0.0, 1.0, scale)
-        q = tl.math.div_rn(x, scale[:, None])
-        q = tl.minimum(tl.maximum(q, -_FP8_MAX), _FP8_MAX).to(tl.float8e4nv, fp_downcast_rounding="rtne")
-        # the weight block transposed: [128, BLOCK_N], element (k, n) = w[n, k]
-        w = tl.load(w_ptr + rn[None, :] * stride_wn + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        partial = tl.dot(q, w, out_dtype=tl.float32)
+        q = tl.load(q_ptr + rm[:, None] * stride_qm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + rn[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if PRECISE:  # every MMA's result added in float32 (Hopper's FP8 MMA keeps fewer bits while accumulating)
+            partial = tl.dot(q, tl.trans(w), out_dtype=tl.float32, max_num_imprecise_acc=0)
+        else:
+            partial = tl.dot(q, tl.trans(w), out_dtype=tl.float32)
+        x_scale = tl.load(xs_ptr + rm * stride_xsm + kb, mask=m_ok, other=0.0)
         w_scale = tl.load(ws_ptr + (rn // _BLOCK_K) * stride_wsn + kb, mask=n_ok, other=0.0)
-        acc += partial * (scale[:, None] * w_scale[None, :])
+        acc += partial * (x_scale[:, None] * w_scale[None, :])
     out = acc.to(out_ptr.dtype.element_ty)
     if HAS_BIAS:  # added after the cast, as the torch path does (the sum rounded once)
         bias = tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
@@ -71,10 +84,14 @@ def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
     m, n = x2.shape[0], weight.shape[0]
     out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if m:
+        groups = triton.cdiv(k, BLOCK)
+        q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
+        x_scale = torch.empty(m, groups, dtype=torch.float32, device=x.device)
+        _quantize_kernel[(m, groups)](x2, q, x_scale, k, x2.stride(0), q.stride(0), x_scale.stride(0))
         block_m, block_n, num_warps, num_stages = tile(m)
         grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-        _fp8_linear_kernel[grid](
-            x2, weight, weight_scale, bias if bias is not None else out, out, m, n, k, x2.stride(0),
-            weight.stride(0), weight_scale.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
+        _fp8_gemm_kernel[grid](
+            q, x_scale, weight, weight_scale, bias if bias is not None else out, out, m, n, k, q.stride(0),
+            x_scale.stride(0), weight.stride(0), weight_scale.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+            PRECISE=PRECISE, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
     return out.view(*lead, n)
