@@ -65,12 +65,14 @@ def _fp8_gemm_kernel(q_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, s
 
 def tile(num_tokens: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for ``num_tokens`` rows: small tiles for decode
-    (a step reads every weight once; more programs keep more loads in flight), large for prefill."""
+    (a step reads every weight once; more programs keep more loads in flight), large for prefill.
+    From a sweep on an H100 at the Qwen3-8B qkv and down shapes (BENCHMARKS.md); 17-64 rows were
+    not swept."""
     if num_tokens <= 16:
-        return 16, 64, 4, 4
+        return 16, 32, 4, 6
     if num_tokens <= 64:
         return 64, 64, 4, 4
-    return 128, 128, 8, 3
+    return 64, 128, 4, 2
 
 
 def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
