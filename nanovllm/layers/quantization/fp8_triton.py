@@ -1,15 +1,18 @@
-"""W8A8 block-FP8 linear as one Triton kernel, for GPUs of compute capability 8.9+: the arithmetic
-of ``fp8.py``'s torch path, with the activations quantized inside the kernel.
+"""W8A8 block-FP8 linear as two Triton kernels, for GPUs of compute capability 8.9+: the arithmetic
+of ``fp8.py``'s torch path.
 
-A program owns a [BLOCK_M tokens, BLOCK_N outputs] tile and walks K in 128-wide blocks. For each it
-loads the tokens' 128 activations, quantizes them as ``quantize_activation_groups`` does (scale =
-max |x| / 448 by a rounded division, 1 for an all-zero group; x / scale clamped and rounded to the
-nearest e4m3), multiplies them by the weight's e4m3 block on the tensor cores with float32
-accumulation, and adds that times (activation scale x weight scale) to the float32 tile, k-blocks in
-order. The products of e4m3 values are exact in float32; only the order of the sums inside a
-k-block differs from the torch path (a few float32 ulps). Each program quantizes its tokens'
-activations again: for decode they are a few rows, for prefill 128 values per 128 x BLOCK_N
-multiply-adds.
+``_quantize_kernel``: one program per token and 128-channel group quantizes the activations as
+``quantize_activation_groups`` does (scale = max |x| / 448 by a rounded division, 1 for an all-zero
+group; x / scale clamped and rounded to the nearest e4m3). ``_fp8_gemm_kernel``: a program owns a
+[BLOCK_M tokens, BLOCK_N outputs] tile and walks K in 128-wide blocks; for each it multiplies the
+tokens' e4m3 values by the weight's e4m3 block on the tensor cores and adds the float32 result times
+(activation scale x weight scale) to the float32 tile, k-blocks in order. The products of e4m3 values
+are exact in float32; only the order of the sums inside a k-block differs from the torch path (a few
+float32 ulps). Quantizing inside the GEMM's k-loop instead would redo it for every BLOCK_N outputs.
+
+``PRECISE``: Hopper's FP8 MMA keeps fewer bits than float32 while it accumulates; with PRECISE each
+MMA's result is added in float32 (``max_num_imprecise_acc=0``), which halves the large-batch rate
+(BENCHMARKS.md) but keeps the torch path's numbers.
 """
 import torch
 import triton
@@ -49,7 +52,7 @@ def _fp8_gemm_kernel(q_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, s
         k_ok = k < K
         q = tl.load(q_ptr + rm[:, None] * stride_qm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptr + rn[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        if PRECISE:  # every MMA's result added in float32 (Hopper's FP8 MMA keeps fewer bits while accumulating)
+        if PRECISE:  # every MMA's result added in float32 (see the module docstring)
             partial = tl.dot(q, tl.trans(w), out_dtype=tl.float32, max_num_imprecise_acc=0)
         else:
             partial = tl.dot(q, tl.trans(w), out_dtype=tl.float32)
