@@ -126,15 +126,15 @@ def mixed_prompts() -> list[list[int]]:
     return prompts
 
 
-def edit_config(path: str, **changes) -> None:
-    """Change keys of ``path/config.json`` in place (a value of None removes the key)."""
-    config_file = os.path.join(path, "config.json")
-    with open(config_file) as f:
-        config = json.load(f)
+def edit_json(folder: str, name: str = "config.json", **changes) -> None:
+    """Change keys of the JSON file ``folder/name`` in place (a value of None removes the key)."""
+    path = os.path.join(folder, name)
+    with open(path) as f:
+        data = json.load(f)
     for key, value in changes.items():
         if value is None:
-            config.pop(key, None)
+            data.pop(key, None)
         else:
-            config[key] = value
-    with open(config_file, "w") as f:
-        json.dump(config, f, indent=2)
+            data[key] = value
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hf_reference import build_checkpoint
+from hf_reference import build_checkpoint, edit_json
 from nanovllm.config import Config
 from nanovllm.engine.requests import prompt_token_ids
 from nanovllm.models.registry import model_class
@@ -36,19 +36,6 @@ def folder(base, tmp_path) -> str:
     path = str(tmp_path / "model")
     shutil.copytree(base, path)
     return path
-
-
-def edit_json(folder: str, name: str, **changes) -> None:
-    path = os.path.join(folder, name)
-    with open(path) as f:
-        data = json.load(f)
-    for key, value in changes.items():
-        if value is None:
-            data.pop(key, None)
-        else:
-            data[key] = value
-    with open(path, "w") as f:
-        json.dump(data, f)
 
 
 def build_model(path: str):

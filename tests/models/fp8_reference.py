@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from hf_reference import edit_config
+from hf_reference import edit_json
 
 E4M3 = torch.float8_e4m3fn
 
@@ -48,7 +48,7 @@ def write_fp8_from(src: str, dst: str) -> str:
         else:
             out[name] = t
     save_file(out, os.path.join(dst, "model.safetensors"))
-    edit_config(dst, quantization_config={"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+    edit_json(dst, quantization_config={"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                            "weight_block_size": [128, 128]})
     return dst
 
@@ -60,7 +60,7 @@ def write_dequantized(src: str, dst: str) -> str:
     out = {name: dequantize_blocks(t, tensors[name + "_scale_inv"]) if name + "_scale_inv" in tensors else t.float()
            for name, t in tensors.items() if not name.endswith("_scale_inv")}
     save_file(out, os.path.join(dst, "model.safetensors"))
-    edit_config(dst, quantization_config=None, torch_dtype="float32")
+    edit_json(dst, quantization_config=None, torch_dtype="float32")
     return dst
 
 

@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from hf_reference import BLOCK_SIZE, TIE_GAP, assert_greedy_match, edit_config, mixed_prompts
+from hf_reference import BLOCK_SIZE, TIE_GAP, assert_greedy_match, edit_json, mixed_prompts
 from nanovllm import LLM, SamplingParams
 
 CHECKPOINTS = ["ckpt_tied", "ckpt_untied"]
@@ -24,7 +24,7 @@ def make_llm(path: str, **kwargs) -> LLM:
 def copy_with_config(src: str, dst: str, **changes) -> str:
     """A copy of checkpoint ``src`` whose config.json has ``changes`` (None removes a key)."""
     shutil.copytree(src, dst, dirs_exist_ok=True)
-    edit_config(dst, **changes)
+    edit_json(dst, **changes)
     return dst
 
 
