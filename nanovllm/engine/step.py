@@ -130,6 +130,7 @@ def sampling_rows(seqs: list[Sequence], rng: Random) -> SamplingRows:
     temperatures, seeds, params = [], [], []
     plain = True
     suppressed = penalty_tokens = None
+    grammar_rows = []
     for i, seq in enumerate(seqs):
         sp = seq.sampling_params
         params.append(sp)
@@ -144,20 +145,18 @@ def sampling_rows(seqs: list[Sequence], rng: Random) -> SamplingRows:
             penalty_tokens[i] = (seq.prompt_token_ids, seq.completion_token_ids)
         if plain and (sp.has_filters or sp.has_penalties or sp.logprobs is not None or step < sp.min_tokens):
             plain = False
-    token_bitmask = grammar_bitmask(seqs)
+        # a prompt chunk that is not the last samples nothing: its grammar has no row this step
+        if seq.grammar is not None and seq.num_cached_tokens + seq.num_scheduled_tokens >= seq.num_tokens:
+            grammar_rows.append(i)
+    token_bitmask = grammar_bitmask(seqs, grammar_rows) if grammar_rows else None
     plain = plain and token_bitmask is None
     return SamplingRows(temperatures, seeds, params, plain, suppressed, penalty_tokens, token_bitmask)
 
 
-def grammar_bitmask(seqs: list[Sequence]) -> tuple[list[int], np.ndarray] | None:
-    """The tokens each sequence with a grammar may sample next (``SamplingRows.token_bitmask``);
-    None when none of them samples in this step (a prompt chunk that is not the last samples
-    nothing). Its matcher has taken every earlier token: the core resolves a step with grammar rows
-    before it schedules the next one."""
-    rows = [i for i, seq in enumerate(seqs)
-            if seq.grammar is not None and seq.num_cached_tokens + seq.num_scheduled_tokens >= seq.num_tokens]
-    if not rows:
-        return None
+def grammar_bitmask(seqs: list[Sequence], rows: list[int]) -> tuple[list[int], np.ndarray]:
+    """The tokens each of ``rows`` (sequences with a grammar that sample this step) may sample next
+    (``SamplingRows.token_bitmask``). Its matcher has taken every earlier token: the core resolves
+    a step with grammar rows before it schedules the next one."""
     bitmask = np.empty((len(rows), seqs[rows[0]].grammar.bitmask_width), dtype=np.int32)
     for j, i in enumerate(rows):
         seqs[i].grammar.fill_bitmask(bitmask, j)
