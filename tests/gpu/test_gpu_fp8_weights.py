@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.layers.quantization import fp8_triton
 from nanovllm.layers.quantization.fp8 import fp8_linear, quantize_activation_groups, quantize_weight_blocks
 from nanovllm.utils.checkpoint import make_random_checkpoint
 
@@ -38,13 +39,21 @@ def test_gpu_quantization_equals_cpu():
         assert torch.equal(gq.cpu().view(torch.uint8), q.view(torch.uint8))
 
 
-def test_gpu_fp8_linear_equals_cpu():
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(33, 640, generator=g)
+@pytest.mark.parametrize("m", [5, 33, 300])
+def test_gpu_fp8_linear_equals_cpu(m):
+    """``precise``: the CPU's numbers to float32 rounding. By default the tensor cores sum each
+    k-block's 128 products with fewer bits than float32 (about 14 on Hopper) before the block's
+    result is promoted: within 1e-3 of the output's magnitude, under a bf16 output's rounding step."""
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 640, generator=g)
     wq, ws = quantize_weight_blocks(torch.randn(300, 640, generator=g) * 0.05)
     expected = fp8_linear(x, wq, ws)
-    got = fp8_linear(x.cuda(), wq.cuda(), ws.cuda()).cpu()
+    got = fp8_triton.fp8_linear_triton(x.cuda(), wq.cuda(), ws.cuda(), precise=True).cpu()
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    got = fp8_linear(x.cuda(), wq.cuda(), ws.cuda()).cpu()
+    error = ((got - expected).abs().max() / expected.abs().max()).item()
+    print(f"m={m}: max |default - CPU| / max |CPU| = {error:.1e}")
+    assert error < 1e-3
 
 
 def run(path: str, params: SamplingParams = GREEDY, prompts=PROMPTS, **kwargs):
@@ -65,7 +74,10 @@ TIE = 1e-3  # the CPU's top two closer than this: either token is right
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
-def test_gpu_fp8_engine_equals_cpu(tmp_path, family):
+def test_gpu_fp8_engine_equals_cpu(tmp_path, family, monkeypatch):
+    """With ``PRECISE``: by default the tensor cores' k-block sums (~1e-4 relative per linear) flip
+    activations across e4m3 steps often enough that short sequences differ too (see above)."""
+    monkeypatch.setattr(fp8_triton, "PRECISE", True)
     shape, config = ("tiny", SHAPE) if family == "qwen3" else ("qwen3-30b-a3b", MOE)
     path = make_random_checkpoint(str(tmp_path / family), shape, dtype=torch.bfloat16, seed=1, std=0.1,
                                   quantization="fp8", **config)

@@ -75,8 +75,10 @@ def test_kernel_matches_the_torch_path(results, case):
 def test_tiles_cover_decode_and_prefill():
     from nanovllm.layers.quantization.fp8_triton import tile
 
-    assert [tile(m)[:2] for m in (1, 16, 17, 64, 65, 4096)] == [(16, 32), (16, 32), (64, 64), (64, 64),
-                                                                (64, 128), (64, 128)]
+    tiles = {m: tile(m) for m in (1, 16, 17, 256, 257, 512, 513, 8192)}
+    assert {m: t[:2] for m, t in tiles.items()} == {1: (16, 32), 16: (16, 32), 17: (64, 128), 256: (64, 128),
+                                                    257: (64, 128), 512: (64, 128), 513: (128, 128), 8192: (128, 128)}
+    assert all(128 % t.block_n == 0 for t in tiles.values())  # one weight scale per tile and k-block
 
 
 if __name__ == "__main__":

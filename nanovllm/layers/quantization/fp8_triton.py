@@ -1,64 +1,103 @@
 """W8A8 block-FP8 linear as two Triton kernels, for GPUs of compute capability 8.9+: the arithmetic
 of ``fp8.py``'s torch path.
 
-``_quantize_kernel``: one program per token and 128-channel group quantizes the activations as
+``_quantize_kernel``: a program quantizes a [BLOCK_ROWS tokens, 128 channels] tile of activations as
 ``quantize_activation_groups`` does (scale = max |x| / 448 by a rounded division, 1 for an all-zero
-group; x / scale clamped and rounded to the nearest e4m3). ``_fp8_gemm_kernel``: a program owns a
-[BLOCK_M tokens, BLOCK_N outputs] tile and walks K in 128-wide blocks; for each it multiplies the
-tokens' e4m3 values by the weight's e4m3 block on the tensor cores and adds the float32 result times
-(activation scale x weight scale) to the float32 tile, k-blocks in order. The products of e4m3 values
-are exact in float32; only the order of the sums inside a k-block differs from the torch path (a few
-float32 ulps). Quantizing inside the GEMM's k-loop instead would redo it for every BLOCK_N outputs.
+group; x / scale clamped and rounded to the nearest e4m3) and writes the scales k-block-major
+([groups, tokens]), so that the GEMM reads one k-block's scales as a contiguous vector.
 
-``PRECISE``: Hopper's FP8 MMA keeps fewer bits than float32 while it accumulates; with PRECISE each
-MMA's result is added in float32 (``max_num_imprecise_acc=0``), which halves the large-batch rate
-(BENCHMARKS.md) but keeps the torch path's numbers.
+``_fp8_gemm_kernel``: a program owns a [BLOCK_M tokens, BLOCK_N outputs] tile and walks K in
+128-wide blocks; for each it multiplies the tokens' e4m3 values by the weight's e4m3 block on the
+tensor cores and adds the float32 result times (activation scale x weight scale) to the float32
+tile, k-blocks in order. Programs that share a weight tile run next to each other (GROUP_M tiles of
+tokens per group), so the weight comes from HBM once and from L2 after.
+
+Accumulation inside a k-block: the products of e4m3 values are exact, but Hopper's FP8 MMA keeps
+fewer bits than float32 while it sums them (about 14; DeepSeek-V3's report), so by default the
+128 products of a k-block are summed by the tensor cores and promoted to float32 once per k-block,
+as DeepGEMM and vLLM do: the result differs from the torch path by about 1e-4 of its magnitude,
+below a bf16 output's rounding step (2^-8). ``precise=True`` adds each MMA's result in float32
+(``max_num_imprecise_acc=0``) and keeps the torch path's numbers to a few float32 ulps, at half the
+large-batch rate (BENCHMARKS.md); tests use it to compare exactly. Tiles of 16 rows run on the older
+MMA, which is exact either way.
+
+Loads go through TMA descriptors on Hopper (rows of 16-byte multiples), plain loads elsewhere. A tile
+is at most 128 outputs wide inside one 128-block, so it has one weight scale per k-block and the
+scaling is one multiply-add per output; the scales are what bounds the kernel (without them the
+same tiles reach ~1,150 TFLOP/s at 2,048 tokens, with them ~770).
 """
+import functools
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from nanovllm.layers.quantization.fp8 import BLOCK, FP8_DTYPE, FP8_MAX
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
 _BLOCK_K = tl.constexpr(BLOCK)
-PRECISE = True  # see _fp8_gemm_kernel
+PRECISE = False  # the default of fp8_linear_triton's ``precise`` (tests comparing with the CPU set it)
+
+
+class GemmTile(NamedTuple):
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    group_m: int = 8
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, stride_sm):
-    """One (token, 128-channel group): its e4m3 values and scale, as ``quantize_activation_groups``."""
-    row, group = tl.program_id(0), tl.program_id(1)
+def _quantize_kernel(x_ptr, q_ptr, scale_ptr, M, K, stride_xm, stride_qm, BLOCK_ROWS: tl.constexpr):
+    """BLOCK_ROWS tokens x one 128-channel group: e4m3 values and scales, as ``quantize_activation_groups``."""
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    group = tl.program_id(1)
     k = group * _BLOCK_K + tl.arange(0, _BLOCK_K)
-    x = tl.load(x_ptr + row * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
-    scale = tl.math.div_rn(tl.max(tl.abs(x), axis=0), _FP8_MAX)
+    mask = (rows < M)[:, None] & (k < K)[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=mask, other=0.0).to(tl.float32)
+    scale = tl.math.div_rn(tl.max(tl.abs(x), axis=1), _FP8_MAX)
     scale = tl.where(scale == 0.0, 1.0, scale)
-    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -_FP8_MAX), _FP8_MAX)
-    tl.store(q_ptr + row * stride_qm + k, q.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=k < K)
-    tl.store(scale_ptr + row * stride_sm + group, scale)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -_FP8_MAX), _FP8_MAX)
+    tl.store(q_ptr + rows[:, None] * stride_qm + k[None, :], q.to(tl.float8e4nv, fp_downcast_rounding="rtne"),
+             mask=mask)
+    tl.store(scale_ptr + group * M + rows, scale, mask=rows < M)
 
 
 @triton.jit
-def _fp8_gemm_kernel(q_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, stride_qm, stride_xsm, stride_wn,
-                     stride_wsn, stride_om, HAS_BIAS: tl.constexpr, PRECISE: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+def _fp8_gemm_kernel(q_src, xs_ptr, w_src, ws_ptr, bias_ptr, out_ptr, M, N, K, stride_qm, stride_wn, stride_wsn,
+                     stride_om, TMA: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISE: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """``q_src``/``w_src``: TMA descriptors of the e4m3 activations [M, K] and weight [N, K] (``TMA``),
+    or their pointers. BLOCK_N divides 128, so a tile's outputs share one weight scale per k-block."""
+    # programs of one group of GROUP_M token tiles walk the same weight tiles together (L2 reuse)
+    pid, tiles_m, tiles_n = tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    first_m = (pid // (GROUP_M * tiles_n)) * GROUP_M
+    group_size = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * tiles_n)) % group_size
+    pid_n = (pid % (GROUP_M * tiles_n)) // group_size
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, _BLOCK_K)
     m_ok, n_ok = rm < M, rn < N
+    w_scales = ws_ptr + (pid_n * BLOCK_N // _BLOCK_K) * stride_wsn  # this tile's row of weight scales
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(0, tl.cdiv(K, _BLOCK_K)):
-        k = kb * _BLOCK_K + rk
-        k_ok = k < K
-        q = tl.load(q_ptr + rm[:, None] * stride_qm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptr + rn[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if TMA:  # out-of-bounds rows and columns read as zeros
+            q = q_src.load([pid_m * BLOCK_M, kb * _BLOCK_K])
+            w = w_src.load([pid_n * BLOCK_N, kb * _BLOCK_K])
+        else:
+            k = kb * _BLOCK_K + rk
+            q = tl.load(q_src + rm[:, None] * stride_qm + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
+            w = tl.load(w_src + rn[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
         if PRECISE:  # every MMA's result added in float32 (see the module docstring)
             partial = tl.dot(q, tl.trans(w), out_dtype=tl.float32, max_num_imprecise_acc=0)
         else:
             partial = tl.dot(q, tl.trans(w), out_dtype=tl.float32)
-        x_scale = tl.load(xs_ptr + rm * stride_xsm + kb, mask=m_ok, other=0.0)
-        w_scale = tl.load(ws_ptr + (rn // _BLOCK_K) * stride_wsn + kb, mask=n_ok, other=0.0)
-        acc += partial * (x_scale[:, None] * w_scale[None, :])
+        # activation scale x weight scale: a vector over the tile's rows, one multiply-add per output
+        scale = tl.load(xs_ptr + kb * M + rm, mask=m_ok, other=0.0) * tl.load(w_scales + kb)
+        acc += partial * scale[:, None]
     out = acc.to(out_ptr.dtype.element_ty)
     if HAS_BIAS:  # added after the cast, as the torch path does (the sum rounded once)
         bias = tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
@@ -66,22 +105,31 @@ def _fp8_gemm_kernel(q_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, M, N, K, s
     tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], out, mask=m_ok[:, None] & n_ok[None, :])
 
 
-def tile(num_tokens: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for ``num_tokens`` rows: small tiles for decode
-    (a step reads every weight once; more programs keep more loads in flight), large for prefill.
-    From a sweep on an H100 at the Qwen3-8B qkv and down shapes (BENCHMARKS.md); 17-64 rows were
-    not swept."""
+@functools.cache
+def _has_tma(device: torch.device) -> bool:
+    """Hopper or newer; off CUDA (the Triton interpreter) descriptors are emulated."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def tile(num_tokens: int) -> GemmTile:
+    """The GEMM's tile for ``num_tokens`` rows: small tiles for decode (a step reads every weight
+    once; more programs keep more loads in flight), large for prefill. From a sweep on an H100 at
+    the Qwen3-8B linear shapes (BENCHMARKS.md)."""
     if num_tokens <= 16:
-        return 16, 32, 4, 6
-    if num_tokens <= 64:
-        return 64, 64, 4, 4
-    return 64, 128, 4, 2
+        return GemmTile(16, 32, 4, 6)
+    if num_tokens <= 256:
+        return GemmTile(64, 128, 4, 4)
+    if num_tokens <= 512:
+        return GemmTile(64, 128, 4, 3)
+    return GemmTile(128, 128, 8, 4)
 
 
 def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                      bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                      bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                      precise: bool | None = None, gemm_tile: GemmTile | None = None) -> torch.Tensor:
     """``fp8.fp8_linear`` on a CUDA device: ``x`` [..., in] (float), ``weight`` [out, in]
-    float8_e4m3fn, ``weight_scale`` [ceil(out/128), ceil(in/128)] float32."""
+    float8_e4m3fn, ``weight_scale`` [ceil(out/128), ceil(in/128)] float32. ``precise``: float32
+    accumulation inside k-blocks too (the module docstring; default ``PRECISE``)."""
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
@@ -91,12 +139,20 @@ def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
     if m:
         groups = triton.cdiv(k, BLOCK)
         q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
-        x_scale = torch.empty(m, groups, dtype=torch.float32, device=x.device)
-        _quantize_kernel[(m, groups)](x2, q, x_scale, k, x2.stride(0), q.stride(0), x_scale.stride(0))
-        block_m, block_n, num_warps, num_stages = tile(m)
-        grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+        x_scale = torch.empty(groups, m, dtype=torch.float32, device=x.device)
+        rows = 16 if m >= 16 else 1
+        _quantize_kernel[(triton.cdiv(m, rows), groups)](x2, q, x_scale, m, k, x2.stride(0), q.stride(0),
+                                                         BLOCK_ROWS=rows)
+        t = gemm_tile or tile(m)
+        # TMA (Hopper+) needs 16-byte aligned rows: K a multiple of 16, as in every Qwen shape
+        tma = (_has_tma(x.device) and k % 16 == 0 and weight.stride(-1) == 1 and weight.stride(0) % 16 == 0
+               and weight.data_ptr() % 16 == 0)
+        q_src = TensorDescriptor.from_tensor(q, [t.block_m, BLOCK]) if tma else q
+        w_src = TensorDescriptor.from_tensor(weight, [t.block_n, BLOCK]) if tma else weight
+        grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n),)
         _fp8_gemm_kernel[grid](
-            q, x_scale, weight, weight_scale, bias if bias is not None else out, out, m, n, k, q.stride(0),
-            x_scale.stride(0), weight.stride(0), weight_scale.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-            PRECISE=PRECISE, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
+            q_src, x_scale, w_src, weight_scale, bias if bias is not None else out, out, m, n, k, q.stride(0),
+            weight.stride(0), weight_scale.stride(0), out.stride(0), TMA=tma, HAS_BIAS=bias is not None,
+            PRECISE=PRECISE if precise is None else precise, BLOCK_M=t.block_m, BLOCK_N=t.block_n, GROUP_M=t.group_m, num_warps=t.num_warps,
+            num_stages=t.num_stages)
     return out.view(*lead, n)
