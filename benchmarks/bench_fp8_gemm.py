@@ -1,36 +1,51 @@
-"""The block-FP8 linear kernel against torch at the Qwen3-8B linear shapes, on one CUDA GPU (8.9+).
+"""The block-FP8 linear kernels against torch at the Qwen3-8B linear shapes, on one CUDA GPU (8.9+).
 
     python benchmarks/bench_fp8_gemm.py
 
-For each layer (qkv, o, gate_up, down) and token count: the Triton kernels (``fp8_linear_triton``:
-activation quantization per 1x128 group included, block scales applied per k-block; also with
-``PRECISE`` off, the tensor cores' own FP8 accumulation inside each k-block), ``torch._scaled_mm``
-on e4m3 inputs already quantized with one scale per tensor (cuBLAS; the tensor-core rate with the
-least scaling work, no activation quantization timed), and the bf16 ``F.linear``. Times are medians
-of ``triton.testing.do_bench``; TFLOP/s count 2·M·N·K. First the kernel is checked against the
-torch path of ``fp8.py`` (CPU, float32) at every shape with M = 16.
+For each layer (qkv, o, gate_up, down) and token count, GPU time under a CUDA graph
+(``triton.testing.do_bench_cudagraph``, so launch overhead is not counted) of: ``fp8_linear_triton``
+(activation quantization per 1x128 group included; by default the tensor cores sum each k-block,
+with ``precise`` every MMA's result is added in float32); cuBLAS's block-scaled FP8 GEMM through
+``torch.nn.functional.scaled_mm`` (the same scales; the activations quantized once beforehand, not
+timed; where torch and the GPU have it and the rows are a multiple of 16); ``torch._scaled_mm`` on e4m3 inputs with one scale
+per tensor (the tensor-core rate with the least scaling work, no activation quantization timed); and
+the bf16 ``F.linear``. TFLOP/s count 2·M·N·K. First both kernels are checked against the torch path
+of ``fp8.py`` (CPU, float32) at every shape.
 """
 import torch
 import torch.nn.functional as F
 import triton
+from triton.testing import do_bench_cudagraph
 
 from nanovllm.layers.quantization.fp8 import FP8_DTYPE, fp8_linear, quantize_weight_blocks
-from nanovllm.layers.quantization import fp8_triton
-from nanovllm.layers.quantization.fp8_triton import fp8_linear_triton
+from nanovllm.layers.quantization.fp8_triton import _quantize_kernel, fp8_linear_triton
 
 HIDDEN, INTER, Q_HEADS, KV_HEADS, HEAD_DIM = 4096, 12288, 32, 8, 128
 LAYERS = {"qkv": ((Q_HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN), "o": (HIDDEN, Q_HEADS * HEAD_DIM),
           "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER)}
-TOKENS = (1, 16, 64, 256, 2048, 8192)
+TOKENS = (1, 16, 64, 128, 256, 512, 2048, 8192)
 
 
-def scaled_mm_time(x: torch.Tensor, w: torch.Tensor) -> float | None:
-    m = x.shape[0]
-    if m % 16:
+def bench(fn) -> float:
+    return do_bench_cudagraph(fn, rep=20)
+
+
+def cublas_blockwise(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor):
+    """A callable for cuBLAS's block-scaled GEMM on ``x``'s quantization, or None where there is none."""
+    m, k = x.shape
+    if m % 16 or not hasattr(F, "scaled_mm"):
         return None
-    one = torch.ones((), device=x.device)
-    a, b = x.to(FP8_DTYPE), w.t()  # b column-major, as cuBLAS wants it
-    return triton.testing.do_bench(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16))
+    q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
+    scales = torch.empty(k // 128, m, device=x.device)
+    _quantize_kernel[(triton.cdiv(m, 16), k // 128)](x, q, scales, m, k, x.stride(0), q.stride(0), BLOCK_ROWS=16)
+    recipe = F.ScalingType
+    fn = lambda: F.scaled_mm(q, wq.t(), scales.t(), recipe.BlockWise1x128, ws.t(), recipe.BlockWise128x128,
+                             output_dtype=torch.bfloat16)
+    try:
+        fn()
+    except RuntimeError:  # not on this GPU / CUDA
+        return None
+    return fn
 
 
 def main() -> None:
@@ -40,32 +55,29 @@ def main() -> None:
         w = torch.randn(n, k, device="cuda") * 0.02
         wq, ws = quantize_weight_blocks(w)
         weights[name] = (w.bfloat16(), wq, ws)
-        x = torch.randn(16, k, device="cuda")
-        ref = fp8_linear(x.cpu(), wq.cpu(), ws.cpu())
-        for precise in (True, False):
-            fp8_triton.PRECISE = precise
-            got = fp8_linear_triton(x, wq, ws).cpu()
-            err = ((got - ref).abs().max() / ref.abs().max()).item()
-            print(f"check {name} (float32, precise={precise}): [16, {k}] x [{n}, {k}]^T, "
-                  f"max |kernel - torch path| / max |out| = {err:.1e}")
-    print(f"\n{'layer':8s} {'M':>6s} | {'fp8 triton us':>13s} {'TFLOP/s':>8s} | {'imprecise us':>13s} {'TFLOP/s':>8s} "
-          f"| {'_scaled_mm us':>13s} {'TFLOP/s':>8s} "
-          f"| {'bf16 us':>8s} {'TFLOP/s':>8s}")
+        for m in (16, 2048):
+            x = torch.randn(m, k, device="cuda")
+            ref = fp8_linear(x.cpu(), wq.cpu(), ws.cpu())
+            errors = [((fp8_linear_triton(x, wq, ws, precise=p).cpu() - ref).abs().max() / ref.abs().max()).item()
+                      for p in (True, False)]
+            print(f"check {name} [{m}, {k}] x [{n}, {k}]^T (float32): max |kernel - torch path| / max |out| = "
+                  f"{errors[0]:.1e} precise, {errors[1]:.1e} default")
+    cols = ("fp8 triton", "precise", "cuBLAS block", "_scaled_mm 1/tensor", "bf16")
+    print(f"\n{'layer':8s} {'M':>5s} | " + " | ".join(f"{c:>19s}" for c in cols) + "   (us, TFLOP/s)")
     for name, (n, k) in LAYERS.items():
         w, wq, ws = weights[name]
         for m in TOKENS:
             x = torch.randn(m, k, device="cuda").bfloat16()
+            one = torch.ones((), device="cuda")
+            a, b = x.to(FP8_DTYPE), wq.t()  # b column-major, as cuBLAS wants it
+            block = cublas_blockwise(x, wq, ws)
+            times = [bench(lambda: fp8_linear_triton(x, wq, ws)), bench(lambda: fp8_linear_triton(x, wq, ws, precise=True)),
+                     bench(block) if block else None,
+                     bench(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16)) if m % 16 == 0 else None,
+                     bench(lambda: F.linear(x, w))]
             flops = 2 * m * n * k
-            fp8_triton.PRECISE = False
-            t_fast = triton.testing.do_bench(lambda: fp8_linear_triton(x, wq, ws))
-            fp8_triton.PRECISE = True
-            t_fp8 = triton.testing.do_bench(lambda: fp8_linear_triton(x, wq, ws))
-            t_mm = scaled_mm_time(x, wq)
-            t_bf16 = triton.testing.do_bench(lambda: F.linear(x, w))
-            mm = f"{t_mm * 1e3:13.1f} {flops / t_mm / 1e9:8.1f}" if t_mm else f"{'-':>13s} {'-':>8s}"
-            print(f"{name:8s} {m:6d} | {t_fp8 * 1e3:13.1f} {flops / t_fp8 / 1e9:8.1f} "
-                  f"| {t_fast * 1e3:13.1f} {flops / t_fast / 1e9:8.1f} | {mm} "
-                  f"| {t_bf16 * 1e3:8.1f} {flops / t_bf16 / 1e9:8.1f}")
+            print(f"{name:8s} {m:5d} | " + " | ".join(f"{t * 1e3:9.1f} {flops / t / 1e9:9.0f}" if t else f"{'-':>19s}"
+                                                    for t in times))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,10 @@
     python benchmarks/bench_kv_accuracy.py                      # CPU: torch backend; GPU: the "auto" backends
     python benchmarks/bench_kv_accuracy.py --max-len 1000       # longer prompts (about 2x the time on a CPU)
     python benchmarks/bench_kv_accuracy.py --part 1 --sigma 0   # part 1 only, keys without large channels
+    python benchmarks/bench_kv_accuracy.py --part 2 --weights   # FP8 weights (and FP8 weights + cache) vs bf16
+
+With ``--weights`` part 2 compares FP8 weights quantized at load (``quantization="fp8"``) from the same
+bf16 checkpoint, alone and with the FP8 cache, against the bf16 weights, and has no control run.
 
 Run it from the repository root as ``python benchmarks/bench_kv_accuracy.py ...``; it needs nothing
 from ``bench.py`` (the tools that do put the repository root on ``sys.path`` in their first lines).
@@ -124,9 +128,9 @@ class RecordDistributions:
         self._last = None
         sample, advance = runner.sample, scheduler.advance
 
-        def record_sample(logits, rows):
+        def record_sample(logits, rows, *rest):
             self._last = torch.log_softmax(logits.float(), dim=-1).cpu()  # [num_seqs, vocab]
-            return sample(logits, rows)
+            return sample(logits, rows, *rest)
 
         def record_advance(seqs):
             logprobs, self._last = self._last, None
@@ -156,13 +160,13 @@ class NoisyStore:
 
 
 def run_greedy(path: str, kv_cache_dtype: str, prompts: list[list[int]], max_tokens: int, device: str,
-               store_noise: float = 0.0):
+               store_noise: float = 0.0, quantization: str | None = None):
     """-> completion token ids, next-token log-probs [max_tokens, vocab] (per prompt), throughput"""
     max_len = max(map(len, prompts)) + max_tokens
     blocks = len(prompts) * -(-max_len // BLOCK_SIZE)
     with LLM(path, device=device, dtype="bfloat16", kv_cache_dtype=kv_cache_dtype, kvcache_block_size=BLOCK_SIZE,
              num_kvcache_blocks=blocks, max_model_len=max_len, max_num_seqs=len(prompts),
-             enforce_eager=store_noise > 0) as llm:  # CUDA graphs would keep the backend they captured
+             enforce_eager=store_noise > 0, quantization=quantization) as llm:  # CUDA graphs would keep the backend they captured
         if store_noise:
             torch.manual_seed(0)
             for module in llm.core.executor.runner.model.modules():
@@ -210,43 +214,50 @@ def agreement_table(args, device: str) -> None:
     lengths = [rng.randint(args.min_len, args.max_len) for _ in range(args.prompts)]
     prompts = [[rng.randrange(10000) for _ in range(length)] for length in lengths]
     n = args.new_tokens
-    variants = {"bf16 cache": ("auto", 0.0), "fp8 cache": ("fp8", 0.0), "bf16 cache + noise": ("auto", 2**-9)}
+    if args.weights:  # FP8 weights (quantized at load) against the bf16 weights they come from
+        variants = {"bf16": ("auto", 0.0, None), "fp8 weights": ("auto", 0.0, "fp8"),
+                    "fp8 weights + fp8 cache": ("fp8", 0.0, "fp8")}
+    else:
+        variants = {"bf16 cache": ("auto", 0.0, None), "fp8 cache": ("fp8", 0.0, None),
+                    "bf16 cache + noise": ("auto", 2**-9, None)}
     runs = {}
     with tempfile.TemporaryDirectory() as path:
         make_random_checkpoint(path, "qwen3-0.6b", torch.bfloat16, seed=args.seed, std=args.std,
                                num_hidden_layers=args.layers)
-        for name, (kv, noise) in variants.items():
+        for name, (kv, noise, quantization) in variants.items():
             start = time.perf_counter()
-            tokens, logprobs, speed = run_greedy(path, kv, prompts, n, device, noise)
+            tokens, logprobs, speed = run_greedy(path, kv, prompts, n, device, noise, quantization)
             runs[name] = tokens, logprobs
             print(f"[{name}: {time.perf_counter() - start:.0f} s; prefill {speed['prefill']:.0f} tok/s, "
                   f"decode {speed['decode']:.0f} tok/s]")
     # the recorded rows must be the ones the sampler chose from: greedy picks their argmax
     consistent = sum(lp[j].argmax().item() == toks[j]
                      for run in runs.values() for toks, lp in zip(*run) for j in range(n))
-    base = runs["bf16 cache"]
-    fp8_cells, gaps = compare(base, runs["fp8 cache"], n)
-    noise_cells, _ = compare(base, runs["bf16 cache + noise"], n)
+    base_name, *others = variants
+    base = runs[base_name]
+    cells = {name: compare(base, runs[name], n) for name in others}
+    gaps = cells[others[0]][1]
     top = [lp[j].topk(2).values for lp in base[1] for j in range(n)]
     top1, top_gaps = [t[0].exp().item() for t in top], [(t[0] - t[1]).item() for t in top]
-    print(f"\n### Greedy agreement and next-token KL against the bf16 cache ({device}; random Qwen3 weights, "
+    what = "bf16 weights" if args.weights else "the bf16 cache"
+    control = "" if args.weights else "; control: bf16 cache with K/V times (1 + 2^-9 N(0, 1)) before storing"
+    print(f"\n### Greedy agreement and next-token KL against {what} ({device}; random Qwen3 weights, "
           f"N(0, {args.std}) in bf16: {args.layers} layers, hidden 1024, intermediate 3072, {NUM_HEADS} heads, "
           f"{NUM_KV_HEADS} KV heads, head_dim {HEAD_DIM}, vocab 151936, tied embeddings; {args.prompts} prompts of "
-          f"{args.min_len}-{args.max_len} random token ids, {n} greedy tokens each, ignore_eos; control: bf16 cache "
-          f"with K/V times (1 + 2^-9 N(0, 1)) before storing)\n")
+          f"{args.min_len}-{args.max_len} random token ids, {n} greedy tokens each, ignore_eos{control})\n")
     print(f"recorded distributions whose argmax is the emitted token: {consistent} / {len(runs) * n * len(prompts)}; "
-          f"bf16 run, all positions: top-1 probability median {statistics.median(top1):.3f} "
+          f"{base_name} run, all positions: top-1 probability median {statistics.median(top1):.3f} "
           f"(min {min(top1):.3f}, max {max(top1):.3f}), top-1 minus top-2 log-prob median "
           f"{statistics.median(top_gaps):.3f} (10th percentile {statistics.quantiles(top_gaps, n=10)[0]:.3f})\n")
-    print("| metric | fp8 cache | control: bf16 cache + noise |\n|---|---:|---:|")
+    print(f"| metric | {' | '.join(others)} |\n|---|{'---:|' * len(others)}")
     names = ["prompts whose completions are identical", f"first divergence position d, mean ({n} when none)",
              "d per prompt (sorted)", "token agreement over positions 0..d", "KL at position 0 (prefill), max",
              "KL at decode positions 1..d: count", "KL at decode positions 1..d: mean / median / max (nats)"]
-    for name, a, b in zip(names, fp8_cells, noise_cells):
-        print(f"| {name} | {a} | {b} |")
+    for i, name in enumerate(names):
+        print(f"| {name} | {' | '.join(cells[o][0][i] for o in others)} |")
     if gaps:
-        print("\n| fp8 divergence at position | log p gap in bf16 run (its token - fp8's) "
-              "| log p gap in fp8 run (its token - bf16's) |")
+        print(f"\n| {others[0]}: divergence at position | log p gap in {base_name} run (its token - the other's) "
+              "| log p gap in the other run (its token - the first's) |")
         print("|---:|---:|---:|")
         for d, gap_a, gap_b in sorted(gaps):
             print(f"| {d} | {gap_a:.4f} | {gap_b:.4f} |")
@@ -265,6 +276,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--part", choices=["1", "2", "both"], default="both")
+    parser.add_argument("--weights", action="store_true",
+                        help="part 2 compares FP8 weights (quantization='fp8'), alone and with the FP8 cache, "
+                             "with the bf16 weights")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     device_name = torch.cuda.get_device_name() if device == "cuda" else f"CPU, {os.cpu_count()} cores"
