@@ -72,10 +72,8 @@ class ModelRunner:
         for module in self.model.modules():
             if isinstance(module, Attention):
                 module.backend = backend
-        # CUDA graphs need a capturable backend on a GPU; the torch backend syncs on the host, and so
-        # does the torch path of FP8 experts
-        fp8_moe = config.weight_quantization == "fp8" and getattr(hf_config, "num_experts", 0)
-        self.enforce_eager = config.enforce_eager or self.device.type == "cpu" or backend.name == "torch" or fp8_moe
+        # CUDA graphs need a capturable backend on a GPU; the torch backend syncs on the host
+        self.enforce_eager = config.enforce_eager or self.device.type == "cpu" or backend.name == "torch"
         self.sampler = Sampler()
         self.offloaded = None  # while asleep: the model's tensors, as sleep.offload left them
         self.host_arena = sleep.HostArena()  # level 1's pinned host copies, kept between sleeps

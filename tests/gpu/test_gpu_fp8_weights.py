@@ -1,6 +1,7 @@
-"""FP8 weights on a CUDA GPU of compute capability 8.9+ (skipped without one): the torch W8A8 path
-on the device equals the CPU's, and whole FP8 engines in float32 (dense with CUDA graphs, Qwen3-MoE
-eager) give the CPU engine's greedy tokens and logprobs on short sequences (see SHORT); ``quantization="fp8"``
+"""FP8 weights on a CUDA GPU of compute capability 8.9+ (skipped without one): the Triton linear
+equals the CPU's torch path, and whole FP8 engines in float32 with CUDA graphs (dense, and Qwen3-MoE
+through the FP8 MoE kernels) give the CPU engine's greedy tokens and logprobs on short sequences
+(see SHORT); a GPU MoE layer equals the CPU's at decode and prefill sizes; ``quantization="fp8"``
 on a bf16 checkpoint runs in bf16 with CUDA graphs and gives the tokens of the FP8 checkpoint written from it."""
 import statistics
 
@@ -83,7 +84,7 @@ def test_gpu_fp8_engine_equals_cpu(tmp_path, family, monkeypatch):
                                   quantization="fp8", **config)
     top2 = SamplingParams(temperature=0, max_tokens=8, logprobs=2)
     cpu_tokens, cpu_logprobs = run(path, top2, SHORT, device="cpu", kvcache_block_size=16, num_kvcache_blocks=256)
-    gpu_tokens, gpu_logprobs = run(path, top2, SHORT, dtype="float32")  # CUDA graphs for the dense model; MoE eager
+    gpu_tokens, gpu_logprobs = run(path, top2, SHORT, dtype="float32")  # CUDA graphs, the MoE too
     errors = []
     for cpu, gpu, cpu_lps, gpu_lps in zip(cpu_tokens, gpu_tokens, cpu_logprobs, gpu_logprobs):
         for token, other, expected, got in zip(cpu, gpu, cpu_lps, gpu_lps):
@@ -101,3 +102,23 @@ def test_gpu_quantize_at_load_bf16(tmp_path):
     fp8 = make_random_checkpoint(str(tmp_path / "fp8"), "tiny", dtype=torch.bfloat16, seed=2, std=0.1,
                                  quantization="fp8", **SHAPE)
     assert run(bf16, quantization="fp8")[0] == run(fp8)[0]  # the same bytes and scales, the same kernels
+
+
+@pytest.mark.parametrize("num_tokens", [3, 300])
+def test_gpu_fp8_moe_equals_cpu(num_tokens):
+    """Qwen3-30B-A3B's expert count and top-k at a small width, float32, ``precise`` kernels."""
+    from nanovllm.layers.moe.fused_fp8 import fused_moe_fp8, fused_moe_torch_fp8
+    from nanovllm.layers.moe.layer import select_experts
+
+    g = torch.Generator().manual_seed(num_tokens)
+    experts, hidden, inter = 128, 256, 256
+    x = torch.randn(num_tokens, hidden, generator=g)
+    w13, w13_scale = map(torch.stack, zip(*(quantize_weight_blocks(torch.randn(2 * inter, hidden, generator=g) * 0.05)
+                                            for _ in range(experts))))
+    w2, w2_scale = map(torch.stack, zip(*(quantize_weight_blocks(torch.randn(hidden, inter, generator=g) * 0.05)
+                                          for _ in range(experts))))
+    weights, ids = select_experts(torch.randn(num_tokens, experts, generator=g), 8, True)
+    cpu = fused_moe_torch_fp8(x, w13, w13_scale, w2, w2_scale, weights, ids)
+    args = [t.cuda() for t in (x, w13, w13_scale, w2, w2_scale, weights, ids)]
+    got = fused_moe_fp8(*args, precise=True).cpu()
+    torch.testing.assert_close(got, cpu, rtol=1e-5, atol=1e-5 * cpu.abs().max().item())

@@ -1,7 +1,10 @@
 """The block-FP8 linear kernel (``fp8_triton.py``) against the torch path of ``fp8.py`` under the
 Triton interpreter (one subprocess: this file run as a script): token counts on each tile size and
-past it, K and N that are not multiples of 128 or of the tiles, an all-zero activation group (scale
-1), float32, bf16 and fp16 activations, a bias, a float32 result, strided rows, no rows.
+past it, K and N that are not multiples of 128 or of the tiles (plain loads; multiples of 16 take the
+TMA descriptors), an all-zero activation group (scale 1), float32, bf16 and fp16 activations, a bias,
+a float32 result, strided rows, no rows. Then the FP8 Mixture-of-Experts kernels (``fused_moe_fp8``)
+against ``fused_moe_torch_fp8``: decode-sized and uneven routings, a hidden size that is not a
+multiple of 128, bf16.
 
 The products of e4m3 values are exact in float32 and the k-blocks are summed in the same order, so
 the two differ only by the order of the sums inside a k-block: within a few float32 ulps of the
@@ -36,6 +39,32 @@ def check(m: int, n: int, k: int, dtype=F32, bias: bool = False, out_dtype=None,
             "max_ref": ref.abs().max().item() if ref.numel() else 0.0, "finite": bool(got.isfinite().all())}
 
 
+def check_moe(num_tokens: int, num_experts: int, top_k: int, hidden: int, inter: int, dtype=F32) -> dict:
+    from nanovllm.layers.moe.fused_fp8 import fused_moe_fp8, fused_moe_torch_fp8
+    from nanovllm.layers.moe.layer import select_experts
+    from nanovllm.layers.quantization.fp8 import quantize_weight_blocks
+
+    g = torch.Generator().manual_seed(num_tokens * 100 + num_experts)
+    x = torch.randn(num_tokens, hidden, generator=g).to(dtype)
+    w13, w13_scale = map(torch.stack, zip(*(quantize_weight_blocks(torch.randn(2 * inter, hidden, generator=g) * 0.05)
+                                            for _ in range(num_experts))))
+    w2, w2_scale = map(torch.stack, zip(*(quantize_weight_blocks(torch.randn(hidden, inter, generator=g) * 0.05)
+                                          for _ in range(num_experts))))
+    weights, ids = select_experts(torch.randn(num_tokens, num_experts, generator=g) * 3, top_k, True)
+    ref = fused_moe_torch_fp8(x, w13, w13_scale, w2, w2_scale, weights, ids)
+    got = fused_moe_fp8(x, w13, w13_scale, w2, w2_scale, weights, ids)
+    diff = (got.double() - ref.double()).abs()
+    return {"shape": list(got.shape), "want_shape": list(ref.shape), "dtype": str(got.dtype),
+            "want_dtype": str(ref.dtype), "max_diff": diff.max().item() if diff.numel() else 0.0,
+            "max_ref": ref.abs().max().item() if ref.numel() else 0.0, "finite": bool(got.isfinite().all())}
+
+
+MOE_CASES = {
+    "moe_decode": dict(num_tokens=3, num_experts=8, top_k=2, hidden=256, inter=128),
+    "moe_uneven": dict(num_tokens=40, num_experts=4, top_k=3, hidden=320, inter=256),
+    "moe_bf16": dict(num_tokens=20, num_experts=6, top_k=2, hidden=256, inter=128, dtype=BF16),
+}
+
 CASES = {
     "decode_m1": dict(m=1, n=256, k=256),
     "decode_m16": dict(m=16, n=300, k=200),
@@ -54,7 +83,8 @@ def run_interpreter_cases() -> dict:
     """Runs in the subprocess, with TRITON_INTERPRET=1 already in the environment."""
     squeeze_interpreter_loop_bounds()
     round_interpreter_casts_to_nearest()
-    return run_cases(CASES, lambda case: check(**case))
+    results = run_cases(CASES, lambda case: check(**case))
+    return results | run_cases(MOE_CASES, lambda case: check_moe(**case))
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +100,17 @@ def test_kernel_matches_the_torch_path(results, case):
     out_dtype = CASES[case].get("out_dtype") or CASES[case].get("dtype", F32)
     step = {F32: 2**-23 * 8, BF16: 2**-7, F16: 2**-10}[out_dtype]  # a few ulps, or one rounding step
     assert r["max_diff"] <= step * max(r["max_ref"], 1e-30), r
+
+
+@pytest.mark.parametrize("case", list(MOE_CASES))
+def test_moe_kernels_match_the_torch_path(results, case):
+    """Float32 up to the order of the sums; in bf16 h is rounded before its quantization, where a
+    one-step difference can move an e4m3 value, so there the bound is a few bf16 steps."""
+    r = results[case]
+    assert "error" not in r, r["error"]
+    assert r["shape"] == r["want_shape"] and r["dtype"] == r["want_dtype"] and r["finite"], r
+    step = {F32: 1e-5, BF16: 2**-5}[MOE_CASES[case].get("dtype", F32)]
+    assert r["max_diff"] <= step * r["max_ref"], r
 
 
 def test_tiles_cover_decode_and_prefill():

@@ -1,18 +1,19 @@
 """The Mixture-of-Experts feed-forward with FP8 expert weights (128x128 blocks, float32 scales):
-the torch reference and the CPU path, the W8A8 arithmetic of ``quantization/fp8.py`` applied to
-each expert's gate/up and down projections.
+the W8A8 arithmetic of ``quantization/fp8.py`` applied to each expert's gate/up and down
+projections, as the torch reference (the CPU path) and as Triton kernels (``triton_fp8.py``, GPUs).
 
 For every token t and each of its top_k experts e: ``g, u = fp8_linear(x[t], w13[e])`` (float32),
 ``h = silu(g) * u`` held in x's dtype (as the Triton bf16 path holds its intermediate), then
 ``out[t] += topk_weights[t, k] * fp8_linear(h, w2[e])`` in float32; the sum is cast to x's dtype
 at the end. ``fp8_linear``'s activation quantization (per token, per 128 channels) applies to x
-and to h. Synchronises with the device (one expert at a time), so it is not for CUDA graphs.
+and to h. The torch path synchronises with the device (one expert at a time), so it is not for CUDA
+graphs; the Triton path does not.
 """
 import torch
 import torch.nn.functional as F
 
-from nanovllm.layers.moe.fused import pairs_by_expert
-from nanovllm.layers.quantization.fp8 import FP8_DTYPE, fp8_linear
+from nanovllm.layers.moe.fused import moe_tile, pairs_by_expert
+from nanovllm.layers.quantization.fp8 import BLOCK, FP8_DTYPE, fp8_linear
 
 
 def fused_moe_torch_fp8(hidden_states, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids) -> torch.Tensor:
@@ -29,3 +30,37 @@ def fused_moe_torch_fp8(hidden_states, w13, w13_scale, w2, w2_scale, topk_weight
         down = fp8_linear(h, w2[expert], w2_scale[expert], out_dtype=torch.float32)  # [pairs, hidden]
         out.index_add_(0, tokens, down * weights)
     return out.to(hidden_states.dtype)
+
+
+def fused_moe_fp8(hidden_states, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids,
+                  precise: bool | None = None) -> torch.Tensor:
+    """``fused_moe_torch_fp8`` as Triton kernels, CUDA-graph safe (no host synchronisation): x is
+    quantized per token, the pairs grouped by expert, gate/up with SiLU-and-mul (h in x's dtype),
+    h quantized per row, down with the routing weight in float32; a token's top_k outputs summed in
+    float32. ``precise``: as ``fp8_triton.fp8_linear_triton``'s (default ``fp8_triton.PRECISE``)."""
+    from nanovllm.layers.moe.routing import MAX_ROUTED_EXPERTS, group_by_expert_triton
+    from nanovllm.layers.moe.fused import group_by_expert
+    from nanovllm.layers.moe.triton_fp8 import launch_down_fp8, launch_gate_up_fp8
+    from nanovllm.layers.quantization import fp8_triton
+
+    num_tokens, hidden = hidden_states.shape
+    num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    top_k = topk_ids.shape[1]
+    if inter % BLOCK:
+        raise ValueError(f"the experts' intermediate size must be a multiple of {BLOCK} for FP8, got {inter}")
+    if num_tokens == 0:
+        return torch.zeros_like(hidden_states)
+    precise = fp8_triton.PRECISE if precise is None else precise
+    tile = moe_tile(num_tokens, top_k, num_experts, 1)
+    tile = tile._replace(block_n=min(tile.block_n, BLOCK))  # one weight scale per tile and k-block
+    group = group_by_expert_triton if num_experts <= MAX_ROUTED_EXPERTS else group_by_expert
+    groups = group(topk_ids, num_experts, tile.block_m)
+    num_pairs = num_tokens * top_k
+    q, x_scale = fp8_triton.quantize_rows(hidden_states.contiguous())
+    intermediate = torch.empty(groups.sorted_pairs.numel(), inter, dtype=hidden_states.dtype,
+                               device=hidden_states.device)
+    launch_gate_up_fp8(q, x_scale, w13, w13_scale, intermediate, groups, top_k, num_pairs, tile, precise)
+    qh, h_scale = fp8_triton.quantize_rows(intermediate)
+    pair_out = torch.empty(num_pairs, hidden, dtype=torch.float32, device=hidden_states.device)
+    launch_down_fp8(qh, h_scale, w2, w2_scale, pair_out, topk_weights.reshape(-1), groups, num_pairs, tile, precise)
+    return pair_out.view(num_tokens, top_k, hidden).sum(dim=1).to(hidden_states.dtype)

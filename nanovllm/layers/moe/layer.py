@@ -10,7 +10,7 @@ from torch import nn
 
 from nanovllm.layers.linear import ReplicatedLinear
 from nanovllm.layers.moe.fused import fused_moe, fused_moe_torch
-from nanovllm.layers.moe.fused_fp8 import fused_moe_torch_fp8
+from nanovllm.layers.moe.fused_fp8 import fused_moe_fp8, fused_moe_torch_fp8
 from nanovllm.layers.quantization import get_quantization
 from nanovllm.layers.quantization.fp8 import BLOCK, FP8_DTYPE, quantize_weight_blocks
 from nanovllm.utils.distributed import get_tp_rank, get_tp_size
@@ -184,9 +184,10 @@ class SparseMoeBlock(nn.Module):
             weights, ids = route(router_logits, self.top_k, self.renormalize)
         else:
             weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
-        if experts.fp8:  # the torch path on every device, until a Triton FP8 variant exists
-            out = fused_moe_torch_fp8(x, experts.gate_up_proj, experts.gate_up_proj_scale_inv, experts.down_proj,
-                                      experts.down_proj_scale_inv, weights, ids)
+        if experts.fp8:
+            moe_fp8 = fused_moe_fp8 if x.is_cuda else fused_moe_torch_fp8
+            out = moe_fp8(x, experts.gate_up_proj, experts.gate_up_proj_scale_inv, experts.down_proj,
+                          experts.down_proj_scale_inv, weights, ids)
         elif x.is_cuda:  # the grouped GEMMs
             out = fused_moe(x, experts.gate_up_proj, experts.down_proj, weights, ids)
         else:

@@ -105,6 +105,18 @@ def _fp8_gemm_kernel(q_src, xs_ptr, w_src, ws_ptr, bias_ptr, out_ptr, M, N, K, s
     tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], out, mask=m_ok[:, None] & n_ok[None, :])
 
 
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [m, k] (rows contiguous) -> e4m3 values [m, k] and float32 scales k-block-major
+    [ceil(k / 128), m], as ``quantize_activation_groups`` computes them."""
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
+    scales = torch.empty(triton.cdiv(k, BLOCK), m, dtype=torch.float32, device=x.device)
+    rows = 16 if m >= 16 else 1
+    _quantize_kernel[(triton.cdiv(m, rows), scales.shape[0])](x, q, scales, m, k, x.stride(0), q.stride(0),
+                                                               BLOCK_ROWS=rows)
+    return q, scales
+
+
 @functools.cache
 def _has_tma(device: torch.device) -> bool:
     """Hopper or newer; off CUDA (the Triton interpreter) descriptors are emulated."""
@@ -137,12 +149,7 @@ def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
     m, n = x2.shape[0], weight.shape[0]
     out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if m:
-        groups = triton.cdiv(k, BLOCK)
-        q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
-        x_scale = torch.empty(groups, m, dtype=torch.float32, device=x.device)
-        rows = 16 if m >= 16 else 1
-        _quantize_kernel[(triton.cdiv(m, rows), groups)](x2, q, x_scale, m, k, x2.stride(0), q.stride(0),
-                                                         BLOCK_ROWS=rows)
+        q, x_scale = quantize_rows(x2)
         t = gemm_tile or tile(m)
         # TMA (Hopper+) needs 16-byte aligned rows: K a multiple of 16, as in every Qwen shape
         tma = (_has_tma(x.device) and k % 16 == 0 and weight.stride(-1) == 1 and weight.stride(0) % 16 == 0
