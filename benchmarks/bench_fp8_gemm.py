@@ -7,9 +7,9 @@ For each layer (qkv, o, gate_up, down) and token count, GPU time under a CUDA gr
 (activation quantization per 1x128 group included; by default the tensor cores sum each k-block,
 with ``precise`` every MMA's result is added in float32); cuBLAS's block-scaled FP8 GEMM through
 ``torch.nn.functional.scaled_mm`` (the same scales; the activations quantized once beforehand, not
-timed; where torch and the GPU have it and the rows are a multiple of 16); ``torch._scaled_mm`` on e4m3 inputs with one scale
-per tensor (the tensor-core rate with the least scaling work, no activation quantization timed); and
-the bf16 ``F.linear``. TFLOP/s count 2·M·N·K. First both kernels are checked against the torch path
+timed; where torch and the GPU have it and the rows are a multiple of 16); ``torch._scaled_mm`` on
+e4m3 inputs with one scale per tensor (the tensor-core rate with the least scaling work, no
+activation quantization timed); and the bf16 ``F.linear``. TFLOP/s count 2·M·N·K. First both kernels are checked against the torch path
 of ``fp8.py`` (CPU, float32) at every shape.
 """
 import torch
@@ -71,7 +71,8 @@ def main() -> None:
             one = torch.ones((), device="cuda")
             a, b = x.to(FP8_DTYPE), wq.t()  # b column-major, as cuBLAS wants it
             block = cublas_blockwise(x, wq, ws)
-            times = [bench(lambda: fp8_linear_triton(x, wq, ws)), bench(lambda: fp8_linear_triton(x, wq, ws, precise=True)),
+            times = [bench(lambda: fp8_linear_triton(x, wq, ws)),
+                     bench(lambda: fp8_linear_triton(x, wq, ws, precise=True)),
                      bench(block) if block else None,
                      bench(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16)) if m % 16 == 0 else None,
                      bench(lambda: F.linear(x, w))]

@@ -164,9 +164,10 @@ def run_greedy(path: str, kv_cache_dtype: str, prompts: list[list[int]], max_tok
     """-> completion token ids, next-token log-probs [max_tokens, vocab] (per prompt), throughput"""
     max_len = max(map(len, prompts)) + max_tokens
     blocks = len(prompts) * -(-max_len // BLOCK_SIZE)
+    # with noise: eager, as CUDA graphs would keep the backend they captured
     with LLM(path, device=device, dtype="bfloat16", kv_cache_dtype=kv_cache_dtype, kvcache_block_size=BLOCK_SIZE,
              num_kvcache_blocks=blocks, max_model_len=max_len, max_num_seqs=len(prompts),
-             enforce_eager=store_noise > 0, quantization=quantization) as llm:  # CUDA graphs would keep the backend they captured
+             enforce_eager=store_noise > 0, quantization=quantization) as llm:
         if store_noise:
             torch.manual_seed(0)
             for module in llm.core.executor.runner.model.modules():

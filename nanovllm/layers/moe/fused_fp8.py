@@ -12,16 +12,20 @@ graphs; the Triton path does not.
 import torch
 import torch.nn.functional as F
 
-from nanovllm.layers.moe.fused import moe_tile, pairs_by_expert
+from nanovllm.layers.moe.fused import group_by_expert, moe_tile, pairs_by_expert
 from nanovllm.layers.quantization.fp8 import BLOCK, FP8_DTYPE, fp8_linear
+
+
+def check_fp8_experts(w13: torch.Tensor, w2: torch.Tensor) -> None:
+    if w13.dtype != FP8_DTYPE or w2.dtype != FP8_DTYPE:
+        raise ValueError(f"w13 and w2 must be {FP8_DTYPE}, got {w13.dtype} and {w2.dtype}")
 
 
 def fused_moe_torch_fp8(hidden_states, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids) -> torch.Tensor:
     """``w13`` [experts, 2 * inter, hidden] and ``w2`` [experts, hidden, inter] float8_e4m3fn with
     their block scales ``w13_scale`` [experts, 2 * inter / 128, ceil(hidden / 128)] and ``w2_scale``
     [experts, ceil(hidden / 128), inter / 128] -> [num_tokens, hidden] in hidden_states' dtype."""
-    if w13.dtype != FP8_DTYPE or w2.dtype != FP8_DTYPE:
-        raise ValueError(f"w13 and w2 must be {FP8_DTYPE}, got {w13.dtype} and {w2.dtype}")
+    check_fp8_experts(w13, w2)
     inter = w13.shape[1] // 2
     out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
     for expert, tokens, weights in pairs_by_expert(topk_ids, topk_weights):
@@ -39,10 +43,10 @@ def fused_moe_fp8(hidden_states, w13, w13_scale, w2, w2_scale, topk_weights, top
     h quantized per row, down with the routing weight in float32; a token's top_k outputs summed in
     float32. ``precise``: as ``fp8_triton.fp8_linear_triton``'s (default ``fp8_triton.PRECISE``)."""
     from nanovllm.layers.moe.routing import MAX_ROUTED_EXPERTS, group_by_expert_triton
-    from nanovllm.layers.moe.fused import group_by_expert
     from nanovllm.layers.moe.triton_fp8 import launch_down_fp8, launch_gate_up_fp8
     from nanovllm.layers.quantization import fp8_triton
 
+    check_fp8_experts(w13, w2)
     num_tokens, hidden = hidden_states.shape
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
     top_k = topk_ids.shape[1]

@@ -18,13 +18,13 @@ fewer bits than float32 while it sums them (about 14; DeepSeek-V3's report), so 
 as DeepGEMM and vLLM do: the result differs from the torch path by about 1e-4 of its magnitude,
 below a bf16 output's rounding step (2^-8). ``precise=True`` adds each MMA's result in float32
 (``max_num_imprecise_acc=0``) and keeps the torch path's numbers to a few float32 ulps, at half the
-large-batch rate (BENCHMARKS.md); tests use it to compare exactly. Tiles of 16 rows run on the older
-MMA, which is exact either way.
+large-batch rate (BENCHMARKS.md); tests use it to compare exactly. (With tiles of 16 rows the two
+measure the same: those take the older MMA instructions.)
 
 Loads go through TMA descriptors on Hopper (rows of 16-byte multiples), plain loads elsewhere. A tile
 is at most 128 outputs wide inside one 128-block, so it has one weight scale per k-block and the
 scaling is one multiply-add per output; the scales are what bounds the kernel (without them the
-same tiles reach ~1,150 TFLOP/s at 2,048 tokens, with them ~770).
+same tiles reach ~1,150 TFLOP/s at 2,048 tokens, with them 680-830).
 """
 import functools
 from typing import NamedTuple
@@ -160,6 +160,6 @@ def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
         _fp8_gemm_kernel[grid](
             q_src, x_scale, w_src, weight_scale, bias if bias is not None else out, out, m, n, k, q.stride(0),
             weight.stride(0), weight_scale.stride(0), out.stride(0), TMA=tma, HAS_BIAS=bias is not None,
-            PRECISE=PRECISE if precise is None else precise, BLOCK_M=t.block_m, BLOCK_N=t.block_n, GROUP_M=t.group_m, num_warps=t.num_warps,
-            num_stages=t.num_stages)
+            PRECISE=PRECISE if precise is None else precise, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+            GROUP_M=t.group_m, num_warps=t.num_warps, num_stages=t.num_stages)
     return out.view(*lead, n)
