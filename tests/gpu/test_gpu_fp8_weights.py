@@ -1,8 +1,9 @@
 """FP8 weights on a CUDA GPU of compute capability 8.9+ (skipped without one): the Triton linear
-equals the CPU's torch path, and whole FP8 engines in float32 with CUDA graphs (dense, and Qwen3-MoE
-through the FP8 MoE kernels) give the CPU engine's greedy tokens and logprobs on short sequences
-(see SHORT); a GPU MoE layer equals the CPU's at decode and prefill sizes; ``quantization="fp8"``
-on a bf16 checkpoint runs in bf16 with CUDA graphs and gives the tokens of the FP8 checkpoint written from it."""
+equals the CPU's torch path (also with K cut into ranges, replayed in a CUDA graph), and whole FP8
+engines in float32 with CUDA graphs (dense, and Qwen3-MoE through the FP8 MoE kernels) give the CPU
+engine's greedy tokens and logprobs on short sequences (see SHORT); a GPU MoE layer equals the CPU's
+at decode and prefill sizes; ``quantization="fp8"`` on a bf16 checkpoint runs in bf16 with CUDA
+graphs and gives the tokens of the FP8 checkpoint written from it."""
 import statistics
 
 import pytest
@@ -55,6 +56,26 @@ def test_gpu_fp8_linear_equals_cpu(m):
     error = ((got - expected).abs().max() / expected.abs().max()).item()
     print(f"m={m}: max |default - CPU| / max |CPU| = {error:.1e}")
     assert error < 1e-3
+
+
+@pytest.mark.parametrize("splits", [2, 3, 8])
+def test_gpu_split_k_equals_cpu_and_replays(splits):
+    """K cut into ranges: the CPU's numbers (``precise``), and inside a CUDA graph replayed with new
+    inputs the same bits as an eager call, so every replay found its tiles' counters at zero."""
+    g = torch.Generator().manual_seed(splits)
+    xs = [torch.randn(40, 2048, generator=g) for _ in range(3)]
+    wq, ws = (t.cuda() for t in quantize_weight_blocks(torch.randn(512, 2048, generator=g) * 0.05))
+    got = fp8_triton.fp8_linear_triton(xs[0].cuda(), wq, ws, precise=True, splits=splits).cpu()
+    torch.testing.assert_close(got, fp8_linear(xs[0], wq.cpu(), ws.cpu()), rtol=1e-5, atol=1e-5)
+    static_x = xs[0].cuda()
+    fp8_triton.fp8_linear_triton(static_x, wq, ws, splits=splits)  # compiled before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp8_triton.fp8_linear_triton(static_x, wq, ws, splits=splits)
+    for x in xs + xs:
+        static_x.copy_(x)
+        graph.replay()
+        assert torch.equal(out, fp8_triton.fp8_linear_triton(x.cuda(), wq, ws, splits=splits))
 
 
 def run(path: str, params: SamplingParams = GREEDY, prompts=PROMPTS, **kwargs):

@@ -2,12 +2,13 @@
 Triton interpreter (one subprocess: this file run as a script): token counts on each tile size and
 past it, K and N that are not multiples of 128 or of the tiles (plain loads; multiples of 16 take the
 TMA descriptors), an all-zero activation group (scale 1), float32, bf16 and fp16 activations, a bias,
-a float32 result, strided rows, no rows. Then the FP8 Mixture-of-Experts kernels (``fused_moe_fp8``)
+a float32 result, strided rows, no rows, K cut into ranges (split-K: uneven and empty ranges; each case
+runs twice, so the arrival counters must have been set back). Then the FP8 Mixture-of-Experts kernels (``fused_moe_fp8``)
 against ``fused_moe_torch_fp8``: decode-sized and uneven routings, a hidden size that is not a
 multiple of 128, bf16.
 
 The products of e4m3 values are exact in float32 and the k-blocks are summed in the same order, so
-the two differ only by the order of the sums inside a k-block: within a few float32 ulps of the
+the two differ only by the order of the sums inside a k-block (and, split, of the ranges' sums): within a few float32 ulps of the
 result's magnitude, and in bf16/fp16 by at most one rounding step of the result.
 """
 import pytest
@@ -20,7 +21,7 @@ F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 
 
 def check(m: int, n: int, k: int, dtype=F32, bias: bool = False, out_dtype=None, strided: bool = False,
-          zero_group: bool = False) -> dict:
+          zero_group: bool = False, splits: int | None = None) -> dict:
     from nanovllm.layers.quantization.fp8 import fp8_linear, quantize_weight_blocks
     from nanovllm.layers.quantization.fp8_triton import fp8_linear_triton
 
@@ -32,9 +33,10 @@ def check(m: int, n: int, k: int, dtype=F32, bias: bool = False, out_dtype=None,
     wq, ws = quantize_weight_blocks(torch.randn(n, k, generator=g) * 0.05)
     b = torch.randn(n, generator=g).to(dtype) if bias else None
     ref = fp8_linear(x, wq, ws, b, out_dtype)
-    got = fp8_linear_triton(x, wq, ws, b, out_dtype)
+    got = fp8_linear_triton(x, wq, ws, b, out_dtype, splits=splits)
+    again = fp8_linear_triton(x, wq, ws, b, out_dtype, splits=splits)  # the counters were set back
     diff = (got.double() - ref.double()).abs()
-    return {"shape": list(got.shape), "want_shape": list(ref.shape), "dtype": str(got.dtype),
+    return {"repeatable": bool(torch.equal(got, again)), "shape": list(got.shape), "want_shape": list(ref.shape), "dtype": str(got.dtype),
             "want_dtype": str(ref.dtype), "max_diff": diff.max().item() if diff.numel() else 0.0,
             "max_ref": ref.abs().max().item() if ref.numel() else 0.0, "finite": bool(got.isfinite().all())}
 
@@ -76,6 +78,9 @@ CASES = {
     "fp16": dict(m=20, n=128, k=384, dtype=F16),
     "bf16_to_float32": dict(m=7, n=256, k=256, dtype=BF16, out_dtype=F32),
     "strided_rows": dict(m=6, n=128, k=256, strided=True),
+    "split_k_uneven_ranges": dict(m=5, n=300, k=640, splits=3),  # k-blocks 2, 2, 1
+    "split_k_empty_range": dict(m=20, n=256, k=384, splits=4, dtype=BF16, bias=True),  # 1, 1, 1, 0
+    "split_k_tma": dict(m=70, n=256, k=1024, splits=2),
 }
 
 
@@ -97,6 +102,7 @@ def test_kernel_matches_the_torch_path(results, case):
     r = results[case]
     assert "error" not in r, r["error"]
     assert r["shape"] == r["want_shape"] and r["dtype"] == r["want_dtype"] and r["finite"], r
+    assert r["repeatable"], r
     out_dtype = CASES[case].get("out_dtype") or CASES[case].get("dtype", F32)
     step = {F32: 2**-23 * 8, BF16: 2**-7, F16: 2**-10}[out_dtype]  # a few ulps, or one rounding step
     assert r["max_diff"] <= step * max(r["max_ref"], 1e-30), r
@@ -116,10 +122,28 @@ def test_moe_kernels_match_the_torch_path(results, case):
 def test_tiles_cover_decode_and_prefill():
     from nanovllm.layers.quantization.fp8_triton import tile
 
-    tiles = {m: tile(m) for m in (1, 16, 17, 256, 257, 512, 513, 8192)}
-    assert {m: t[:2] for m, t in tiles.items()} == {1: (16, 32), 16: (16, 32), 17: (64, 128), 256: (64, 128),
-                                                    257: (64, 128), 512: (64, 128), 513: (128, 128), 8192: (128, 128)}
+    tiles = {m: tile(m) for m in (1, 16, 17, 32, 33, 64, 65, 256, 257, 512, 513, 8192)}
+    assert {m: t[:2] for m, t in tiles.items()} == {
+        1: (16, 64), 16: (16, 64), 17: (32, 64), 32: (32, 64), 33: (64, 64), 64: (64, 64), 65: (64, 128),
+        256: (64, 128), 257: (64, 128), 512: (64, 128), 513: (128, 128), 8192: (128, 128)}
     assert all(128 % t.block_n == 0 for t in tiles.values())  # one weight scale per tile and k-block
+
+
+def test_split_k_at_the_qwen3_8b_shapes_on_132_sms():
+    """The splits the H100 sweep found best (BENCHMARKS.md): o and down cut into ranges at decode
+    sizes, gate_up (many tiles) never, fewer ranges as the rows grow."""
+    import triton
+    from nanovllm.layers.quantization.fp8_triton import split_k, tile
+
+    layers = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
+
+    def splits(m, n, k):
+        t = tile(m)
+        return split_k(m, k, triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n), 132)
+
+    got = {name: [splits(m, n, k) for m in (1, 16, 32, 64, 128, 256, 2048)] for name, (n, k) in layers.items()}
+    assert got == {"qkv": [4, 4, 4, 2, 1, 1, 1], "o": [4, 4, 4, 2, 1, 1, 1], "gate_up": [1] * 7,
+                   "down": [4, 4, 4, 4, 4, 2, 1]}
 
 
 if __name__ == "__main__":

@@ -66,11 +66,16 @@ def _quantize_kernel(x_ptr, q_ptr, scale_ptr, M, K, stride_xm, stride_qm, BLOCK_
 
 
 @triton.jit
-def _fp8_gemm_kernel(q_src, xs_ptr, w_src, ws_ptr, bias_ptr, out_ptr, M, N, K, stride_qm, stride_wn, stride_wsn,
-                     stride_om, TMA: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISE: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+def _fp8_gemm_kernel(q_src, xs_ptr, w_src, ws_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr, M, N, K, stride_qm,
+                     stride_wn, stride_wsn, stride_om, TMA: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     PRECISE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+                     SPLIT_K: tl.constexpr):
     """``q_src``/``w_src``: TMA descriptors of the e4m3 activations [M, K] and weight [N, K] (``TMA``),
-    or their pointers. BLOCK_N divides 128, so a tile's outputs share one weight scale per k-block."""
+    or their pointers. BLOCK_N divides 128, so a tile's outputs share one weight scale per k-block.
+    With SPLIT_K > 1 the k-blocks are cut into SPLIT_K ranges (grid axis 1); each program writes its
+    float32 sum to ``partial_ptr`` [SPLIT_K, M, N] and counts itself in ``counter_ptr[tile]``; the
+    last of a tile adds the SPLIT_K sums in range order (the same result whichever program is last),
+    writes the output and sets the counter back to zero."""
     # programs of one group of GROUP_M token tiles walk the same weight tiles together (L2 reuse)
     pid, tiles_m, tiles_n = tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     first_m = (pid // (GROUP_M * tiles_n)) * GROUP_M
@@ -82,8 +87,11 @@ def _fp8_gemm_kernel(q_src, xs_ptr, w_src, ws_ptr, bias_ptr, out_ptr, M, N, K, s
     rk = tl.arange(0, _BLOCK_K)
     m_ok, n_ok = rm < M, rn < N
     w_scales = ws_ptr + (pid_n * BLOCK_N // _BLOCK_K) * stride_wsn  # this tile's row of weight scales
+    k_blocks = tl.cdiv(tl.cdiv(K, _BLOCK_K), SPLIT_K)  # per range
+    first_kb = tl.program_id(1) * k_blocks
+    last_kb = tl.minimum(first_kb + k_blocks, tl.cdiv(K, _BLOCK_K))
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, tl.cdiv(K, _BLOCK_K)):
+    for kb in range(first_kb, last_kb):
         if TMA:  # out-of-bounds rows and columns read as zeros
             q = q_src.load([pid_m * BLOCK_M, kb * _BLOCK_K])
             w = w_src.load([pid_n * BLOCK_N, kb * _BLOCK_K])
@@ -98,6 +106,23 @@ def _fp8_gemm_kernel(q_src, xs_ptr, w_src, ws_ptr, bias_ptr, out_ptr, M, N, K, s
         # activation scale x weight scale: a vector over the tile's rows, one multiply-add per output
         scale = tl.load(xs_ptr + kb * M + rm, mask=m_ok, other=0.0) * tl.load(w_scales + kb)
         acc += partial * scale[:, None]
+    if SPLIT_K == 1:
+        _store_tile(acc, bias_ptr, out_ptr, rm, rn, m_ok, n_ok, stride_om, HAS_BIAS)
+    else:
+        mask = m_ok[:, None] & n_ok[None, :]
+        tile_offsets = rm[:, None] * N + rn[None, :]
+        tl.store(partial_ptr + tl.program_id(1) * M * N + tile_offsets, acc, mask=mask)
+        tl.debug_barrier()  # the whole sum is written before the count releases it
+        if tl.atomic_add(counter_ptr + pid, 1, sem="acq_rel") == SPLIT_K - 1:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for split in range(SPLIT_K):  # from L2: other SMs wrote these (".cg" skips this SM's L1)
+                acc += tl.load(partial_ptr + split * M * N + tile_offsets, mask=mask, other=0.0, cache_modifier=".cg")
+            _store_tile(acc, bias_ptr, out_ptr, rm, rn, m_ok, n_ok, stride_om, HAS_BIAS)
+            tl.atomic_xchg(counter_ptr + pid, 0)  # ready for the next call (and the next graph replay)
+
+
+@triton.jit
+def _store_tile(acc, bias_ptr, out_ptr, rm, rn, m_ok, n_ok, stride_om, HAS_BIAS: tl.constexpr):
     out = acc.to(out_ptr.dtype.element_ty)
     if HAS_BIAS:  # added after the cast, as the torch path does (the sum rounded once)
         bias = tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
@@ -123,12 +148,32 @@ def _has_tma(device: torch.device) -> bool:
     return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (9, 0)
 
 
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+MAX_SPLIT_TILES = 4096  # tiles a split-K call may have (one counter each)
+
+
+@functools.cache
+def _split_counters(device: torch.device) -> torch.Tensor:
+    """One arrival count per tile for the split-K kernels; each tile's last program sets it back to
+    zero, so the buffer is zeroed once (made before any CUDA graph is captured: the first call on a
+    device is the warm-up's)."""
+    return torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
+
+
 def tile(num_tokens: int) -> GemmTile:
     """The GEMM's tile for ``num_tokens`` rows: small tiles for decode (a step reads every weight
-    once; more programs keep more loads in flight), large for prefill. From a sweep on an H100 at
-    the Qwen3-8B linear shapes (BENCHMARKS.md)."""
+    once; more programs keep more loads in flight), large for prefill. From sweeps on an H100 at the
+    Qwen3-8B linear shapes (BENCHMARKS.md)."""
     if num_tokens <= 16:
-        return GemmTile(16, 32, 4, 6)
+        return GemmTile(16, 64, 4, 6)
+    if num_tokens <= 32:
+        return GemmTile(32, 64, 4, 5)
+    if num_tokens <= 64:
+        return GemmTile(64, 64, 4, 4)
     if num_tokens <= 256:
         return GemmTile(64, 128, 4, 4)
     if num_tokens <= 512:
@@ -136,12 +181,26 @@ def tile(num_tokens: int) -> GemmTile:
     return GemmTile(128, 128, 8, 4)
 
 
+def split_k(num_tokens: int, k: int, tiles: int, sms: int) -> int:
+    """How many k ranges to cut the GEMM into: at decode sizes the layers with few outputs (o, down)
+    have fewer tiles than the GPU has SMs, each a long serial walk over K, and more, shorter programs
+    keep more of the weight's loads in flight. The largest power of two up to 8 that keeps the
+    programs within three per SM and the float32 partial sums (4·splits·M·N bytes, written and read
+    back) within a third of the weight's N·K bytes; from the same sweep."""
+    splits = 1
+    while splits < 8 and tiles * splits * 2 <= 3 * sms and 2 * splits * num_tokens * 24 <= k:
+        splits *= 2
+    return splits
+
+
 def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                       bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-                      precise: bool | None = None, gemm_tile: GemmTile | None = None) -> torch.Tensor:
+                      precise: bool | None = None, gemm_tile: GemmTile | None = None,
+                      splits: int | None = None) -> torch.Tensor:
     """``fp8.fp8_linear`` on a CUDA device: ``x`` [..., in] (float), ``weight`` [out, in]
     float8_e4m3fn, ``weight_scale`` [ceil(out/128), ceil(in/128)] float32. ``precise``: float32
-    accumulation inside k-blocks too (the module docstring; default ``PRECISE``)."""
+    accumulation inside k-blocks too (the module docstring; default ``PRECISE``). ``gemm_tile`` and
+    ``splits`` (k ranges) override ``tile`` and ``split_k``."""
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
@@ -151,15 +210,18 @@ def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
     if m:
         q, x_scale = quantize_rows(x2)
         t = gemm_tile or tile(m)
+        tiles = triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n)
+        splits = (splits or split_k(m, k, tiles, _sm_count(x.device))) if tiles <= MAX_SPLIT_TILES else 1
+        counters = _split_counters(x.device)
+        partials = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else out
         # TMA (Hopper+) needs 16-byte aligned rows: K a multiple of 16, as in every Qwen shape
         tma = (_has_tma(x.device) and k % 16 == 0 and weight.stride(-1) == 1 and weight.stride(0) % 16 == 0
                and weight.data_ptr() % 16 == 0)
         q_src = TensorDescriptor.from_tensor(q, [t.block_m, BLOCK]) if tma else q
         w_src = TensorDescriptor.from_tensor(weight, [t.block_n, BLOCK]) if tma else weight
-        grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n),)
-        _fp8_gemm_kernel[grid](
-            q_src, x_scale, w_src, weight_scale, bias if bias is not None else out, out, m, n, k, q.stride(0),
-            weight.stride(0), weight_scale.stride(0), out.stride(0), TMA=tma, HAS_BIAS=bias is not None,
-            PRECISE=PRECISE if precise is None else precise, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-            GROUP_M=t.group_m, num_warps=t.num_warps, num_stages=t.num_stages)
+        _fp8_gemm_kernel[(tiles, splits)](
+            q_src, x_scale, w_src, weight_scale, bias if bias is not None else out, out, partials, counters, m, n,
+            k, q.stride(0), weight.stride(0), weight_scale.stride(0), out.stride(0), TMA=tma,
+            HAS_BIAS=bias is not None, PRECISE=PRECISE if precise is None else precise, BLOCK_M=t.block_m,
+            BLOCK_N=t.block_n, GROUP_M=t.group_m, SPLIT_K=splits, num_warps=t.num_warps, num_stages=t.num_stages)
     return out.view(*lead, n)
