@@ -10,7 +10,9 @@ group; x / scale clamped and rounded to the nearest e4m3) and writes the scales 
 128-wide blocks; for each it multiplies the tokens' e4m3 values by the weight's e4m3 block on the
 tensor cores and adds the float32 result times (activation scale x weight scale) to the float32
 tile, k-blocks in order. Programs that share a weight tile run next to each other (GROUP_M tiles of
-tokens per group), so the weight comes from HBM once and from L2 after.
+tokens per group), so the weight comes from HBM once and from L2 after. At decode sizes the k-blocks
+are cut into up to 8 ranges (split-K, ``split_k``): a layer with few outputs then runs more, shorter
+programs, and each tile's last program adds the ranges' float32 sums in a fixed order.
 
 Accumulation inside a k-block: the products of e4m3 values are exact, but Hopper's FP8 MMA keeps
 fewer bits than float32 while it sums them (about 14; DeepSeek-V3's report), so by default the
