@@ -24,9 +24,12 @@ CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
     ("decode attention", ("flash_fwd_splitkv", "decode")),
     # flash-attn: flash_fwd_kernel; Triton: _prefill_kernel
     ("prefill attention", ("flash_fwd_kernel", "prefill")),
-    # the fused MoE kernels' two grouped GEMMs (their routing and grouping are small torch kernels:
-    # softmax and topk land in "sampler", the rest mostly in "other")
-    ("MoE experts", ("_gate_up_kernel", "_down_kernel")),
+    # the fused MoE kernels' two grouped GEMMs, bf16 or FP8
+    ("MoE experts", ("_gate_up_kernel", "_down_kernel", "_gate_up_fp8_kernel", "_down_fp8_kernel")),
+    # the MoE routing (softmax, top-k, renormalisation) and grouping (counts, offsets, scatter) kernels
+    ("MoE routing", ("_select_experts_kernel", "_count_kernel", "_scatter_kernel")),
+    # the FP8 linears: the activations' quantization and the block-scaled GEMM
+    ("FP8 linears", ("_fp8_gemm_kernel", "_quantize_kernel")),
     # cuBLAS / cuBLASLt / CUTLASS matrix multiplies (also the LM head)
     ("GEMMs", ("gemm", "sm90_xmma", "cutlass", "cublas", "nvjet")),
     # torch.compile'd RMSNorm and SiLU-and-mul (Inductor's Triton kernels); the fused QK-norm, RoPE

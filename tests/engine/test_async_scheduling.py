@@ -42,8 +42,19 @@ def workload(tokenizer_text=None) -> tuple[list[list[int]], list[SamplingParams]
 
 
 def comparable(outputs: list[dict]) -> list[list[tuple]]:
-    return [[(c["token_ids"], c["text"], c["finish_reason"], c["stop_reason"], c["logprobs"]) for c in o["outputs"]]
+    return [[(c["token_ids"], c["text"], c["finish_reason"], c["stop_reason"]) for c in o["outputs"]]
             for o in outputs]
+
+
+def assert_logprobs_close(got: list[dict], want: list[dict], tol: float = 1e-5) -> None:
+    """The same top tokens at every position, their logprobs within float32 rounding: once a request
+    ends, the async path still computes its row for one more step, so the other rows of that step
+    go through a matrix multiply of another height, which on the CPU may sum in another order."""
+    for i, (g, w) in enumerate(zip(got, want)):
+        for j, (cg, cw) in enumerate(zip(g["outputs"], w["outputs"])):
+            assert (cg["logprobs"] is None) == (cw["logprobs"] is None), (i, j)
+            for pos, (a, b) in enumerate(zip(cg["logprobs"] or [], cw["logprobs"] or [])):
+                assert a.keys() == b.keys() and all(abs(a[t] - b[t]) <= tol for t in a), (i, j, pos, a, b)
 
 
 def run(path: str, prompts, params, async_scheduling: bool, **kwargs) -> tuple[list[dict], dict]:
@@ -82,6 +93,7 @@ def test_async_matches_serial(ckpt_tied, stop_workload, serial_run):
     serial, serial_stats = serial_run
     overlapped, async_stats = run(ckpt_tied.path, prompts, params, True)
     assert comparable(overlapped) == comparable(serial)
+    assert_logprobs_close(overlapped, serial)
     assert [o["num_cached_tokens"] for o in overlapped[-3:]] == [o["num_cached_tokens"] for o in serial[-3:]]
     # the workload reaches what it is meant to: preemption, prefix hits, chunked prompts, every ending
     for stats in (serial_stats, async_stats):
@@ -143,7 +155,7 @@ def test_tp2_async_matches_one_rank_serial(ckpt_tied, stop_workload, serial_run)
     serial, _ = serial_run
     overlapped, _ = run(ckpt_tied.path, prompts, params, True, tensor_parallel_size=2)
     # two ranks sum their partial results in another order: logprobs agree to float32 rounding
-    assert [[c[:4] for c in o] for o in comparable(overlapped)] == [[c[:4] for c in o] for o in comparable(serial)]
+    assert comparable(overlapped) == comparable(serial)
     for o_tp, o_one in zip(overlapped, serial):
         for c_tp, c_one in zip(o_tp["outputs"], o_one["outputs"]):
             if c_one["logprobs"] is not None:
