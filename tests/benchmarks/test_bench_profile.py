@@ -98,7 +98,8 @@ def test_summarize_overlaps_gaps_and_unknown_names():
     ]
     p = summarize(events, wall=5.0)
     assert p.times == {
-        "decode attention": 0.75, "prefill attention": 0.5, "MoE experts": 0.0, "GEMMs": 0.75,
+        "decode attention": 0.75, "prefill attention": 0.5, "MoE experts": 0.0, "MoE routing": 0.0,
+        "FP8 linears": 0.0, "GEMMs": 0.75,
         "norms / rotary / activation": 0.0,
         "sampler": 0.25, "copies": 0.0, OTHER: 0.75,
     }
