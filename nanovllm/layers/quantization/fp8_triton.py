@@ -190,8 +190,8 @@ def split_k(num_tokens: int, k: int, tiles: int, sms: int) -> int:
     programs within three per SM and the float32 partial sums (4·splits·M·N bytes, written and read
     back) within a third of the weight's N·K bytes; from the same sweep."""
     splits = 1
-    while splits < 8 and tiles * splits * 2 <= 3 * sms and 2 * splits * num_tokens * 24 <= k:
-        splits *= 2
+    while (more := 2 * splits) <= 8 and tiles * more <= 3 * sms and 8 * more * num_tokens <= k / 3:
+        splits = more
     return splits
 
 
