@@ -2,14 +2,15 @@
 Triton interpreter (one subprocess: this file run as a script): token counts on each tile size and
 past it, K and N that are not multiples of 128 or of the tiles (plain loads; multiples of 16 take the
 TMA descriptors), an all-zero activation group (scale 1), float32, bf16 and fp16 activations, a bias,
-a float32 result, strided rows, no rows, K cut into ranges (split-K: uneven and empty ranges; each case
-runs twice, so the arrival counters must have been set back). Then the FP8 Mixture-of-Experts kernels (``fused_moe_fp8``)
-against ``fused_moe_torch_fp8``: decode-sized and uneven routings, a hidden size that is not a
-multiple of 128, bf16.
+a float32 result, strided rows, no rows, K cut into ranges (split-K: uneven and empty ranges; each
+case runs twice, so the arrival counters must have been set back). Then the FP8 Mixture-of-Experts
+kernels (``fused_moe_fp8``) against ``fused_moe_torch_fp8``: decode-sized and uneven routings, a
+hidden size that is not a multiple of 128, bf16.
 
 The products of e4m3 values are exact in float32 and the k-blocks are summed in the same order, so
-the two differ only by the order of the sums inside a k-block (and, split, of the ranges' sums): within a few float32 ulps of the
-result's magnitude, and in bf16/fp16 by at most one rounding step of the result.
+the two differ only by the order of the sums inside a k-block (and, split, of the ranges' sums):
+within a few float32 ulps of the result's magnitude, and in bf16/fp16 by at most one rounding step
+of the result.
 """
 import pytest
 import torch
@@ -36,8 +37,8 @@ def check(m: int, n: int, k: int, dtype=F32, bias: bool = False, out_dtype=None,
     got = fp8_linear_triton(x, wq, ws, b, out_dtype, splits=splits)
     again = fp8_linear_triton(x, wq, ws, b, out_dtype, splits=splits)  # the counters were set back
     diff = (got.double() - ref.double()).abs()
-    return {"repeatable": bool(torch.equal(got, again)), "shape": list(got.shape), "want_shape": list(ref.shape), "dtype": str(got.dtype),
-            "want_dtype": str(ref.dtype), "max_diff": diff.max().item() if diff.numel() else 0.0,
+    return {"repeatable": bool(torch.equal(got, again)), "shape": list(got.shape), "want_shape": list(ref.shape),
+            "dtype": str(got.dtype), "want_dtype": str(ref.dtype), "max_diff": diff.max().item() if diff.numel() else 0.0,
             "max_ref": ref.abs().max().item() if ref.numel() else 0.0, "finite": bool(got.isfinite().all())}
 
 
