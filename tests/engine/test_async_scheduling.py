@@ -47,9 +47,10 @@ def comparable(outputs: list[dict]) -> list[list[tuple]]:
 
 
 def assert_logprobs_close(got: list[dict], want: list[dict], tol: float = 1e-5) -> None:
-    """The same top tokens at every position, their logprobs within float32 rounding: once a request
-    ends, the async path still computes its row for one more step, so the other rows of that step
-    go through a matrix multiply of another height, which on the CPU may sum in another order."""
+    """The same top tokens at every position, their logprobs within float32 rounding. Even on one
+    rank they need not be equal: once a request ends, the async path still computes its row for one
+    more step, so the other rows of that step go through a matrix multiply of another height, which
+    on the CPU may sum in another order."""
     for i, (g, w) in enumerate(zip(got, want)):
         for j, (cg, cw) in enumerate(zip(g["outputs"], w["outputs"])):
             assert (cg["logprobs"] is None) == (cw["logprobs"] is None), (i, j)
@@ -156,9 +157,4 @@ def test_tp2_async_matches_one_rank_serial(ckpt_tied, stop_workload, serial_run)
     overlapped, _ = run(ckpt_tied.path, prompts, params, True, tensor_parallel_size=2)
     # two ranks sum their partial results in another order: logprobs agree to float32 rounding
     assert comparable(overlapped) == comparable(serial)
-    for o_tp, o_one in zip(overlapped, serial):
-        for c_tp, c_one in zip(o_tp["outputs"], o_one["outputs"]):
-            if c_one["logprobs"] is not None:
-                for got, want in zip(c_tp["logprobs"], c_one["logprobs"]):
-                    assert got.keys() == want.keys()
-                    assert all(abs(got[t] - want[t]) < 1e-4 for t in want)
+    assert_logprobs_close(overlapped, serial, tol=1e-4)

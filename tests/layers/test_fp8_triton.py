@@ -131,8 +131,9 @@ def test_tiles_cover_decode_and_prefill():
 
 
 def test_split_k_at_the_qwen3_8b_shapes_on_132_sms():
-    """The splits the H100 sweep found best (BENCHMARKS.md): o and down cut into ranges at decode
-    sizes, gate_up (many tiles) never, fewer ranges as the rows grow."""
+    """The rule's splits at the shapes of the H100 sweep (BENCHMARKS.md: the best measured or within
+    1 µs of it but at two points): qkv, o and down cut into ranges at decode sizes, gate_up (many
+    tiles) never, fewer ranges as the rows grow."""
     import triton
     from nanovllm.layers.quantization.fp8_triton import split_k, tile
 
