@@ -71,7 +71,8 @@ def _pair_tile(ids_ptr, start, end, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr
     return offs_p, exists, experts[:, None] == tl.arange(0, BLOCK_E)[None, :]
 
 
-@triton.jit
+# Counts that change with each step's tokens are not specialised on (see fp8_triton._quantize_kernel).
+@triton.jit(do_not_specialize=["num_pairs", "chunk_size"])
 def _count_kernel(ids_ptr, chunk_counts_ptr, num_pairs, chunk_size, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
     """chunk_counts[c, e] = pairs of chunk c routed to expert e. grid: (num_chunks,)"""
     chunk = tl.program_id(0)
@@ -84,7 +85,8 @@ def _count_kernel(ids_ptr, chunk_counts_ptr, num_pairs, chunk_size, BLOCK_P: tl.
     tl.store(chunk_counts_ptr + chunk * BLOCK_E + tl.arange(0, BLOCK_E), counts)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_chunks", "chunk_size", "num_rows",
+                               "rows_per_program"])
 def _scatter_kernel(
     ids_ptr, chunk_counts_ptr, sorted_pairs_ptr, block_experts_ptr, expert_ends_ptr,
     num_pairs, num_chunks, chunk_size, num_rows, rows_per_program,

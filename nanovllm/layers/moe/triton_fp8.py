@@ -28,7 +28,8 @@ def _scaled_block(acc, q, w_rows, k, k_ok, n_ok, scale, PRECISE: tl.constexpr):
     return acc + partial * scale[:, None]
 
 
-@triton.jit
+# Counts that change with each step's tokens are not specialised on (see fp8_triton._quantize_kernel).
+@triton.jit(do_not_specialize=["num_pairs", "num_tokens"])
 def _gate_up_fp8_kernel(
     q_ptr, xs_ptr, w13_ptr, ws13_ptr, h_ptr, sorted_pairs_ptr, block_experts_ptr, expert_ends_ptr,
     num_pairs, num_tokens, hidden, inter,
@@ -64,7 +65,7 @@ def _gate_up_fp8_kernel(
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=n_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_rows"])
 def _down_fp8_kernel(
     qh_ptr, hs_ptr, w2_ptr, ws2_ptr, out_ptr, topk_weights_ptr, sorted_pairs_ptr, block_experts_ptr,
     expert_ends_ptr, num_pairs, num_rows, hidden, inter,

@@ -24,7 +24,8 @@ def _block_rows(block, sorted_pairs_ptr, block_experts_ptr, num_pairs, BLOCK_M: 
     return expert, offs_r, pairs, pairs < num_pairs
 
 
-@triton.jit
+# Counts that change with each step's tokens are not specialised on (see fp8_triton._quantize_kernel).
+@triton.jit(do_not_specialize=["num_pairs"])
 def _gate_up_kernel(
     x_ptr, w13_ptr, h_ptr, sorted_pairs_ptr, block_experts_ptr, expert_ends_ptr,
     num_pairs, hidden, inter,
@@ -66,7 +67,7 @@ def _gate_up_kernel(
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=n_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _down_kernel(
     h_ptr, w2_ptr, out_ptr, topk_weights_ptr, sorted_pairs_ptr, block_experts_ptr, expert_ends_ptr,
     num_pairs, hidden, inter,

@@ -51,7 +51,9 @@ class GemmTile(NamedTuple):
     group_m: int = 8
 
 
-@triton.jit
+# Row counts are not specialised on: Triton would compile a second variant of a kernel the first time
+# a prefill's token count is not a multiple of 16 (about 0.3 s each, in the middle of a user's call).
+@triton.jit(do_not_specialize=["M"])
 def _quantize_kernel(x_ptr, q_ptr, scale_ptr, M, K, stride_xm, stride_qm, BLOCK_ROWS: tl.constexpr):
     """BLOCK_ROWS tokens x one 128-channel group: e4m3 values and scales, as ``quantize_activation_groups``."""
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
@@ -67,7 +69,7 @@ def _quantize_kernel(x_ptr, q_ptr, scale_ptr, M, K, stride_xm, stride_qm, BLOCK_
     tl.store(scale_ptr + group * M + rows, scale, mask=rows < M)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _fp8_gemm_kernel(q_src, xs_ptr, w_src, ws_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr, M, N, K, stride_qm,
                      stride_wn, stride_wsn, stride_om, TMA: tl.constexpr, HAS_BIAS: tl.constexpr,
                      PRECISE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
