@@ -147,10 +147,10 @@ def check_moe_inputs(hidden_states, w13, w2, topk_weights, topk_ids) -> None:
 def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, tile: MoeTile | None = None) -> torch.Tensor:
     """The Triton path: [num_tokens, hidden] in hidden_states' dtype. ``tile`` replaces the one
     ``moe_tile`` would choose. The GEMMs accumulate in float32; the intermediate and each pair's
-    weighted output are held in the input dtype, and the top_k outputs of a token are summed by
-    torch (accumulating in float32). CUDA-graph safe: no host synchronisation."""
+    weighted output are held in the input dtype, and the top_k outputs of a token are summed in
+    float32, k in order (``sum_pairs``). CUDA-graph safe: no host synchronisation."""
     from nanovllm.layers.moe.routing import MAX_ROUTED_EXPERTS, group_by_expert_triton
-    from nanovllm.layers.moe.triton_kernels import launch_down, launch_gate_up
+    from nanovllm.layers.moe.triton_kernels import launch_down, launch_gate_up, sum_pairs
 
     check_moe_inputs(hidden_states, w13, w2, topk_weights, topk_ids)
     num_tokens, hidden = hidden_states.shape
@@ -169,7 +169,7 @@ def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, tile: MoeTile | No
     launch_gate_up(hidden_states, w13, intermediate, groups, top_k, num_pairs, tile)
     pair_out = torch.empty(num_pairs, hidden, **like)  # pair p's weighted output, p = token * top_k + k
     launch_down(intermediate, w2, pair_out, topk_weights.reshape(-1), groups, num_pairs, tile)
-    return pair_out.view(num_tokens, top_k, hidden).sum(dim=1)
+    return sum_pairs(pair_out, top_k, hidden_states.dtype)
 
 
 def pairs_by_expert(topk_ids: torch.Tensor, topk_weights: torch.Tensor):

@@ -44,6 +44,7 @@ def fused_moe_fp8(hidden_states, w13, w13_scale, w2, w2_scale, topk_weights, top
     float32. ``precise``: as ``fp8_triton.fp8_linear_triton``'s (default ``fp8_triton.PRECISE``)."""
     from nanovllm.layers.moe.routing import MAX_ROUTED_EXPERTS, group_by_expert_triton
     from nanovllm.layers.moe.triton_fp8 import launch_down_fp8, launch_gate_up_fp8
+    from nanovllm.layers.moe.triton_kernels import sum_pairs
     from nanovllm.layers.quantization import fp8_triton
 
     check_fp8_experts(w13, w2)
@@ -67,4 +68,4 @@ def fused_moe_fp8(hidden_states, w13, w13_scale, w2, w2_scale, topk_weights, top
     qh, h_scale = fp8_triton.quantize_rows(intermediate)
     pair_out = torch.empty(num_pairs, hidden, dtype=torch.float32, device=hidden_states.device)
     launch_down_fp8(qh, h_scale, w2, w2_scale, pair_out, topk_weights.reshape(-1), groups, num_pairs, tile, precise)
-    return pair_out.view(num_tokens, top_k, hidden).sum(dim=1).to(hidden_states.dtype)
+    return sum_pairs(pair_out, top_k, hidden_states.dtype)

@@ -1,7 +1,8 @@
 """The project's own grouped-GEMM Triton kernels for the Mixture-of-Experts feed-forward, and their
-launches; ``fused.py`` groups the (token, k) pairs by expert and calls them.
+launches; ``fused.py`` groups the (token, k) pairs by expert and calls them. ``sum_pairs`` adds each
+token's top_k weighted outputs (also for the FP8 kernels of ``triton_fp8.py``).
 
-Both kernels walk the grouped layout of ``fused.ExpertGroups``: program (block, n_tile) takes
+Both GEMM kernels walk the grouped layout of ``fused.ExpertGroups``: program (block, n_tile) takes
 BLOCK_M consecutive rows of it, all of one expert (the groups are padded to multiples of BLOCK_M),
 and BLOCK_N output columns. Padding rows hold the sentinel pair id ``num_pairs`` and are masked off.
 The grid covers the worst-case layout, whose size depends only on shapes; a block starting past
@@ -105,6 +106,18 @@ def _down_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _sum_pairs_kernel(pair_ptr, out_ptr, hidden, stride_p, stride_o, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[t] = the sum of pair rows t * TOP_K ... t * TOP_K + TOP_K - 1, in float32 in k order, cast once."""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < hidden
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for k in range(TOP_K):
+        acc += tl.load(pair_ptr + (token * TOP_K + k) * stride_p + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     """IEEE float32 dots for a float32 model; 16-bit inputs ignore the setting (TF32 is the default)."""
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -138,3 +151,16 @@ def launch_down(intermediate, w2, pair_out, topk_weights, groups, num_pairs: int
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
+
+
+def sum_pairs(pair_out: torch.Tensor, top_k: int, dtype: torch.dtype) -> torch.Tensor:
+    """[num_tokens, hidden] in ``dtype``: each token's ``top_k`` rows of ``pair_out`` [num_pairs, hidden]
+    (pair p = token * top_k + k) summed in float32, k in order, and cast once: one kernel, where
+    torch's sum over the middle dimension and the cast were two and slower (BENCHMARKS.md)."""
+    num_pairs, hidden = pair_out.shape
+    out = torch.empty(num_pairs // top_k, hidden, dtype=dtype, device=pair_out.device)
+    block = min(1024, triton.next_power_of_2(hidden))
+    if out.numel():
+        _sum_pairs_kernel[(out.shape[0], triton.cdiv(hidden, block))](
+            pair_out, out, hidden, pair_out.stride(0), out.stride(0), TOP_K=top_k, BLOCK_H=block)
+    return out
