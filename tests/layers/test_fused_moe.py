@@ -102,7 +102,22 @@ INTERPRETER_CASES = {
     "wide_tokens64_top8": lambda: check_fused(64, 8, hidden=80, inter=72),
     "strided_inputs": lambda: check_fused(64, 2, strided=True, transposed=True, tile=SMALL_TILE),
     "fp16": lambda: check_fused(64, 2, dtype=torch.float16),
+    "sum_pairs": lambda: check_sum_pairs(),
 }
+
+
+def check_sum_pairs(num_tokens=5, top_k=8, hidden=1100) -> dict:
+    """``sum_pairs`` against each token's rows added in float32 in k order: the same float32 bits
+    (float32 rows, so another order rounds differently; hidden over 1,024-wide programs, so a
+    partial second one)."""
+    from nanovllm.layers.moe.triton_kernels import sum_pairs
+
+    pairs = torch.randn(num_tokens * top_k, hidden)
+    expected = pairs[0::top_k]
+    for k in range(1, top_k):
+        expected = expected + pairs[k::top_k]
+    out = sum_pairs(pairs, top_k, torch.float32)
+    return {"equal": torch.equal(out, expected), "empty_shape": list(sum_pairs(pairs[:0], top_k, torch.float32).shape)}
 
 
 def run_interpreter_cases() -> dict:
@@ -117,12 +132,18 @@ def interpreter_results() -> dict:
     return results_under_interpreter(__file__)
 
 
-@pytest.mark.parametrize("case", list(INTERPRETER_CASES))
+@pytest.mark.parametrize("case", [case for case in INTERPRETER_CASES if case != "sum_pairs"])
 def test_fused_moe_interpreter(interpreter_results, case):
     result = interpreter_results[case]
     assert "error" not in result, result["error"]
     assert result["shape_ok"] and result["finite"], result
     assert result["rel_err"] < (FP16_TOL if case == "fp16" else CPU_TOL), result
+
+
+def test_sum_pairs_adds_in_k_order(interpreter_results):
+    result = interpreter_results["sum_pairs"]
+    assert "error" not in result, result["error"]
+    assert result["equal"] and result["empty_shape"] == [0, 1100], result
 
 
 def test_interpreter_routings_are_uneven(interpreter_results):
