@@ -4,48 +4,30 @@
 
 For each layer (qkv, o, gate_up, down) and token count, GPU time under a CUDA graph
 (``triton.testing.do_bench_cudagraph``, so launch overhead is not counted) of: ``fp8_linear_triton``
-(activation quantization per 1x128 group included; by default the tensor cores sum each k-block,
-with ``precise`` every MMA's result is added in float32); cuBLAS's block-scaled FP8 GEMM through
-``torch.nn.functional.scaled_mm`` (the same scales; the activations quantized once beforehand, not
-timed; where torch and the GPU have it and the rows are a multiple of 16); ``torch._scaled_mm`` on
-e4m3 inputs with one scale per tensor (the tensor-core rate with the least scaling work, no
-activation quantization timed); and the bf16 ``F.linear``. TFLOP/s count 2·M·N·K. First both kernels are checked against the torch path
-of ``fp8.py`` (CPU, float32) at every shape.
+with its Triton GEMM (activation quantization per 1x128 group included; by default the tensor cores sum
+each k-block, with ``precise`` every MMA's result is added in float32) and with cuBLAS's block-scaled
+FP8 GEMM (``cublas=True``: the same quantization, rows padded to 16, then ``F.scaled_mm``; where torch
+and the GPU have it); ``torch._scaled_mm`` on e4m3 inputs with one scale per tensor (the tensor-core
+rate with the least scaling work, no activation quantization timed); and the bf16 ``F.linear``.
+TFLOP/s count 2·M·N·K. First the FP8 GEMMs are checked against the torch path of ``fp8.py`` (CPU) at
+16 and 2,048 tokens.
 """
 import torch
 import torch.nn.functional as F
-import triton
 from triton.testing import do_bench_cudagraph
 
+from nanovllm.layers.quantization import fp8_cublas
 from nanovllm.layers.quantization.fp8 import FP8_DTYPE, fp8_linear, quantize_weight_blocks
-from nanovllm.layers.quantization.fp8_triton import _quantize_kernel, fp8_linear_triton
+from nanovllm.layers.quantization.fp8_triton import fp8_linear_triton
 
 HIDDEN, INTER, Q_HEADS, KV_HEADS, HEAD_DIM = 4096, 12288, 32, 8, 128
 LAYERS = {"qkv": ((Q_HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN), "o": (HIDDEN, Q_HEADS * HEAD_DIM),
           "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER)}
-TOKENS = (1, 16, 64, 128, 256, 512, 2048, 8192)
+TOKENS = (1, 16, 64, 96, 128, 160, 192, 256, 384, 512, 2048, 8192)
 
 
 def bench(fn) -> float:
     return do_bench_cudagraph(fn, rep=20)
-
-
-def cublas_blockwise(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor):
-    """A callable for cuBLAS's block-scaled GEMM on ``x``'s quantization, or None where there is none."""
-    m, k = x.shape
-    if m % 16 or not hasattr(F, "scaled_mm"):
-        return None
-    q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
-    scales = torch.empty(k // 128, m, device=x.device)
-    _quantize_kernel[(triton.cdiv(m, 16), k // 128)](x, q, scales, m, k, x.stride(0), q.stride(0), BLOCK_ROWS=16)
-    recipe = F.ScalingType
-    fn = lambda: F.scaled_mm(q, wq.t(), scales.t(), recipe.BlockWise1x128, ws.t(), recipe.BlockWise128x128,
-                             output_dtype=torch.bfloat16)
-    try:
-        fn()
-    except RuntimeError:  # not on this GPU / CUDA
-        return None
-    return fn
 
 
 def main() -> None:
@@ -60,9 +42,14 @@ def main() -> None:
             ref = fp8_linear(x.cpu(), wq.cpu(), ws.cpu())
             errors = [((fp8_linear_triton(x, wq, ws, precise=p).cpu() - ref).abs().max() / ref.abs().max()).item()
                       for p in (True, False)]
-            print(f"check {name} [{m}, {k}] x [{n}, {k}]^T (float32): max |kernel - torch path| / max |out| = "
-                  f"{errors[0]:.1e} precise, {errors[1]:.1e} default")
-    cols = ("fp8 triton", "precise", "cuBLAS block", "_scaled_mm 1/tensor", "bf16")
+            if fp8_cublas.available(x.device):
+                got = fp8_linear_triton(x.bfloat16(), wq, ws, cublas=True).float().cpu()
+                ref16 = fp8_linear(x.bfloat16().cpu(), wq.cpu(), ws.cpu()).float()
+                errors.append(((got - ref16).abs().max() / ref16.abs().max()).item())
+            print(f"check {name} [{m}, {k}] x [{n}, {k}]^T: max |kernel - torch path| / max |out| = "
+                  f"{errors[0]:.1e} precise, {errors[1]:.1e} default (float32)"
+                  + (f", {errors[2]:.1e} cuBLAS (bf16)" if len(errors) > 2 else ""))
+    cols = ("fp8 triton", "precise", "fp8 cuBLAS", "_scaled_mm 1/tensor", "bf16")
     print(f"\n{'layer':8s} {'M':>5s} | " + " | ".join(f"{c:>19s}" for c in cols) + "   (us, TFLOP/s)")
     for name, (n, k) in LAYERS.items():
         w, wq, ws = weights[name]
@@ -70,10 +57,9 @@ def main() -> None:
             x = torch.randn(m, k, device="cuda").bfloat16()
             one = torch.ones((), device="cuda")
             a, b = x.to(FP8_DTYPE), wq.t()  # b column-major, as cuBLAS wants it
-            block = cublas_blockwise(x, wq, ws)
-            times = [bench(lambda: fp8_linear_triton(x, wq, ws)),
+            times = [bench(lambda: fp8_linear_triton(x, wq, ws, cublas=False)),
                      bench(lambda: fp8_linear_triton(x, wq, ws, precise=True)),
-                     bench(block) if block else None,
+                     bench(lambda: fp8_linear_triton(x, wq, ws, cublas=True)) if fp8_cublas.available(x.device) else None,
                      bench(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16)) if m % 16 == 0 else None,
                      bench(lambda: F.linear(x, w))]
             flops = 2 * m * n * k

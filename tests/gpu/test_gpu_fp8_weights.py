@@ -60,6 +60,35 @@ def test_gpu_fp8_linear_equals_cpu(m):
     assert error < 1e-3
 
 
+@pytest.mark.parametrize("m", [128, 300])
+def test_gpu_cublas_gemm_equals_cpu(m):
+    """cuBLAS's block-scaled GEMM (rows padded to 16, a bias): the CPU's bf16 result within the
+    tensor cores' k-block accumulation (1e-3 of the largest output) plus the two bf16 roundings of
+    the GEMM's result and of the bias's sum (2^-7 of a value each, at most). The default picks it
+    from ``MIN_ROWS`` rows on (where it exists), in a CUDA graph too."""
+    from nanovllm.layers.quantization import fp8_cublas
+
+    if not fp8_cublas.available(torch.device("cuda")):
+        pytest.skip("no block-scaled cuBLAS GEMM on this GPU / torch")
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 1024, generator=g).bfloat16()
+    wq, ws = quantize_weight_blocks(torch.randn(384, 1024, generator=g) * 0.05)
+    bias = torch.randn(384, generator=g).bfloat16()
+    expected = fp8_linear(x, wq, ws, bias).float()
+    args = (x.cuda(), wq.cuda(), ws.cuda(), bias.cuda())
+    got = fp8_triton.fp8_linear_triton(*args, cublas=True)
+    error = ((got.float().cpu() - expected).abs().max() / expected.abs().max()).item()
+    print(f"m={m}: max |cuBLAS - CPU| / max |CPU| = {error:.1e}")
+    assert got.shape == (m, 384) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float().cpu(), expected, rtol=2**-6, atol=1e-3 * expected.abs().max().item())
+    assert torch.equal(fp8_triton.fp8_linear_triton(*args), got) == (m >= fp8_cublas.MIN_ROWS)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = fp8_triton.fp8_linear_triton(*args)
+    graph.replay()
+    assert torch.equal(replayed, got) == (m >= fp8_cublas.MIN_ROWS)
+
+
 @pytest.mark.parametrize("splits", [2, 3, 8])
 def test_gpu_split_k_equals_cpu_and_replays(splits):
     """K cut into ranges: the CPU's numbers (``precise``), and inside a CUDA graph replayed with new

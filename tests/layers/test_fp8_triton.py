@@ -62,6 +62,23 @@ def check_moe(num_tokens: int, num_experts: int, top_k: int, hidden: int, inter:
             "max_ref": ref.abs().max().item() if ref.numel() else 0.0, "finite": bool(got.isfinite().all())}
 
 
+def check_padded_quantization(m: int, k: int, row_multiple: int) -> dict:
+    """``quantize_rows`` with rows padded (cuBLAS's GEMM wants multiples of 16): the first m rows as
+    ``quantize_activation_groups``, the padding zeros with scale 1."""
+    from nanovllm.layers.quantization.fp8 import quantize_activation_groups
+    from nanovllm.layers.quantization.fp8_triton import quantize_rows
+
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(BF16)
+    q, scales = quantize_rows(x, row_multiple)
+    want_q, want_scales = quantize_activation_groups(x)
+    return {"shape": [list(q.shape), list(scales.shape)],
+            "rows_equal": bool(torch.equal(q[:m].view(torch.uint8), want_q.view(torch.uint8))),
+            "scales_equal": bool(torch.equal(scales[:, :m], want_scales.T)),
+            "padding_zero": bool((q[m:].float() == 0).all()), "padding_scale_one": bool((scales[:, m:] == 1).all())}
+
+
+PADDED_CASES = {"pad_5_to_16": dict(m=5, k=256, row_multiple=16), "pad_33_to_48": dict(m=33, k=200, row_multiple=16)}
+
 MOE_CASES = {
     "moe_decode": dict(num_tokens=3, num_experts=8, top_k=2, hidden=256, inter=128),
     "moe_uneven": dict(num_tokens=40, num_experts=4, top_k=3, hidden=320, inter=256),
@@ -90,6 +107,7 @@ def run_interpreter_cases() -> dict:
     squeeze_interpreter_loop_bounds()
     round_interpreter_casts_to_nearest()
     results = run_cases(CASES, lambda case: check(**case))
+    results |= run_cases(PADDED_CASES, lambda case: check_padded_quantization(**case))
     return results | run_cases(MOE_CASES, lambda case: check_moe(**case))
 
 
@@ -107,6 +125,15 @@ def test_kernel_matches_the_torch_path(results, case):
     out_dtype = CASES[case].get("out_dtype") or CASES[case].get("dtype", F32)
     step = {F32: 2**-23 * 8, BF16: 2**-7, F16: 2**-10}[out_dtype]  # a few ulps, or one rounding step
     assert r["max_diff"] <= step * max(r["max_ref"], 1e-30), r
+
+
+@pytest.mark.parametrize("case", list(PADDED_CASES))
+def test_padded_quantization(results, case):
+    r, c = results[case], PADDED_CASES[case]
+    assert "error" not in r, r["error"]
+    padded = -(-c["m"] // c["row_multiple"]) * c["row_multiple"]
+    assert r["shape"] == [[padded, c["k"]], [-(-c["k"] // 128), padded]], r
+    assert r["rows_equal"] and r["scales_equal"] and r["padding_zero"] and r["padding_scale_one"], r
 
 
 @pytest.mark.parametrize("case", list(MOE_CASES))

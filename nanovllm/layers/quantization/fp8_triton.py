@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from nanovllm.layers.quantization import fp8_cublas
 from nanovllm.layers.quantization.fp8 import BLOCK, FP8_DTYPE, FP8_MAX
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
@@ -53,20 +54,23 @@ class GemmTile(NamedTuple):
 
 # Row counts are not specialised on: Triton would compile a second variant of a kernel the first time
 # a prefill's token count is not a multiple of 16 (about 0.3 s each, in the middle of a user's call).
-@triton.jit(do_not_specialize=["M"])
-def _quantize_kernel(x_ptr, q_ptr, scale_ptr, M, K, stride_xm, stride_qm, BLOCK_ROWS: tl.constexpr):
-    """BLOCK_ROWS tokens x one 128-channel group: e4m3 values and scales, as ``quantize_activation_groups``."""
+@triton.jit(do_not_specialize=["M", "M_OUT"])
+def _quantize_kernel(x_ptr, q_ptr, scale_ptr, M, M_OUT, K, stride_xm, stride_qm, BLOCK_ROWS: tl.constexpr):
+    """BLOCK_ROWS tokens x one 128-channel group: e4m3 values and scales, as ``quantize_activation_groups``.
+    Rows from M to M_OUT (padding) are written as zeros with scale 1."""
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     group = tl.program_id(1)
     k = group * _BLOCK_K + tl.arange(0, _BLOCK_K)
-    mask = (rows < M)[:, None] & (k < K)[None, :]
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=mask, other=0.0).to(tl.float32)
+    k_ok = (k < K)[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=(rows < M)[:, None] & k_ok, other=0.0)
+    x = x.to(tl.float32)
+    mask = (rows < M_OUT)[:, None] & k_ok
     scale = tl.math.div_rn(tl.max(tl.abs(x), axis=1), _FP8_MAX)
     scale = tl.where(scale == 0.0, 1.0, scale)
     q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -_FP8_MAX), _FP8_MAX)
     tl.store(q_ptr + rows[:, None] * stride_qm + k[None, :], q.to(tl.float8e4nv, fp_downcast_rounding="rtne"),
              mask=mask)
-    tl.store(scale_ptr + group * M + rows, scale, mask=rows < M)
+    tl.store(scale_ptr + group * M_OUT + rows, scale, mask=rows < M_OUT)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -134,15 +138,17 @@ def _store_tile(acc, bias_ptr, out_ptr, rm, rn, m_ok, n_ok, stride_om, HAS_BIAS:
     tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], out, mask=m_ok[:, None] & n_ok[None, :])
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` [m, k] (rows contiguous) -> e4m3 values [m, k] and float32 scales k-block-major
-    [ceil(k / 128), m], as ``quantize_activation_groups`` computes them."""
+def quantize_rows(x: torch.Tensor, row_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [m, k] (rows contiguous) -> e4m3 values [m', k] and float32 scales k-block-major
+    [ceil(k / 128), m'], as ``quantize_activation_groups`` computes them; m' is m rounded up to
+    ``row_multiple``, the extra rows zeros with scale 1."""
     m, k = x.shape
-    q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
-    scales = torch.empty(triton.cdiv(k, BLOCK), m, dtype=torch.float32, device=x.device)
-    rows = 16 if m >= 16 else 1
-    _quantize_kernel[(triton.cdiv(m, rows), scales.shape[0])](x, q, scales, m, k, x.stride(0), q.stride(0),
-                                                               BLOCK_ROWS=rows)
+    m_out = triton.cdiv(m, row_multiple) * row_multiple
+    q = torch.empty(m_out, k, dtype=FP8_DTYPE, device=x.device)
+    scales = torch.empty(triton.cdiv(k, BLOCK), m_out, dtype=torch.float32, device=x.device)
+    rows = 16 if m_out >= 16 else 1
+    _quantize_kernel[(triton.cdiv(m_out, rows), scales.shape[0])](x, q, scales, m, m_out, k, x.stride(0), q.stride(0),
+                                                                   BLOCK_ROWS=rows)
     return q, scales
 
 
@@ -200,17 +206,26 @@ def split_k(num_tokens: int, k: int, tiles: int, sms: int) -> int:
 def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                       bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
                       precise: bool | None = None, gemm_tile: GemmTile | None = None,
-                      splits: int | None = None) -> torch.Tensor:
+                      splits: int | None = None, cublas: bool | None = None) -> torch.Tensor:
     """``fp8.fp8_linear`` on a CUDA device: ``x`` [..., in] (float), ``weight`` [out, in]
     float8_e4m3fn, ``weight_scale`` [ceil(out/128), ceil(in/128)] float32. ``precise``: float32
     accumulation inside k-blocks too (the module docstring; default ``PRECISE``). ``gemm_tile`` and
-    ``splits`` (k ranges) override ``tile`` and ``split_k``."""
+    ``splits`` (k ranges) override ``tile`` and ``split_k``. ``cublas``: the GEMM by cuBLAS
+    (``fp8_cublas``; default: where ``fp8_cublas.usable`` says, never with ``precise`` or a tile given)."""
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m, n = x2.shape[0], weight.shape[0]
-    out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
+    out_dtype = out_dtype or x.dtype
+    precise = PRECISE if precise is None else precise
+    if cublas is None:
+        cublas = not precise and gemm_tile is None and splits is None and fp8_cublas.usable(m, weight, out_dtype)
+    if cublas:
+        q, x_scale = quantize_rows(x2, fp8_cublas.ROW_MULTIPLE)
+        out = fp8_cublas.gemm(q, x_scale, weight, weight_scale)[:m]
+        return (out if bias is None else out + bias).view(*lead, n)
+    out = torch.empty(m, n, dtype=out_dtype, device=x.device)
     if m:
         q, x_scale = quantize_rows(x2)
         t = gemm_tile or tile(m)
@@ -226,6 +241,6 @@ def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
         _fp8_gemm_kernel[(tiles, splits)](
             q_src, x_scale, w_src, weight_scale, bias if bias is not None else out, out, partials, counters, m, n,
             k, q.stride(0), weight.stride(0), weight_scale.stride(0), out.stride(0), TMA=tma,
-            HAS_BIAS=bias is not None, PRECISE=PRECISE if precise is None else precise, BLOCK_M=t.block_m,
+            HAS_BIAS=bias is not None, PRECISE=precise, BLOCK_M=t.block_m,
             BLOCK_N=t.block_n, GROUP_M=t.group_m, SPLIT_K=splits, num_warps=t.num_warps, num_stages=t.num_stages)
     return out.view(*lead, n)
