@@ -23,16 +23,20 @@ def add_rms_norm(
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32. With ``residual`` it first adds it (fused residual add) and
     returns ``(normed, x + residual)``. Nothing is updated in place, so the caller's tensors stay
-    intact in every dtype."""
+    intact in every dtype. ``quantize``: the normed rows come quantized for the FP8 linear that
+    reads them (``QuantizedRows``, see ``quantization/fp8_fused.py``)."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6):
+    def __init__(self, hidden_size: int, eps: float = 1e-6, quantize: bool = False):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.quantize = quantize
 
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self.quantize:
+            from nanovllm.layers.quantization.fp8_fused import rms_norm_quantized
+
+            return rms_norm_quantized(x, residual, self.weight, self.eps)
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         return add_rms_norm(x, residual, self.weight, self.eps)

@@ -34,6 +34,7 @@ class DecoderAttention(nn.Module):
             config.hidden_size, self.head_dim, config.num_attention_heads, config.num_key_value_heads, bias=qkv_bias
         )
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=o_bias)
+        self.quantized_input = self.qkv_proj.fp8  # the norm in front hands qkv_proj quantized rows
         theta, scaling = rope_parameters(config)
         self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, theta, scaling)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
@@ -71,7 +72,8 @@ class GatedMLP(nn.Module):
             raise ValueError(f"hidden_act {hidden_act!r} is not supported (only 'silu')")
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
-        self.act_fn = SiluAndMul()
+        self.act_fn = SiluAndMul(quantize=self.down_proj.fp8)
+        self.quantized_input = self.gate_up_proj.fp8
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -82,8 +84,10 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = self_attn
         self.mlp = mlp
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        # FP8 layers take their input quantized by the norm in front (MoE blocks route bf16 rows)
+        quantize = (getattr(self_attn, "quantized_input", False), getattr(mlp, "quantized_input", False))
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, quantize=quantize[0])
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, quantize=quantize[1])
 
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None

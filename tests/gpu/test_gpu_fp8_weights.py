@@ -90,6 +90,36 @@ def test_gpu_cublas_gemm_equals_cpu(m):
     assert torch.equal(replayed, got) == (m >= fp8_cublas.MIN_ROWS)
 
 
+def _same_rows(got, want) -> None:
+    """Quantized rows from the GPU's fused kernels against the CPU's composition: the padding, the
+    scales within 1e-6, at least 99% of the e4m3 values equal and none off by more than one step
+    (a float32 sum in another order can move a value across a rounding boundary)."""
+    m = want.rows
+    assert got.rows == m and got.dtype == want.dtype and got.q.shape[0] == -(-m // 16) * 16
+    q, scales = got.q.cpu().float(), got.scales.cpu()
+    assert (q[m:] == 0).all() and (scales[:, m:] == 1).all()
+    assert ((scales[:, :m] - want.scales).abs() <= 1e-6 * want.scales).all()
+    assert (q[:m] == want.q.float()).float().mean() >= 0.99
+    assert ((q[:m] - want.q.float()).abs() <= 2**-3 * want.q.float().abs() + 2**-9).all()
+
+
+@pytest.mark.parametrize("m", [5, 300])
+def test_gpu_fused_quantization_equals_cpu(m):
+    """RMSNorm (with the residual) and SiLU-and-mul quantizing their output for the next FP8 linear."""
+    from nanovllm.layers.quantization.fp8_fused import rms_norm_quantized, silu_and_mul_quantized
+
+    g = torch.Generator().manual_seed(m)
+    x, r = (torch.randn(m, 1024, generator=g).bfloat16() for _ in range(2))
+    w = (1 + 0.1 * torch.randn(1024, generator=g)).bfloat16()
+    (rows, total), (want, want_total) = rms_norm_quantized(x.cuda(), r.cuda(), w.cuda(), 1e-6), rms_norm_quantized(
+        x, r, w, 1e-6)
+    assert torch.equal(total.cpu(), want_total)
+    _same_rows(rows, want)
+    _same_rows(rms_norm_quantized(x.cuda(), None, w.cuda(), 1e-6), rms_norm_quantized(x, None, w, 1e-6))
+    h = torch.randn(m, 2048, generator=g).bfloat16() * 4
+    _same_rows(silu_and_mul_quantized(h.cuda()), silu_and_mul_quantized(h))
+
+
 @pytest.mark.parametrize("splits", [2, 3, 8])
 def test_gpu_split_k_equals_cpu_and_replays(splits):
     """K cut into ranges: the CPU's numbers (``precise``), and inside a CUDA graph replayed with new

@@ -11,6 +11,8 @@ x / scale, clamped to [-448, 448] and rounded to the nearest e4m3 value (ties to
 times (the token's activation scale for that group) x (the weight scale of that output block and
 k-block); the k-blocks' results summed in float32, in order, then cast to the activation dtype.
 """
+from typing import NamedTuple
+
 import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -60,20 +62,42 @@ def quantize_activation_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return q.view(tokens, _blocks(k) * BLOCK)[:, :k], scale
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+class QuantizedRows(NamedTuple):
+    """Activations already quantized (by the op that produced them, ``fp8_fused``): ``q`` e4m3
+    [rows', k] and ``scales`` float32 k-block-major [ceil(k/128), rows'], of which the first
+    ``rows`` are real (the GPU's kernels pad to 16 rows for cuBLAS, with zeros of scale 1);
+    ``dtype``: the activations' own (a linear's default output dtype)."""
+    q: torch.Tensor
+    scales: torch.Tensor
+    rows: int
+    dtype: torch.dtype
+
+
+def quantize_to_rows(x: torch.Tensor) -> QuantizedRows:
+    """``quantize_activation_groups`` of ``x`` [tokens, k], as ``QuantizedRows``."""
+    q, scale = quantize_activation_groups(x)
+    return QuantizedRows(q, scale.T, x.shape[0], x.dtype)
+
+
+def fp8_linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``x`` [..., in] @ the block-quantized ``weight`` [out, in].T (+ ``bias``), W8A8 as the module
-    docstring says; the result in ``out_dtype`` (default: x's dtype; the bias added after the cast)."""
-    if x.is_cuda:  # one Triton kernel, the same arithmetic (compute capability 8.9+: resolve_quantization)
+    """``x`` [..., in] (or its ``QuantizedRows``) @ the block-quantized ``weight`` [out, in].T (+
+    ``bias``), W8A8 as the module docstring says; the result in ``out_dtype`` (default: x's dtype;
+    the bias added after the cast)."""
+    if (x.q if isinstance(x, QuantizedRows) else x).is_cuda:  # Triton/cuBLAS kernels, the same arithmetic
         from nanovllm.layers.quantization.fp8_triton import fp8_linear_triton
 
         return fp8_linear_triton(x, weight, weight_scale, bias, out_dtype)
-    lead, k = x.shape[:-1], x.shape[-1]
+    if isinstance(x, QuantizedRows):
+        lead, k = (x.rows,), x.q.shape[1]
+        xq, x_scale = x.q[:x.rows], x.scales[:, :x.rows].T
+    else:
+        lead, k = x.shape[:-1], x.shape[-1]
+        xq, x_scale = quantize_activation_groups(x.reshape(-1, k))
     out_features = weight.shape[0]
-    xq, x_scale = quantize_activation_groups(x.reshape(-1, k))
     xf, wf = xq.float(), weight.float()
     w_scale = weight_scale.repeat_interleave(BLOCK, dim=0)[:out_features]  # [out, k-blocks]
-    acc = torch.zeros(xf.shape[0], out_features, dtype=torch.float32, device=x.device)
+    acc = torch.zeros(xf.shape[0], out_features, dtype=torch.float32, device=xf.device)
     for kb in range(_blocks(k)):
         cols = slice(kb * BLOCK, min(k, (kb + 1) * BLOCK))
         partial = xf[:, cols] @ wf[:, cols].T  # [tokens, out], exact products, float32 sums

@@ -37,7 +37,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from nanovllm.layers.quantization import fp8_cublas
-from nanovllm.layers.quantization.fp8 import BLOCK, FP8_DTYPE, FP8_MAX
+from nanovllm.layers.quantization.fp8 import BLOCK, FP8_DTYPE, FP8_MAX, QuantizedRows
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
 _BLOCK_K = tl.constexpr(BLOCK)
@@ -73,9 +73,9 @@ def _quantize_kernel(x_ptr, q_ptr, scale_ptr, M, M_OUT, K, stride_xm, stride_qm,
     tl.store(scale_ptr + group * M_OUT + rows, scale, mask=rows < M_OUT)
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "stride_xsk"])
 def _fp8_gemm_kernel(q_src, xs_ptr, w_src, ws_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr, M, N, K, stride_qm,
-                     stride_wn, stride_wsn, stride_om, TMA: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     stride_xsk, stride_wn, stride_wsn, stride_om, TMA: tl.constexpr, HAS_BIAS: tl.constexpr,
                      PRECISE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
                      SPLIT_K: tl.constexpr):
     """``q_src``/``w_src``: TMA descriptors of the e4m3 activations [M, K] and weight [N, K] (``TMA``),
@@ -112,7 +112,7 @@ def _fp8_gemm_kernel(q_src, xs_ptr, w_src, ws_ptr, bias_ptr, out_ptr, partial_pt
         else:
             partial = tl.dot(q, tl.trans(w), out_dtype=tl.float32)
         # activation scale x weight scale: a vector over the tile's rows, one multiply-add per output
-        scale = tl.load(xs_ptr + kb * M + rm, mask=m_ok, other=0.0) * tl.load(w_scales + kb)
+        scale = tl.load(xs_ptr + kb * stride_xsk + rm, mask=m_ok, other=0.0) * tl.load(w_scales + kb)
         acc += partial * scale[:, None]
     if SPLIT_K == 1:
         _store_tile(acc, bias_ptr, out_ptr, rm, rn, m_ok, n_ok, stride_om, HAS_BIAS)
@@ -203,44 +203,53 @@ def split_k(num_tokens: int, k: int, tiles: int, sms: int) -> int:
     return splits
 
 
-def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+def fp8_linear_triton(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weight_scale: torch.Tensor,
                       bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
                       precise: bool | None = None, gemm_tile: GemmTile | None = None,
                       splits: int | None = None, cublas: bool | None = None) -> torch.Tensor:
-    """``fp8.fp8_linear`` on a CUDA device: ``x`` [..., in] (float), ``weight`` [out, in]
-    float8_e4m3fn, ``weight_scale`` [ceil(out/128), ceil(in/128)] float32. ``precise``: float32
-    accumulation inside k-blocks too (the module docstring; default ``PRECISE``). ``gemm_tile`` and
-    ``splits`` (k ranges) override ``tile`` and ``split_k``. ``cublas``: the GEMM by cuBLAS
-    (``fp8_cublas``; default: where ``fp8_cublas.usable`` says, never with ``precise`` or a tile given)."""
-    lead, k = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    m, n = x2.shape[0], weight.shape[0]
-    out_dtype = out_dtype or x.dtype
+    """``fp8.fp8_linear`` on a CUDA device: ``x`` [..., in] (float, or already quantized: a
+    ``QuantizedRows``), ``weight`` [out, in] float8_e4m3fn, ``weight_scale`` [ceil(out/128),
+    ceil(in/128)] float32. ``precise``: float32 accumulation inside k-blocks too (the module
+    docstring; default ``PRECISE``). ``gemm_tile`` and ``splits`` (k ranges) override ``tile`` and
+    ``split_k``. ``cublas``: the GEMM by cuBLAS (``fp8_cublas``; default: where ``fp8_cublas.usable``
+    says, never with ``precise`` or a tile given)."""
+    if isinstance(x, QuantizedRows):
+        q, x_scale, m, dtype = x
+        lead, k = (m,), q.shape[1]
+    else:
+        lead, k, dtype = x.shape[:-1], x.shape[-1], x.dtype
+        x2 = x.reshape(-1, k)
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        q, m = None, x2.shape[0]
+    n = weight.shape[0]
+    out_dtype = out_dtype or dtype
     precise = PRECISE if precise is None else precise
-    if cublas is None:
-        cublas = not precise and gemm_tile is None and splits is None and fp8_cublas.usable(m, weight, out_dtype)
+    if cublas is None:  # (rows quantized elsewhere must come padded for it)
+        cublas = (not precise and gemm_tile is None and splits is None and fp8_cublas.usable(m, weight, out_dtype)
+                  and (q is None or q.shape[0] % fp8_cublas.ROW_MULTIPLE == 0))
     if cublas:
-        q, x_scale = quantize_rows(x2, fp8_cublas.ROW_MULTIPLE)
+        if q is None:
+            q, x_scale = quantize_rows(x2, fp8_cublas.ROW_MULTIPLE)
         out = fp8_cublas.gemm(q, x_scale, weight, weight_scale)[:m]
         return (out if bias is None else out + bias).view(*lead, n)
-    out = torch.empty(m, n, dtype=out_dtype, device=x.device)
+    out = torch.empty(m, n, dtype=out_dtype, device=weight.device)
     if m:
-        q, x_scale = quantize_rows(x2)
+        if q is None:
+            q, x_scale = quantize_rows(x2)
         t = gemm_tile or tile(m)
         tiles = triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n)
-        splits = (splits or split_k(m, k, tiles, _sm_count(x.device))) if tiles <= MAX_SPLIT_TILES else 1
-        counters = _split_counters(x.device)
-        partials = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else out
+        splits = (splits or split_k(m, k, tiles, _sm_count(weight.device))) if tiles <= MAX_SPLIT_TILES else 1
+        counters = _split_counters(weight.device)
+        partials = torch.empty(splits, m, n, dtype=torch.float32, device=weight.device) if splits > 1 else out
         # TMA (Hopper+) needs 16-byte aligned rows: K a multiple of 16, as in every Qwen shape
-        tma = (_has_tma(x.device) and k % 16 == 0 and weight.stride(-1) == 1 and weight.stride(0) % 16 == 0
+        tma = (_has_tma(weight.device) and k % 16 == 0 and weight.stride(-1) == 1 and weight.stride(0) % 16 == 0
                and weight.data_ptr() % 16 == 0)
         q_src = TensorDescriptor.from_tensor(q, [t.block_m, BLOCK]) if tma else q
         w_src = TensorDescriptor.from_tensor(weight, [t.block_n, BLOCK]) if tma else weight
         _fp8_gemm_kernel[(tiles, splits)](
             q_src, x_scale, w_src, weight_scale, bias if bias is not None else out, out, partials, counters, m, n,
-            k, q.stride(0), weight.stride(0), weight_scale.stride(0), out.stride(0), TMA=tma,
+            k, q.stride(0), x_scale.stride(0), weight.stride(0), weight_scale.stride(0), out.stride(0), TMA=tma,
             HAS_BIAS=bias is not None, PRECISE=precise, BLOCK_M=t.block_m,
             BLOCK_N=t.block_n, GROUP_M=t.group_m, SPLIT_K=splits, num_warps=t.num_warps, num_stages=t.num_stages)
     return out.view(*lead, n)

@@ -1,0 +1,128 @@
+"""The ops in front of an FP8 linear, quantizing what they produce: RMSNorm (with its residual add)
+and SiLU-and-mul hand the next linear e4m3 values and one scale per token and 128 channels
+(``QuantizedRows``), so the linear skips its own quantization kernel (three launches a layer and
+decode step of the four).
+
+The arithmetic is the unfused op's (``layernorm.rms_norm`` / ``add_rms_norm``,
+``activation.silu_and_mul``: float32 inside, the result rounded to the model's dtype) followed by
+``fp8.quantize_activation_groups``; on the CPU it is exactly that composition. On a GPU one Triton
+kernel does both, and pads the rows to 16 (zeros with scale 1) for cuBLAS's GEMM (``fp8_cublas``).
+Its sums of squares are added in another order than torch's, so a normalized value can round
+differently in the last place, as the compiled unfused norm's can."""
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm.layers.activation import silu_and_mul
+from nanovllm.layers.layernorm import add_rms_norm, rms_norm
+from nanovllm.layers.quantization.fp8 import BLOCK, FP8_MAX, QuantizedRows, quantize_to_rows
+from nanovllm.layers.quantization.fp8_cublas import ROW_MULTIPLE
+
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_BLOCK = tl.constexpr(BLOCK)
+
+
+@triton.jit
+def _quantize_store(y, q_ptrs, scale_ptrs, mask, scale_mask):
+    """y float32 [rows, 128] (one group per row, or one row's groups): e4m3 values and the scales
+    (max |y| / 448, correctly rounded; 1 for an all-zero group), as ``quantize_activation_groups``."""
+    scale = tl.math.div_rn(tl.max(tl.abs(y), axis=1), _FP8_MAX)
+    scale = tl.where(scale == 0.0, 1.0, scale)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(y, scale[:, None]), -_FP8_MAX), _FP8_MAX)
+    tl.store(q_ptrs, q.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=mask)
+    tl.store(scale_ptrs, scale, mask=scale_mask)
+
+
+# Row counts are not specialised on (a new count would compile a new variant mid-call).
+@triton.jit(do_not_specialize=["M", "M_OUT"])
+def _rms_norm_quant_kernel(x_ptr, res_ptr, w_ptr, sum_ptr, q_ptr, scale_ptr, M, M_OUT, eps, stride_x, stride_r,
+                           N: tl.constexpr, GROUPS: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """One row: (x + residual, rounded; written to ``sum_ptr``), its RMSNorm times the weight, each
+    rounded to x's dtype, quantized per 128 channels. Rows from M to M_OUT (the grid) read as zeros."""
+    row = tl.program_id(0)
+    group = tl.arange(0, GROUPS)
+    cols = group[:, None] * _BLOCK + tl.arange(0, _BLOCK)[None, :]  # [GROUPS, 128]
+    ok = cols < tl.where(row < M, N, 0)  # a padding row reads nothing
+    dtype = x_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+    if HAS_RESIDUAL:
+        x = (x.to(tl.float32) + tl.load(res_ptr + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32))
+        x = x.to(dtype)
+        tl.store(sum_ptr + row * N + cols, x, mask=ok)
+    xf = x.to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(tl.sum(xf * xf, axis=1), axis=0) / N + eps)
+    w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    y = (w * (xf * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    _quantize_store(y, q_ptr + row * N + cols, scale_ptr + group * M_OUT + row, cols < N, group * _BLOCK < N)
+
+
+@triton.jit(do_not_specialize=["M", "M_OUT"])
+def _silu_mul_quant_kernel(x_ptr, q_ptr, scale_ptr, M, M_OUT, N, stride_x, BLOCK_ROWS: tl.constexpr):
+    """BLOCK_ROWS rows x one 128-channel group of SiLU(gate) * up (x = [gate | up], N channels each),
+    each op rounded to x's dtype, quantized. Rows from M to M_OUT read as zeros."""
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    group = tl.program_id(1)
+    cols = group * _BLOCK + tl.arange(0, _BLOCK)
+    ok = (rows < M)[:, None] & (cols < N)[None, :]
+    dtype = x_ptr.dtype.element_ty
+    gate = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + rows[:, None] * stride_x + N + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    silu = tl.math.div_rn(gate, 1.0 + tl.exp(-gate)).to(dtype).to(tl.float32)
+    y = (silu * up).to(dtype).to(tl.float32)
+    out_rows = rows < M_OUT
+    _quantize_store(y, q_ptr + rows[:, None] * N + cols[None, :], scale_ptr + group * M_OUT + rows,
+                    out_rows[:, None] & (cols < N)[None, :], out_rows)
+
+
+def _padded(m: int) -> int:
+    return triton.cdiv(m, ROW_MULTIPLE) * ROW_MULTIPLE
+
+
+def rms_norm_quantized(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                       eps: float) -> QuantizedRows | tuple[QuantizedRows, torch.Tensor]:
+    """``RMSNorm``'s result for ``x`` [tokens, n] quantized: without ``residual`` the rows, with it
+    (rows, x + residual)."""
+    if x.is_cuda:
+        return rms_norm_quantized_triton(x, residual, weight, eps)
+    if residual is None:
+        return quantize_to_rows(rms_norm(x, weight, eps))
+    normed, total = add_rms_norm(x, residual, weight, eps)
+    return quantize_to_rows(normed), total
+
+
+def silu_and_mul_quantized(x: torch.Tensor) -> QuantizedRows:
+    """``silu_and_mul`` of x [tokens, 2n] quantized."""
+    return silu_and_mul_quantized_triton(x) if x.is_cuda else quantize_to_rows(silu_and_mul(x))
+
+
+def _outputs(m: int, n: int, device: torch.device) -> tuple[int, torch.Tensor, torch.Tensor]:
+    m_out = triton.cdiv(m, ROW_MULTIPLE) * ROW_MULTIPLE
+    q = torch.empty(m_out, n, dtype=torch.float8_e4m3fn, device=device)
+    return m_out, q, torch.empty(triton.cdiv(n, BLOCK), m_out, dtype=torch.float32, device=device)
+
+
+def rms_norm_quantized_triton(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                              eps: float) -> QuantizedRows | tuple[QuantizedRows, torch.Tensor]:
+    """``rms_norm_quantized`` by the Triton kernel, rows padded to 16."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    residual = residual if residual is None or residual.stride(-1) == 1 else residual.contiguous()
+    m, n = x.shape
+    m_out, q, scales = _outputs(m, n, x.device)
+    total = torch.empty(m, n, dtype=x.dtype, device=x.device) if residual is not None else None
+    _rms_norm_quant_kernel[(m_out,)](
+        x, residual if residual is not None else x, weight, total if total is not None else x, q, scales, m, m_out,
+        eps, x.stride(0), residual.stride(0) if residual is not None else 0, N=n,
+        GROUPS=triton.next_power_of_2(scales.shape[0]), HAS_RESIDUAL=residual is not None, num_warps=4)
+    rows = QuantizedRows(q, scales, m, x.dtype)
+    return rows if residual is None else (rows, total)
+
+
+def silu_and_mul_quantized_triton(x: torch.Tensor) -> QuantizedRows:
+    """``silu_and_mul_quantized`` by the Triton kernel, rows padded to 16."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    m, n = x.shape[0], x.shape[1] // 2
+    m_out, q, scales = _outputs(m, n, x.device)
+    rows = 16 if m_out >= 16 else 1
+    _silu_mul_quant_kernel[(triton.cdiv(m_out, rows), scales.shape[0])](x, q, scales, m, m_out, n, x.stride(0),
+                                                                         BLOCK_ROWS=rows)
+    return QuantizedRows(q, scales, m, x.dtype)
