@@ -28,14 +28,17 @@ CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
     ("MoE experts", ("_gate_up_kernel", "_down_kernel", "_gate_up_fp8_kernel", "_down_fp8_kernel")),
     # the MoE routing (softmax, top-k, renormalisation) and grouping (counts, offsets, scatter) kernels
     ("MoE routing", ("_select_experts_kernel", "_count_kernel", "_scatter_kernel")),
-    # the FP8 linears: the activations' quantization and the block-scaled GEMM
+    # the FP8 linears: the activations' quantization and the block-scaled GEMM (Triton's; cuBLAS's,
+    # from 128 rows on Hopper, counts under GEMMs)
     ("FP8 linears", ("_fp8_gemm_kernel", "_quantize_kernel")),
     # cuBLAS / cuBLASLt / CUTLASS matrix multiplies (also the LM head)
     ("GEMMs", ("gemm", "sm90_xmma", "cutlass", "cublas", "nvjet")),
-    # torch.compile'd RMSNorm and SiLU-and-mul (Inductor's Triton kernels); the fused QK-norm, RoPE
-    # and KV-cache store of the new tokens (attention.kv_store.rope_and_store: the only KV store on
-    # the GPU, so there is no category of its own)
-    ("norms / rotary / activation", ("triton_poi_fused", "triton_red_fused", "triton_per_fused", "_rope_store")),
+    # torch.compile'd RMSNorm and SiLU-and-mul (Inductor's Triton kernels; with FP8 weights our kernels
+    # that also quantize for the next linear); the fused QK-norm, RoPE and KV-cache store of the new
+    # tokens (attention.kv_store.rope_and_store: the only KV store on the GPU, so there is no category
+    # of its own)
+    ("norms / rotary / activation", ("triton_poi_fused", "triton_red_fused", "triton_per_fused", "_rope_store",
+                                     "_rms_norm_quant_kernel", "_silu_mul_quant_kernel")),
     # the fused Gumbel-max draw (its chunks, then the best of them); greedy argmax; top-k/top-p/min-p
     # (topk, sort, cumsum, logsumexp); log-probabilities (log_softmax)
     ("sampler", ("gumbel", "best_of_chunks", "argmax", "topk", "kthvalue", "radix", "sort", "softmax", "logsumexp",

@@ -19,6 +19,9 @@ ROW_MULTIPLE = 16
 K_MULTIPLE = 4 * BLOCK  # the weight scales' k-blocks must come in fours
 
 
+_available: dict[torch.device, bool] = {}
+
+
 def available(device: torch.device) -> bool:
     """Whether torch and the GPU run the block-scaled GEMM: one small call tried on a device's first
     use outside a CUDA graph capture (the engine's warm-up), remembered; during a capture before it,
@@ -28,9 +31,6 @@ def available(device: torch.device) -> bool:
             return False
         _available[device] = _try(device)
     return _available[device]
-
-
-_available: dict[torch.device, bool] = {}
 
 
 def _try(device: torch.device) -> bool:

@@ -15,22 +15,11 @@ import triton.language as tl
 
 from nanovllm.layers.activation import silu_and_mul
 from nanovllm.layers.layernorm import add_rms_norm, rms_norm
-from nanovllm.layers.quantization.fp8 import BLOCK, FP8_MAX, QuantizedRows, quantize_to_rows
+from nanovllm.layers.quantization.fp8 import BLOCK, QuantizedRows, quantize_to_rows
 from nanovllm.layers.quantization.fp8_cublas import ROW_MULTIPLE
+from nanovllm.layers.quantization.fp8_triton import quantize_store
 
-_FP8_MAX = tl.constexpr(FP8_MAX)
 _BLOCK = tl.constexpr(BLOCK)
-
-
-@triton.jit
-def _quantize_store(y, q_ptrs, scale_ptrs, mask, scale_mask):
-    """y float32 [rows, 128] (one group per row, or one row's groups): e4m3 values and the scales
-    (max |y| / 448, correctly rounded; 1 for an all-zero group), as ``quantize_activation_groups``."""
-    scale = tl.math.div_rn(tl.max(tl.abs(y), axis=1), _FP8_MAX)
-    scale = tl.where(scale == 0.0, 1.0, scale)
-    q = tl.minimum(tl.maximum(tl.math.div_rn(y, scale[:, None]), -_FP8_MAX), _FP8_MAX)
-    tl.store(q_ptrs, q.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=mask)
-    tl.store(scale_ptrs, scale, mask=scale_mask)
 
 
 # Row counts are not specialised on (a new count would compile a new variant mid-call).
@@ -53,7 +42,7 @@ def _rms_norm_quant_kernel(x_ptr, res_ptr, w_ptr, sum_ptr, q_ptr, scale_ptr, M, 
     rstd = tl.math.rsqrt(tl.sum(tl.sum(xf * xf, axis=1), axis=0) / N + eps)
     w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
     y = (w * (xf * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    _quantize_store(y, q_ptr + row * N + cols, scale_ptr + group * M_OUT + row, cols < N, group * _BLOCK < N)
+    quantize_store(y, q_ptr + row * N + cols, scale_ptr + group * M_OUT + row, cols < N, group * _BLOCK < N)
 
 
 @triton.jit(do_not_specialize=["M", "M_OUT"])
@@ -70,7 +59,7 @@ def _silu_mul_quant_kernel(x_ptr, q_ptr, scale_ptr, M, M_OUT, N, stride_x, BLOCK
     silu = tl.math.div_rn(gate, 1.0 + tl.exp(-gate)).to(dtype).to(tl.float32)
     y = (silu * up).to(dtype).to(tl.float32)
     out_rows = rows < M_OUT
-    _quantize_store(y, q_ptr + rows[:, None] * N + cols[None, :], scale_ptr + group * M_OUT + rows,
+    quantize_store(y, q_ptr + rows[:, None] * N + cols[None, :], scale_ptr + group * M_OUT + rows,
                     out_rows[:, None] & (cols < N)[None, :], out_rows)
 
 
@@ -109,10 +98,11 @@ def rms_norm_quantized_triton(x: torch.Tensor, residual: torch.Tensor | None, we
     m, n = x.shape
     m_out, q, scales = _outputs(m, n, x.device)
     total = torch.empty(m, n, dtype=x.dtype, device=x.device) if residual is not None else None
-    _rms_norm_quant_kernel[(m_out,)](
-        x, residual if residual is not None else x, weight, total if total is not None else x, q, scales, m, m_out,
-        eps, x.stride(0), residual.stride(0) if residual is not None else 0, N=n,
-        GROUPS=triton.next_power_of_2(scales.shape[0]), HAS_RESIDUAL=residual is not None, num_warps=4)
+    if m_out:
+        _rms_norm_quant_kernel[(m_out,)](
+            x, residual if residual is not None else x, weight, total if total is not None else x, q, scales, m,
+            m_out, eps, x.stride(0), residual.stride(0) if residual is not None else 0, N=n,
+            GROUPS=triton.next_power_of_2(scales.shape[0]), HAS_RESIDUAL=residual is not None, num_warps=4)
     rows = QuantizedRows(q, scales, m, x.dtype)
     return rows if residual is None else (rows, total)
 
@@ -122,7 +112,6 @@ def silu_and_mul_quantized_triton(x: torch.Tensor) -> QuantizedRows:
     x = x if x.stride(-1) == 1 else x.contiguous()
     m, n = x.shape[0], x.shape[1] // 2
     m_out, q, scales = _outputs(m, n, x.device)
-    rows = 16 if m_out >= 16 else 1
-    _silu_mul_quant_kernel[(triton.cdiv(m_out, rows), scales.shape[0])](x, q, scales, m, m_out, n, x.stride(0),
-                                                                         BLOCK_ROWS=rows)
+    if m_out:  # (a multiple of 16)
+        _silu_mul_quant_kernel[(m_out // 16, scales.shape[0])](x, q, scales, m, m_out, n, x.stride(0), BLOCK_ROWS=16)
     return QuantizedRows(q, scales, m, x.dtype)

@@ -27,6 +27,10 @@ Loads go through TMA descriptors on Hopper (rows of 16-byte multiples), plain lo
 is at most 128 outputs wide inside one 128-block, so it has one weight scale per k-block and the
 scaling is one multiply-add per output; the scales are what bounds the kernel (without them the
 same tiles reach ~1,150 TFLOP/s at 2,048 tokens, with them 680-830).
+
+``fp8_linear_triton`` is the GPU's FP8 linear: from ``fp8_cublas.MIN_ROWS`` rows on a Hopper GPU it
+hands the GEMM to cuBLAS's block-scaled one (``fp8_cublas``, faster there); activations that the op in
+front already quantized (``fp8_fused``) arrive as ``QuantizedRows`` and skip ``_quantize_kernel``.
 """
 import functools
 from typing import NamedTuple
@@ -54,6 +58,18 @@ class GemmTile(NamedTuple):
 
 # Row counts are not specialised on: Triton would compile a second variant of a kernel the first time
 # a prefill's token count is not a multiple of 16 (about 0.3 s each, in the middle of a user's call).
+@triton.jit
+def quantize_store(x, q_ptrs, scale_ptrs, mask, scale_mask):
+    """x float32 [rows, 128], one 128-channel group a row: e4m3 values and scales stored as
+    ``quantize_activation_groups`` computes them (scale = max |x| / 448 by a rounded division, 1 for
+    an all-zero group; x / scale clamped and rounded to the nearest e4m3)."""
+    scale = tl.math.div_rn(tl.max(tl.abs(x), axis=1), _FP8_MAX)
+    scale = tl.where(scale == 0.0, 1.0, scale)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -_FP8_MAX), _FP8_MAX)
+    tl.store(q_ptrs, q.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=mask)
+    tl.store(scale_ptrs, scale, mask=scale_mask)
+
+
 @triton.jit(do_not_specialize=["M", "M_OUT"])
 def _quantize_kernel(x_ptr, q_ptr, scale_ptr, M, M_OUT, K, stride_xm, stride_qm, BLOCK_ROWS: tl.constexpr):
     """BLOCK_ROWS tokens x one 128-channel group: e4m3 values and scales, as ``quantize_activation_groups``.
@@ -63,14 +79,8 @@ def _quantize_kernel(x_ptr, q_ptr, scale_ptr, M, M_OUT, K, stride_xm, stride_qm,
     k = group * _BLOCK_K + tl.arange(0, _BLOCK_K)
     k_ok = (k < K)[None, :]
     x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=(rows < M)[:, None] & k_ok, other=0.0)
-    x = x.to(tl.float32)
-    mask = (rows < M_OUT)[:, None] & k_ok
-    scale = tl.math.div_rn(tl.max(tl.abs(x), axis=1), _FP8_MAX)
-    scale = tl.where(scale == 0.0, 1.0, scale)
-    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -_FP8_MAX), _FP8_MAX)
-    tl.store(q_ptr + rows[:, None] * stride_qm + k[None, :], q.to(tl.float8e4nv, fp_downcast_rounding="rtne"),
-             mask=mask)
-    tl.store(scale_ptr + group * M_OUT + rows, scale, mask=rows < M_OUT)
+    quantize_store(x.to(tl.float32), q_ptr + rows[:, None] * stride_qm + k[None, :], scale_ptr + group * M_OUT + rows,
+                   (rows < M_OUT)[:, None] & k_ok, rows < M_OUT)
 
 
 @triton.jit(do_not_specialize=["M", "stride_xsk"])
