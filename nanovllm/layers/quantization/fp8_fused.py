@@ -28,7 +28,7 @@ def _rms_norm_quant_kernel(x_ptr, res_ptr, w_ptr, sum_ptr, q_ptr, scale_ptr, M, 
                            N: tl.constexpr, GROUPS: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
     """One row: (x + residual, rounded; written to ``sum_ptr``), its RMSNorm times the weight, each
     rounded to x's dtype, quantized per 128 channels. Rows from M to M_OUT (the grid) read as zeros."""
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # (row offsets past 2^31 elements in a large prefill)
     group = tl.arange(0, GROUPS)
     cols = group[:, None] * _BLOCK + tl.arange(0, _BLOCK)[None, :]  # [GROUPS, 128]
     ok = cols < tl.where(row < M, N, 0)  # a padding row reads nothing
@@ -49,7 +49,7 @@ def _rms_norm_quant_kernel(x_ptr, res_ptr, w_ptr, sum_ptr, q_ptr, scale_ptr, M, 
 def _silu_mul_quant_kernel(x_ptr, q_ptr, scale_ptr, M, M_OUT, N, stride_x, BLOCK_ROWS: tl.constexpr):
     """BLOCK_ROWS rows x one 128-channel group of SiLU(gate) * up (x = [gate | up], N channels each),
     each op rounded to x's dtype, quantized. Rows from M to M_OUT read as zeros."""
-    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # (offsets past 2^31)
     group = tl.program_id(1)
     cols = group * _BLOCK + tl.arange(0, _BLOCK)
     ok = (rows < M)[:, None] & (cols < N)[None, :]
@@ -61,10 +61,6 @@ def _silu_mul_quant_kernel(x_ptr, q_ptr, scale_ptr, M, M_OUT, N, stride_x, BLOCK
     out_rows = rows < M_OUT
     quantize_store(y, q_ptr + rows[:, None] * N + cols[None, :], scale_ptr + group * M_OUT + rows,
                     out_rows[:, None] & (cols < N)[None, :], out_rows)
-
-
-def _padded(m: int) -> int:
-    return triton.cdiv(m, ROW_MULTIPLE) * ROW_MULTIPLE
 
 
 def rms_norm_quantized(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
