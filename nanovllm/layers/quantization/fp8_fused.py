@@ -17,7 +17,7 @@ from nanovllm.layers.activation import silu_and_mul
 from nanovllm.layers.layernorm import add_rms_norm, rms_norm
 from nanovllm.layers.quantization.fp8 import BLOCK, QuantizedRows, quantize_to_rows
 from nanovllm.layers.quantization.fp8_cublas import ROW_MULTIPLE
-from nanovllm.layers.quantization.fp8_triton import quantize_store
+from nanovllm.layers.quantization.fp8_triton import empty_quantized, quantize_store
 
 _BLOCK = tl.constexpr(BLOCK)
 
@@ -80,19 +80,13 @@ def silu_and_mul_quantized(x: torch.Tensor) -> QuantizedRows:
     return silu_and_mul_quantized_triton(x) if x.is_cuda else quantize_to_rows(silu_and_mul(x))
 
 
-def _outputs(m: int, n: int, device: torch.device) -> tuple[int, torch.Tensor, torch.Tensor]:
-    m_out = triton.cdiv(m, ROW_MULTIPLE) * ROW_MULTIPLE
-    q = torch.empty(m_out, n, dtype=torch.float8_e4m3fn, device=device)
-    return m_out, q, torch.empty(triton.cdiv(n, BLOCK), m_out, dtype=torch.float32, device=device)
-
-
 def rms_norm_quantized_triton(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                               eps: float) -> QuantizedRows | tuple[QuantizedRows, torch.Tensor]:
     """``rms_norm_quantized`` by the Triton kernel, rows padded to 16."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     residual = residual if residual is None or residual.stride(-1) == 1 else residual.contiguous()
     m, n = x.shape
-    m_out, q, scales = _outputs(m, n, x.device)
+    m_out, q, scales = empty_quantized(m, n, ROW_MULTIPLE, x.device)
     total = torch.empty(m, n, dtype=x.dtype, device=x.device) if residual is not None else None
     if m_out:
         _rms_norm_quant_kernel[(m_out,)](
@@ -107,7 +101,7 @@ def silu_and_mul_quantized_triton(x: torch.Tensor) -> QuantizedRows:
     """``silu_and_mul_quantized`` by the Triton kernel, rows padded to 16."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     m, n = x.shape[0], x.shape[1] // 2
-    m_out, q, scales = _outputs(m, n, x.device)
+    m_out, q, scales = empty_quantized(m, n, ROW_MULTIPLE, x.device)
     if m_out:  # (a multiple of 16)
         _silu_mul_quant_kernel[(m_out // 16, scales.shape[0])](x, q, scales, m, m_out, n, x.stride(0), BLOCK_ROWS=16)
     return QuantizedRows(q, scales, m, x.dtype)

@@ -148,14 +148,20 @@ def _store_tile(acc, bias_ptr, out_ptr, rm, rn, m_ok, n_ok, stride_om, HAS_BIAS:
     tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], out, mask=m_ok[:, None] & n_ok[None, :])
 
 
+def empty_quantized(m: int, k: int, row_multiple: int, device: torch.device) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(m', e4m3 values [m', k], float32 scales k-block-major [ceil(k / 128), m']) to be filled, m
+    rounded up to ``row_multiple`` as m'."""
+    m_out = triton.cdiv(m, row_multiple) * row_multiple
+    q = torch.empty(m_out, k, dtype=FP8_DTYPE, device=device)
+    return m_out, q, torch.empty(triton.cdiv(k, BLOCK), m_out, dtype=torch.float32, device=device)
+
+
 def quantize_rows(x: torch.Tensor, row_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` [m, k] (rows contiguous) -> e4m3 values [m', k] and float32 scales k-block-major
     [ceil(k / 128), m'], as ``quantize_activation_groups`` computes them; m' is m rounded up to
     ``row_multiple``, the extra rows zeros with scale 1."""
     m, k = x.shape
-    m_out = triton.cdiv(m, row_multiple) * row_multiple
-    q = torch.empty(m_out, k, dtype=FP8_DTYPE, device=x.device)
-    scales = torch.empty(triton.cdiv(k, BLOCK), m_out, dtype=torch.float32, device=x.device)
+    m_out, q, scales = empty_quantized(m, k, row_multiple, x.device)
     rows = 16 if m_out >= 16 else 1
     _quantize_kernel[(triton.cdiv(m_out, rows), scales.shape[0])](x, q, scales, m, m_out, k, x.stride(0), q.stride(0),
                                                                    BLOCK_ROWS=rows)
