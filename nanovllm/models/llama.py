@@ -9,6 +9,7 @@ from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanovllm.layers.quantization.fp8 import BLOCK, QuantizedRows
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, apply_qk_norm_rotary_emb, rope_parameters
 from nanovllm.utils.distributed import get_tp_size
 
@@ -38,6 +39,7 @@ class DecoderAttention(nn.Module):
         theta, scaling = rope_parameters(config)
         self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, theta, scaling)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
+        self.attn.quantize_output = self.o_proj.fp8 and self.head_dim == BLOCK  # a head: one group of o_proj's input
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
@@ -48,7 +50,7 @@ class DecoderAttention(nn.Module):
         if self.attn.fuses_rope(qkv):
             norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else None
             o = self.attn.rope_store_attend(qkv, positions, self.rotary_emb.cos_sin_cache, norm)
-            return self.o_proj(o.flatten(1, -1))
+            return self._project(o)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
@@ -59,8 +61,11 @@ class DecoderAttention(nn.Module):
             )
         else:
             q, k = self.rotary_emb(positions, q, k)
-        o = self.attn(q, k, v)
-        return self.o_proj(o.flatten(1, -1))
+        return self._project(self.attn(q, k, v))
+
+    def _project(self, o: torch.Tensor | QuantizedRows) -> torch.Tensor:
+        """o_proj of the attention output [tokens, heads, head_dim] (or of its quantized rows)."""
+        return self.o_proj(o if isinstance(o, QuantizedRows) else o.flatten(1, -1))
 
 
 class GatedMLP(nn.Module):

@@ -51,6 +51,11 @@ class AttentionBackend:
     kernel); on the plain reference path, ``store_kvcache`` of the torch backend."""
 
     name = "base"
+    # whether ``decode`` takes ``quantize=True``: the output, whose heads of 128 channels are the
+    # 128-channel groups of an FP8 output projection's input, handed to it as ``QuantizedRows``
+    # (``quantization/fp8.py``; rows padded as ``fp8_fused`` pads them), as the unfused
+    # ``quantize_activation_groups`` of the output in the model's dtype would give
+    quantizes_output = False
 
     def store_kvcache(
         self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,

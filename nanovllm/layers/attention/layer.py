@@ -4,6 +4,7 @@ import torch
 from torch import nn
 
 from nanovllm.layers.attention.interface import AttentionBackend
+from nanovllm.layers.quantization.fp8 import QuantizedRows
 from nanovllm.utils.context import Context, get_context
 
 
@@ -22,8 +23,11 @@ class Attention(nn.Module):
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
         self.backend: AttentionBackend | None = None
+        # set by the model where an FP8 o_proj reads the output (head_dim 128): decode then hands it
+        # quantized where the backend can (``AttentionBackend.quantizes_output``)
+        self.quantize_output = False
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | QuantizedRows:
         """The plain path (the torch backend): q, k, v already normed and rotated."""
         context = get_context()
         if self.k_cache.numel():
@@ -36,7 +40,7 @@ class Attention(nn.Module):
         return x.is_cuda and self.backend.name != "torch"
 
     def rope_store_attend(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-                          norm: tuple[torch.Tensor, torch.Tensor, float] | None) -> torch.Tensor:
+                          norm: tuple[torch.Tensor, torch.Tensor, float] | None) -> torch.Tensor | QuantizedRows:
         """``forward`` from the fused projection: QK-norm (``norm``), RoPE and the cache store in
         one kernel (``kv_store.rope_and_store``), then attention."""
         from nanovllm.layers.attention.kv_store import rope_and_store  # imports triton: only on this path
@@ -48,8 +52,11 @@ class Attention(nn.Module):
         )
         return self._attend(q, k, v, context)
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor, context: Context) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor,
+                context: Context) -> torch.Tensor | QuantizedRows:
         scales = (self.k_scale, self.v_scale)
         if context.is_prefill:
             return self.backend.prefill(q, k, v, self.k_cache, self.v_cache, context, self.scale, *scales)
+        if self.quantize_output and self.backend.quantizes_output:
+            return self.backend.decode(q, self.k_cache, self.v_cache, context, self.scale, *scales, quantize=True)
         return self.backend.decode(q, self.k_cache, self.v_cache, context, self.scale, *scales)

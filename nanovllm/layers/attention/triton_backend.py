@@ -1,7 +1,7 @@
 """The Triton attention backend: checks shapes, chooses tile sizes and split counts, and launches
 the kernels of ``triton_kernels.py`` (prefill, paged decode, split-K merge); new K/V rows are
 stored by ``kv_store.rope_and_store`` before they run. The same kernels read a cache in the model's
-dtype or an FP8 cache."""
+dtype or an FP8 cache. Decode can hand an FP8 output projection its input quantized (``quantize``)."""
 import functools
 import math
 from typing import NamedTuple
@@ -12,6 +12,9 @@ import triton.language as tl
 
 from nanovllm.layers.attention.interface import FP8_DTYPE, AttentionBackend
 from nanovllm.layers.attention.triton_kernels import LOG2E, _decode_kernel, _decode_reduce_kernel, _prefill_kernel
+from nanovllm.layers.quantization.fp8 import BLOCK, QuantizedRows
+from nanovllm.layers.quantization.fp8_cublas import ROW_MULTIPLE
+from nanovllm.layers.quantization.fp8_triton import empty_quantized
 from nanovllm.utils.context import Context
 
 # Shared memory a tile configuration may plan for, by ``shared_memory_estimate``: under the H100's
@@ -106,6 +109,7 @@ def _fp8_args(q: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | No
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    quantizes_output = True
 
     MIN_TILES_PER_SPLIT = 4  # split-K only where each split still has this many key tiles to read
     PROGRAMS_PER_SM = 2  # split-K until the launch has this many programs per SM
@@ -150,10 +154,13 @@ class TritonAttentionBackend(AttentionBackend):
         )
         return out
 
-    def decode(self, q, k_cache, v_cache, context: Context, scale, k_scale=None, v_scale=None):
-        """CUDA-graph safe: no host syncs; the split count depends only on shapes."""
+    def decode(self, q, k_cache, v_cache, context: Context, scale, k_scale=None, v_scale=None, quantize=False):
+        """CUDA-graph safe: no host syncs; the split count depends only on shapes. ``quantize``: the
+        output as ``QuantizedRows`` (see the interface)."""
         _check_shapes(q, k_cache, v_cache)
         num_seqs, num_heads, head_dim = q.shape
+        if quantize and head_dim != BLOCK:
+            raise ValueError(f"a quantized decode output needs head_dim {BLOCK} (one group per head), got {head_dim}")
         num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
         group = num_heads // num_kv_heads
         group_pad = max(16, triton.next_power_of_2(group))
@@ -161,8 +168,10 @@ class TritonAttentionBackend(AttentionBackend):
         tile = self.decode_tile or DecodeTile(*decode_tiles(head_dim, q.element_size(), group_pad, fp8))
         tables = context.block_tables
         out = torch.empty(num_seqs, num_heads, head_dim, dtype=q.dtype, device=q.device)
+        m_out, qo, qo_scales = (empty_quantized(num_seqs, num_heads * head_dim, ROW_MULTIPLE, q.device) if quantize
+                                else (num_seqs, out, out))
         if num_seqs == 0:
-            return out
+            return QuantizedRows(qo, qo_scales, num_seqs, q.dtype) if quantize else out
         width = tables.shape[1]
         in_registers = block_size % tile.block_n == 0 and width <= MAX_TABLE_IN_REGISTERS
         table_pad = triton.next_power_of_2(width) if in_registers else 0
@@ -174,22 +183,24 @@ class TritonAttentionBackend(AttentionBackend):
         else:
             part_acc = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
             part_ml = torch.empty(2, num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
-        _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        # the program writing the output runs for the padding rows too (zeros, scale 1)
+        _decode_kernel[(m_out if num_splits == 1 else num_seqs, num_kv_heads, num_splits)](
             q, out, part_acc, part_ml, k_cache, v_cache, tables, context.context_lens,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], tables.stride(0),
             scale * LOG2E,
             k_scale, v_scale, *scale_strides,
+            qo, qo_scales, num_seqs, m_out,
             NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
             BLOCK_SIZE=block_size, BLOCK_N=tile.block_n, NUM_SPLITS=num_splits, TABLE_PAD=table_pad,
-            FP8=fp8, DOT_DTYPE=dot_dtype,
+            FP8=fp8, DOT_DTYPE=dot_dtype, QUANTIZE=quantize,
             num_warps=tile.num_warps, num_stages=tile.num_stages,
         )
         if num_splits > 1:
-            _decode_reduce_kernel[(num_seqs, num_heads)](
-                out, part_acc, part_ml, out.stride(0), out.stride(1),
-                NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, num_warps=4,
+            _decode_reduce_kernel[(m_out, num_heads)](
+                out, part_acc, part_ml, out.stride(0), out.stride(1), qo, qo_scales, num_seqs, m_out,
+                NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, QUANTIZE=quantize, num_warps=4,
             )
-        return out
+        return QuantizedRows(qo, qo_scales, num_seqs, q.dtype) if quantize else out
 
     def _pick_num_splits(self, num_programs: int, max_context: int, block_n: int, device: torch.device) -> int:
         """Enough splits to give every SM about PROGRAMS_PER_SM programs, while each split keeps at least

@@ -12,7 +12,9 @@ import json
 import pytest
 import torch
 from test_kv_store import rope_store_kvcache
-from triton_interpreter import results_under_interpreter, run_cases, squeeze_interpreter_loop_bounds
+from triton_interpreter import (
+    results_under_interpreter, round_interpreter_casts_to_nearest, run_cases, squeeze_interpreter_loop_bounds,
+)
 
 from nanovllm.layers.attention.reference import TorchAttentionBackend
 from nanovllm.utils.context import Context
@@ -169,6 +171,34 @@ def check_decode(backend, context_lens, *, device, dtype, head_dim, block_size, 
     }
 
 
+def check_decode_quantized(backend, context_lens, *, device, dtype, head_dim, block_size, num_heads=4,
+                           num_kv_heads=2) -> dict:
+    """Decode with ``quantize=True`` (the input of an FP8 o_proj, one 128-channel group per head)
+    against ``quantize_activation_groups`` of the plain decode output in the model's dtype: the same
+    e4m3 bytes and scales; the rows padded to 16 with zeros of scale 1."""
+    from nanovllm.layers.quantization.fp8 import quantize_activation_groups
+
+    q, k_cache, v_cache, context = decode_inputs(
+        context_lens, device=device, dtype=dtype, head_dim=head_dim, block_size=block_size,
+        num_heads=num_heads, num_kv_heads=num_kv_heads,
+    )
+    scale = head_dim**-0.5
+    out = backend.decode(q, k_cache, v_cache, context, scale)
+    want_q, want_scales = quantize_activation_groups(out.flatten(1))
+    n, m_out = len(context_lens), -(-len(context_lens) // 16) * 16
+    poison_next_alloc((num_heads, m_out), torch.float32, q.device)  # the scales: NaN where a kernel forgets one
+    rows = backend.decode(q, k_cache, v_cache, context, scale, quantize=True)
+    got_q = rows.q.view(torch.uint8)
+    return {
+        "layout": (rows.rows, rows.dtype, tuple(rows.q.shape), tuple(rows.scales.shape))
+        == (n, dtype, (m_out, num_heads * head_dim), (num_heads, m_out)),
+        "values_equal": torch.equal(got_q[:n], want_q.view(torch.uint8)),
+        "scales_equal": torch.equal(rows.scales[:, :n].T, want_scales),
+        "padding": bool(got_q[n:].eq(0).all() and rows.scales[:, n:].eq(1.0).all()),
+        "scale_range": [want_scales.min().item(), want_scales.max().item()],
+    }
+
+
 def check_store(store, *, device, dtype, head_dim, block_size, num_kv_heads=2) -> dict:
     """Random distinct slots with some -1 among them: the cache ``store`` writes must equal the torch
     store's, exactly."""
@@ -210,12 +240,17 @@ INTERPRETER_CASES = {
     "decode_small_tiles": lambda b: check_decode(small_tiles(1), DECODE_LENS, **CPU_DIMS),
     "decode_split4": lambda b: check_decode(small_tiles(4), DECODE_LENS, **CPU_DIMS),
     "decode_group8": lambda b: check_decode(b, DECODE_LENS, num_heads=8, num_kv_heads=1, **CPU_DIMS),
+    # an FP8 o_proj's input: head_dim 128, one group per head; with splits the merge kernel quantizes
+    "decode_quantized": lambda b: check_decode_quantized(b, DECODE_LENS, **(CPU_DIMS | dict(head_dim=128))),
+    "decode_quantized_split4": lambda b: check_decode_quantized(
+        small_tiles(4), DECODE_LENS, **(CPU_DIMS | dict(head_dim=128))),
 }
 
 
 def run_interpreter_cases() -> dict:
     """Runs in the subprocess, with TRITON_INTERPRET=1 already in the environment."""
     squeeze_interpreter_loop_bounds()
+    round_interpreter_casts_to_nearest()  # the quantized decode's e4m3 values, rounded as a GPU does
     from nanovllm.layers.attention.triton_backend import TritonAttentionBackend
 
     torch.manual_seed(0)
@@ -238,6 +273,9 @@ def test_triton_interpreter(interpreter_results, case):
         assert result["cache_equal"], result
     if "padded_finite" in result:
         assert result["padded_finite"], result
+    if "values_equal" in result:
+        assert result["layout"] and result["values_equal"] and result["scales_equal"] and result["padding"], result
+        assert result["scale_range"][0] < result["scale_range"][1], result  # the groups' scales differ
 
 
 def test_triton_rejects_bad_split_count():
@@ -341,6 +379,18 @@ def test_gpu_triton_decode_splits(num_splits, block_size):
     )
     assert result["padded_finite"], result
     assert result["rel_err"] < GPU_TOL, result
+
+
+@gpu
+@pytest.mark.parametrize("num_splits", [1, 4, None])
+@pytest.mark.parametrize("heads", [(16, 8), (32, 8)], ids=["gqa2", "gqa4"])
+def test_gpu_triton_decode_quantized(num_splits, heads):
+    """bf16: the e4m3 rows and scales equal the plain output's quantization (in bf16, then per group)."""
+    from nanovllm.layers.attention.triton_backend import TritonAttentionBackend
+
+    result = check_decode_quantized(TritonAttentionBackend(num_splits=num_splits), GPU_DECODE_LENS,
+                                    num_heads=heads[0], num_kv_heads=heads[1], **gpu_dims(256))
+    assert result["layout"] and result["values_equal"] and result["scales_equal"] and result["padding"], result
 
 
 @gpu
