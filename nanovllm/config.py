@@ -109,7 +109,8 @@ class Config:
         architecture(self.hf_config)  # an unsupported model fails here, before any weights load
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
         # a backend that cannot run this dtype / KV-cache dtype / block size fails now, before any
-        # process starts or weights load (the model runner asks the same function again)
+        # process starts or weights load (the model runner asks the same function again, adding the
+        # weights' quantization, which only steers "auto")
         from nanovllm.layers.attention import resolve_backend_name
 
         device = self.resolved_device()

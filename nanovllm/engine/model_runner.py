@@ -57,7 +57,8 @@ class ModelRunner:
             self.owns_group = True
         self.dtype = config.resolved_dtype(self.device.type)
         self.backend = backend = get_attention_backend(resolve_backend_name(
-            config.attention_backend, self.device.type, self.block_size, self.dtype, config.kv_cache_dtype))
+            config.attention_backend, self.device.type, self.block_size, self.dtype, config.kv_cache_dtype,
+            config.weight_quantization))
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:

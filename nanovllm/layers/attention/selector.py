@@ -8,15 +8,18 @@ BACKENDS = ("flash-attn", "triton", "torch")
 
 
 def resolve_backend_name(
-    name: str, device: str, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
+    name: str, device: str, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto",
+    weight_quantization: str | None = None,
 ) -> str:
     """Which backend runs: the one place that decides, called by ``Config`` (to reject a bad
     combination before anything starts) and by the model runner.
 
     "auto" is torch on CPU; on GPU it is flash-attn when importable and able to run (a 2-byte
-    ``dtype``, a cache in the model's dtype, ``block_size`` a multiple of 256), else the Triton
-    kernels. flash-attn takes neither float32 nor an FP8 cache; the Triton kernels read e4m3 only
-    on GPUs of compute capability 8.9 or newer."""
+    ``dtype``, a cache in the model's dtype, ``block_size`` a multiple of 256) and the weights are
+    not FP8, else the Triton kernels. (With FP8 weights the Triton decode also quantizes the output
+    projection's input; on the Qwen3-8B shape on an H100 it ran 1.2% faster than flash-attn even
+    before that, BENCHMARKS.md.) flash-attn takes neither float32 nor an FP8 cache; the Triton
+    kernels read e4m3 only on GPUs of compute capability 8.9 or newer."""
     fp8 = is_fp8_kv_cache(kv_cache_dtype)
     if name == "flash-attn" and fp8:
         raise ValueError(
@@ -28,7 +31,8 @@ def resolve_backend_name(
     if name == "auto":
         if device == "cpu":
             return "torch"
-        name = "triton" if fp8 or dtype == torch.float32 else _flash_attn_or_triton(block_size)
+        triton_only = fp8 or dtype == torch.float32 or weight_quantization == "fp8"
+        name = "triton" if triton_only else _flash_attn_or_triton(block_size)
     if name == "flash-attn":
         if dtype == torch.float32:
             raise ValueError(

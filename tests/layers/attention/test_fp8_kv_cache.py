@@ -512,6 +512,9 @@ def test_auto_backend_resolution(fake_gpu, monkeypatch):
     assert resolve("auto", "cuda", 256, torch.float32, "auto") == "triton"
     assert resolve("auto", "cuda", 256, torch.bfloat16, "fp8") == "triton"
     assert resolve("auto", "cuda", 256, torch.float16, "fp8_e4m3") == "triton"
+    assert resolve("auto", "cuda", 256, torch.bfloat16, "auto", "fp8") == "triton"  # FP8 weights
+    assert resolve("flash-attn", "cuda", 256, torch.bfloat16, "auto", "fp8") == "flash-attn"  # asked for
+    assert resolve("auto", "cpu", 256, torch.bfloat16, "auto", "fp8") == "torch"
     assert resolve("auto", "cpu", 256, torch.float32, "fp8") == "torch"
     assert resolve("triton", "cuda", 16, torch.float32, "fp8") == "triton"
     assert resolve("torch", "cuda", 16, torch.bfloat16, "fp8") == "torch"
