@@ -1,6 +1,7 @@
 """Attention: the interface and the KV-cache layout (``interface``), the backend selector
 (``selector``), the layer models use (``layer``), and below them the backends (``reference``: plain
-torch, ``triton_backend`` with ``triton_kernels``, ``flash``) and the Triton KV store (``kv_store``).
+torch, ``triton_backend`` with ``triton_kernels`` and ``triton_decode``, ``flash``) and the Triton
+KV store (``kv_store``).
 Importing this package imports neither triton nor flash-attn."""
 from nanovllm.layers.attention.interface import (
     FP8_DTYPE,

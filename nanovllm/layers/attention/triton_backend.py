@@ -1,6 +1,6 @@
 """The Triton attention backend: checks shapes, chooses tile sizes and split counts, and launches
-the kernels of ``triton_kernels.py`` (prefill, paged decode, split-K merge); new K/V rows are
-stored by ``kv_store.rope_and_store`` before they run. The same kernels read a cache in the model's
+the kernels of ``triton_kernels.py`` (prefill) and ``triton_decode.py`` (paged decode, split-K
+merge); new K/V rows are stored by ``kv_store.rope_and_store`` before they run. The same kernels read a cache in the model's
 dtype or an FP8 cache. Decode can hand an FP8 output projection its input quantized (``quantize``)."""
 import functools
 import math
@@ -11,7 +11,8 @@ import triton
 import triton.language as tl
 
 from nanovllm.layers.attention.interface import FP8_DTYPE, AttentionBackend
-from nanovllm.layers.attention.triton_kernels import LOG2E, _decode_kernel, _decode_reduce_kernel, _prefill_kernel
+from nanovllm.layers.attention.triton_decode import _decode_kernel, _decode_reduce_kernel
+from nanovllm.layers.attention.triton_kernels import LOG2E, _prefill_kernel
 from nanovllm.layers.quantization.fp8 import BLOCK, QuantizedRows
 from nanovllm.layers.quantization.fp8_cublas import ROW_MULTIPLE
 from nanovllm.layers.quantization.fp8_triton import empty_quantized

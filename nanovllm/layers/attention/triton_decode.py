@@ -1,0 +1,133 @@
+"""The paged decode kernels: one query per sequence over its cached keys, with a split-K variant
+(the merge kernel) for few sequences over long contexts; the softmax steps and the FP8 handling
+are ``triton_kernels.py``'s. The program that writes a sequence's output can instead quantize it
+for an FP8 output projection (``QUANTIZE``: one 128-channel group a head)."""
+import triton
+import triton.language as tl
+
+from nanovllm.layers.attention.triton_kernels import MASKED, _dot, _fp8_query, _fp8_scores, _online_softmax_step
+from nanovllm.layers.quantization.fp8_triton import quantize_store
+
+
+@triton.jit
+def _store_output(out, o_ptr, qo_ptr, qo_scale_ptr, seq, heads, head_mask, m_out, stride_ot, stride_oh,
+                  NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, QUANTIZE: tl.constexpr):
+    """Rows ``heads`` of one sequence's output (float32 [heads, HEAD_DIM]) rounded to o's dtype;
+    with QUANTIZE (HEAD_DIM 128: a head is one 128-channel group of the next linear's input), not
+    stored but quantized into e4m3 rows [m_out, NUM_HEADS * HEAD_DIM] and their k-block-major
+    scales [NUM_HEADS, m_out], as ``fp8_triton.quantize_rows`` does with the stored output."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    out = out.to(o_ptr.dtype.element_ty)
+    if QUANTIZE:
+        quantize_store(out.to(tl.float32), qo_ptr + seq.to(tl.int64) * (NUM_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM
+                       + offs_d[None, :], qo_scale_ptr + heads * m_out + seq, head_mask[:, None], head_mask)
+    else:
+        tl.store(o_ptr + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :], out,
+                 mask=head_mask[:, None])
+
+
+# The batch sizes are not specialised on (eager decode would compile a variant for a batch of one).
+@triton.jit(do_not_specialize=["num_seqs", "m_out"])
+def _decode_kernel(
+    q_ptr, o_ptr, part_acc_ptr, part_ml_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
+    qk_scale,
+    k_scale_ptr, v_scale_ptr, stride_sb, stride_st, stride_sh,  # FP8 only
+    qo_ptr, qo_scale_ptr, num_seqs, m_out,  # QUANTIZE only (num_seqs: for the partial sums too)
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, TABLE_PAD: tl.constexpr,
+    FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, QUANTIZE: tl.constexpr,
+):
+    """One program: all GROUP query heads sharing one KV head, over one split of one sequence's
+    context. With NUM_SPLITS == 1 it writes the output (``_store_output``); otherwise unnormalised
+    partial sums for ``_decode_reduce_kernel``. TABLE_PAD > 0 (a power of two at least the block
+    table's width; only where every key tile lies within one cache block): the block ids are loaded
+    once and picked from registers, so no load in the loop waits on another and the pipeline can
+    fetch tiles ahead. grid: (num_seqs, num_kv_heads, NUM_SPLITS); with QUANTIZE and one split
+    (m_out, ...): the rows past num_seqs read nothing and come out as zeros with scale 1."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    real_seq = tl.minimum(seq, num_seqs - 1)  # a padding row reads a real row's q, and no key
+    context_len = tl.where(seq < num_seqs, tl.load(context_lens_ptr + real_seq), 0)
+    split_len = tl.cdiv(tl.cdiv(context_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, context_len)
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    g_mask = offs_g < GROUP
+    heads = kv_head * GROUP + offs_g
+    q = tl.load(
+        q_ptr + real_seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=g_mask[:, None], other=0.0,
+    )  # [GROUP_PAD, HEAD_DIM]
+    row_scale = None
+    if FP8:
+        q, row_scale = _fp8_query(q, qk_scale, DOT_DTYPE)
+
+    if TABLE_PAD:  # the sequence's block ids, held in registers
+        offs_t = tl.arange(0, TABLE_PAD)
+        num_blocks = tl.cdiv(context_len, BLOCK_SIZE)
+        table = tl.load(block_tables_ptr + real_seq * stride_bt + offs_t, mask=offs_t < num_blocks, other=0)
+
+    m_i = tl.full([GROUP_PAD], MASKED, tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + offs_n
+        kv_mask = pos < hi
+        if TABLE_PAD:
+            block = tl.sum(tl.where(offs_t == start // BLOCK_SIZE, table, 0))
+            offset = start % BLOCK_SIZE + offs_n  # the tile lies within one block: visibly consecutive
+        else:
+            block = tl.load(block_tables_ptr + real_seq * stride_bt + pos // BLOCK_SIZE, mask=kv_mask, other=0)
+            offset = pos % BLOCK_SIZE
+        row = block.to(tl.int64) * stride_cb + offset * stride_ct + kv_head * stride_ch
+        k = tl.load(k_cache_ptr + row[None, :] + offs_d[:, None], mask=kv_mask[None, :], other=0.0)
+        v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask[:, None], other=0.0)
+        if FP8:
+            scales = block.to(tl.int64) * stride_sb + offset * stride_st + kv_head * stride_sh
+            qk, v_scale = _fp8_scores(q, row_scale, k, k_scale_ptr + scales, v_scale_ptr + scales, kv_mask, DOT_DTYPE)
+        else:
+            v_scale = None
+            qk = _dot(q, k) * qk_scale  # [GROUP_PAD, BLOCK_N], log2 units
+        qk = tl.where(kv_mask[None, :], qk, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(qk, v, v_scale, m_i, l_i, acc, FP8, DOT_DTYPE)
+
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # context_len 0 (a padded row): zeros
+        _store_output(out, o_ptr, qo_ptr, qo_scale_ptr, seq, heads, g_mask, m_out, stride_ot, stride_oh,
+                      NUM_HEADS, HEAD_DIM, QUANTIZE)
+    else:
+        # part_acc: [num_seqs, NUM_HEADS, NUM_SPLITS, HEAD_DIM]; part_ml: [2, num_seqs, NUM_HEADS, NUM_SPLITS]
+        part = (seq * NUM_HEADS + heads).to(tl.int64) * NUM_SPLITS + split
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None])
+        tl.store(part_ml_ptr + part, m_i, mask=g_mask)
+        tl.store(part_ml_ptr + num_seqs * NUM_HEADS * NUM_SPLITS + part, l_i, mask=g_mask)
+
+
+@triton.jit(do_not_specialize=["num_seqs", "m_out"])
+def _decode_reduce_kernel(
+    o_ptr, part_acc_ptr, part_ml_ptr, stride_ot, stride_oh, qo_ptr, qo_scale_ptr, num_seqs, m_out,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, QUANTIZE: tl.constexpr,
+):
+    """Merge the splits of one (sequence, head). grid: (num_seqs, num_heads); with QUANTIZE
+    (m_out, num_heads), the rows past num_seqs zeros with scale 1."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    real_seq = tl.minimum(seq, num_seqs - 1)
+    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, HEAD_DIM)
+    part = (real_seq * NUM_HEADS + head).to(tl.int64) * NUM_SPLITS + offs_s
+    m = tl.load(part_ml_ptr + part)
+    l = tl.load(part_ml_ptr + num_seqs * NUM_HEADS * NUM_SPLITS + part)
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :])  # [NUM_SPLITS, HEAD_DIM]
+    weight = tl.exp2(m - tl.max(m, 0))
+    total = tl.sum(l * weight, 0)
+    out = tl.sum(acc * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    out = tl.where(seq < num_seqs, out, 0.0)  # a padding row
+    heads = head + tl.arange(0, 1)
+    _store_output(out[None, :], o_ptr, qo_ptr, qo_scale_ptr, seq, heads, heads < NUM_HEADS, m_out, stride_ot,
+                  stride_oh, NUM_HEADS, HEAD_DIM, QUANTIZE)
