@@ -1,7 +1,8 @@
 """The Triton attention backend: checks shapes, chooses tile sizes and split counts, and launches
 the kernels of ``triton_kernels.py`` (prefill) and ``triton_decode.py`` (paged decode, split-K
-merge); new K/V rows are stored by ``kv_store.rope_and_store`` before they run. The same kernels read a cache in the model's
-dtype or an FP8 cache. Decode can hand an FP8 output projection its input quantized (``quantize``)."""
+merge); new K/V rows are stored by ``kv_store.rope_and_store`` before they run. The same kernels
+read a cache in the model's dtype or an FP8 cache. Decode can hand an FP8 output projection its
+input quantized (``quantize``)."""
 import functools
 import math
 from typing import NamedTuple

@@ -19,8 +19,8 @@ def _store_output(out, o_ptr, qo_ptr, qo_scale_ptr, seq, heads, head_mask, m_out
     offs_d = tl.arange(0, HEAD_DIM)
     out = out.to(o_ptr.dtype.element_ty)
     if QUANTIZE:
-        quantize_store(out.to(tl.float32), qo_ptr + seq.to(tl.int64) * (NUM_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM
-                       + offs_d[None, :], qo_scale_ptr + heads * m_out + seq, head_mask[:, None], head_mask)
+        values = qo_ptr + seq.to(tl.int64) * (NUM_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM + offs_d[None, :]
+        quantize_store(out.to(tl.float32), values, qo_scale_ptr + heads * m_out + seq, head_mask[:, None], head_mask)
     else:
         tl.store(o_ptr + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :], out,
                  mask=head_mask[:, None])

@@ -16,7 +16,6 @@ import os
 import triton
 import triton.language as tl
 
-
 LOG2E = 1.4426950408889634
 MASKED = tl.constexpr(-1.0e30)  # running max before any key is seen: finite, so exp2(MASKED - MASKED) is 1, not NaN
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")  # no inline PTX there
