@@ -233,3 +233,30 @@ def test_a_float8_weight_without_its_scales_is_an_error(fp8_folder, tmp_path):
     save_file(tensors, os.path.join(folder, "model.safetensors"))
     with pytest.raises(ValueError, match=r"lacks weights for: model.layers.1.self_attn.qkv_proj.weight_scale_inv \(v\)"):
         LLM(folder, **CPU)
+
+
+@pytest.mark.parametrize("quantization, changes, want", [
+    # (input norm, post-attention norm, SiLU-and-mul, attention output) of layer 0 / layer 1
+    ("fp8", {}, [(True, True, True, True)] * 2),
+    ("fp8", dict(head_dim=64, hidden_size=128), [(True, True, True, False)] * 2),  # a group spans 2 heads
+    (None, {}, [(False, False, False, False)] * 2),
+    ("fp8", MOE, [(True, False, None, True), (True, True, True, True)]),  # the router reads bf16 rows
+])
+def test_which_ops_hand_the_next_fp8_linear_its_input_quantized(quantization, changes, want):
+    """The norms, SiLU-and-mul and the attention's decode output are asked to quantize exactly where
+    an FP8 linear reads them: in front of q/k/v, gate/up, down and o (head_dim 128), not in front of
+    a MoE block, and never in a float model."""
+    import transformers
+
+    from nanovllm.layers.quantization import building_quantized
+    from nanovllm.models.registry import model_class
+
+    arch, config_class = (("Qwen3MoeForCausalLM", transformers.Qwen3MoeConfig) if "num_experts" in changes
+                          else ("Qwen3ForCausalLM", transformers.Qwen3Config))
+    hf_config = config_class(**(TINY | changes), architectures=[arch])
+    with building_quantized(quantization):
+        model = model_class(hf_config)(hf_config)
+    got = [(layer.input_layernorm.quantize, layer.post_attention_layernorm.quantize,
+            layer.mlp.act_fn.quantize if hasattr(layer.mlp, "act_fn") else None, layer.self_attn.attn.quantize_output)
+           for layer in model.model.layers]
+    assert got == want
