@@ -169,9 +169,12 @@ class TritonAttentionBackend(AttentionBackend):
         fp8, k_scale, v_scale, scale_strides, dot_dtype = _fp8_args(q, k_cache, k_scale, v_scale)
         tile = self.decode_tile or DecodeTile(*decode_tiles(head_dim, q.element_size(), group_pad, fp8))
         tables = context.block_tables
-        out = torch.empty(num_seqs, num_heads, head_dim, dtype=q.dtype, device=q.device)
-        m_out, qo, qo_scales = (empty_quantized(num_seqs, num_heads * head_dim, ROW_MULTIPLE, q.device) if quantize
-                                else (num_seqs, out, out))
+        if quantize:  # the kernels store only the quantized rows; ``out`` (q) just gives them the dtype to round to
+            out = q
+            m_out, qo, qo_scales = empty_quantized(num_seqs, num_heads * head_dim, ROW_MULTIPLE, q.device)
+        else:
+            out = torch.empty(num_seqs, num_heads, head_dim, dtype=q.dtype, device=q.device)
+            m_out, qo, qo_scales = num_seqs, out, out  # (unused)
         if num_seqs == 0:
             return QuantizedRows(qo, qo_scales, num_seqs, q.dtype) if quantize else out
         width = tables.shape[1]
