@@ -51,6 +51,7 @@ class Config:
     async_scheduling: bool = True
     quantization: str | None = None  # "fp8": quantize a float checkpoint's linear layers at load (FP8 checkpoints need not ask)
     enable_sleep_mode: bool = False  # allow llm.sleep(level) / llm.wake_up() (engine/sleep.py)
+    disable_custom_all_reduce: bool = False  # True: NCCL sums every tensor-parallel all-reduce
     hf_config: object = field(default=None, init=False, repr=False)
     # what the weights run as: an FP8 checkpoint's "fp8" whatever ``quantization`` says, else ``quantization``
     weight_quantization: str | None = field(default=None, init=False)
@@ -84,8 +85,9 @@ class Config:
             raise TypeError(f"Config.enforce_eager must be a bool, got {self.enforce_eager!r}")
         if not isinstance(self.async_scheduling, bool):
             raise TypeError(f"Config.async_scheduling must be a bool, got {self.async_scheduling!r}")
-        if not isinstance(self.enable_sleep_mode, bool):
-            raise TypeError(f"Config.enable_sleep_mode must be a bool, got {self.enable_sleep_mode!r}")
+        for name in ("enable_sleep_mode", "disable_custom_all_reduce"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"Config.{name} must be a bool, got {getattr(self, name)!r}")
         _check_choice("device", self.device, DEVICES)
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)

@@ -21,7 +21,8 @@ from nanovllm.sampling import Sampler, SamplerOutput
 from nanovllm.sampling.batch import make_sampling_batch
 from nanovllm.sampling.prompt_logprobs import score_prompt
 from nanovllm.utils.context import Context, step_context
-from nanovllm.utils.distributed import abort_nccl, init_process_group, wait_device
+from nanovllm.utils.distributed import (abort_nccl, disable_custom_all_reduce, enable_custom_all_reduce,
+                                        init_process_group, wait_device)
 from nanovllm.utils.loader import (WeightEntry, check_fp8_tensors, copy_weight, expected_shapes, init_dummy_weights,
                                    is_fp8_model, load_model, plan_weights)
 from nanovllm.utils.profiling import phase
@@ -55,6 +56,8 @@ class ModelRunner:
         if self.world_size > 1:
             init_process_group(self.device, self.rank, self.world_size, dist_port)
             self.owns_group = True
+            if self.device.type == "cuda" and not config.disable_custom_all_reduce:
+                enable_custom_all_reduce(self.device)
         self.dtype = config.resolved_dtype(self.device.type)
         self.backend = backend = get_attention_backend(resolve_backend_name(
             config.attention_backend, self.device.type, self.block_size, self.dtype, config.kv_cache_dtype,
@@ -266,6 +269,7 @@ class ModelRunner:
             torch.cuda.empty_cache()
         if self.owns_group and dist.is_initialized():
             self.owns_group = False
+            disable_custom_all_reduce()
             try:
                 dist.destroy_process_group()
             except Exception:  # an aborted group may refuse a clean teardown

@@ -4,7 +4,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.utils.context import get_context
-from nanovllm.utils.distributed import get_tp_rank, get_tp_size
+from nanovllm.utils.distributed import all_reduce, get_tp_rank, get_tp_size
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -30,7 +30,7 @@ class VocabParallelEmbedding(nn.Module):
             return F.embedding(x, self.weight)
         mask = (x >= self.vocab_start) & (x < self.vocab_end)
         y = F.embedding((x - self.vocab_start) * mask, self.weight) * mask.unsqueeze(-1)
-        dist.all_reduce(y)
+        all_reduce(y)
         return y
 
 

@@ -7,13 +7,12 @@ the scale blocks the way they place the weight (a shard or a fused part of ``siz
 ``offset``, its scales at ``offset / 128``), and a float checkpoint tensor is quantized on the way
 in (``quantization="fp8"``). The bias stays in the model dtype."""
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.layers.quantization import get_quantization
 from nanovllm.layers.quantization.fp8 import BLOCK, FP8_DTYPE, fp8_linear, quantize_weight_blocks
-from nanovllm.utils.distributed import get_tp_rank, get_tp_size
+from nanovllm.utils.distributed import all_reduce, get_tp_rank, get_tp_size
 
 
 def _divide(numerator: int, denominator: int) -> int:
@@ -144,7 +143,7 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.linear(x, None)
         if self.tp_size > 1:
-            dist.all_reduce(y)
+            all_reduce(y)
         if self.bias is not None:
             y = y + self.bias
         return y

@@ -1,5 +1,7 @@
 """Tensor-parallel helpers: rank and size (the default process group, or a single rank without
-one), and the two device waits that must not hang on a dead rank."""
+one), the all-reduce of the layers (the one-shot kernel of ``custom_all_reduce`` where it is
+enabled and takes the tensor, else the process group's), and the two device waits that must not
+hang on a dead rank."""
 import threading
 import time
 from collections.abc import Callable
@@ -14,6 +16,42 @@ def init_process_group(device: torch.device, rank: int, world_size: int, port: i
         "nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
         world_size=world_size, rank=rank, device_id=device if device.type == "cuda" else None,
     )
+
+
+_custom_all_reduce = None  # this process's CustomAllReduce, while enabled
+
+
+def enable_custom_all_reduce(device: torch.device) -> bool:
+    """Set up the one-shot all-reduce for this rank's group (every rank calls this together). The
+    ranks first agree that each of them can: a CUDA device that reaches every other GPU of the
+    group directly. Returns whether it is enabled; if not, NCCL sums everything."""
+    global _custom_all_reduce
+    world = dist.get_world_size()
+    able = torch.tensor([int(device.type == "cuda" and _reaches_peers(device, world))], device=device)
+    dist.all_reduce(able, op=dist.ReduceOp.MIN)
+    if not able.item():
+        return False
+    from nanovllm.utils.custom_all_reduce import CustomAllReduce
+
+    _custom_all_reduce = CustomAllReduce(device, dist.get_rank(), world, dist.group.WORLD.group_name)
+    return True
+
+
+def _reaches_peers(device: torch.device, world: int) -> bool:
+    return all(torch.cuda.can_device_access_peer(device.index, other) for other in range(world) if other != device.index)
+
+
+def disable_custom_all_reduce() -> None:
+    global _custom_all_reduce
+    _custom_all_reduce = None
+
+
+def all_reduce(x: torch.Tensor) -> None:
+    """Sum ``x`` over the tensor-parallel ranks, in place."""
+    if _custom_all_reduce is not None and _custom_all_reduce.fits(x):
+        _custom_all_reduce(x)
+    else:
+        dist.all_reduce(x)
 
 
 def get_tp_rank() -> int:
@@ -38,12 +76,14 @@ def wait_device(failure: Callable[[], str | None], event: torch.cuda.Event | Non
 
 
 def abort_nccl(drop_graphs: Callable[[], None], timeout: float = 30.0) -> bool:
-    """After a rank died: abort NCCL so that kernels waiting on it quit. Returns whether the abort
+    """After a rank died: abort NCCL (and the one-shot all-reduce) so that kernels waiting on it quit. Returns whether the abort
     finished (gloo needs none: its collectives fail when a peer's connection drops).
 
     The abort first tells the kernels to quit, then waits until no CUDA graph holds NCCL kernels;
     destroying a graph in turn waits until its launch has ended. So the abort runs in a thread of
     its own while this one lets the device drain, then drops the graphs."""
+    if _custom_all_reduce is not None:
+        _custom_all_reduce.abort()  # its kernels wait on the dead rank too
     if not (dist.is_initialized() and dist.get_backend() == "nccl"):
         return True
     aborting = threading.Thread(target=dist.distributed_c10d._abort_process_group, name="nanovllm-abort", daemon=True)

@@ -63,6 +63,7 @@ def test_unknown_keyword_is_a_type_error(ckpt_tied):
         ("num_kvcache_blocks", 0, ValueError),
         ("num_kvcache_blocks", -2, ValueError),
         ("enforce_eager", "yes", TypeError),
+        ("disable_custom_all_reduce", 1, TypeError),
         ("device", "tpu", ValueError),
         ("dtype", "int8", ValueError),
         ("attention_backend", "foo", ValueError),

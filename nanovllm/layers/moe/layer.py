@@ -5,7 +5,6 @@ expert's intermediate dimension, and the block's output is summed with one all-r
 import re
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from nanovllm.layers.linear import ReplicatedLinear
@@ -13,7 +12,7 @@ from nanovllm.layers.moe.fused import fused_moe, fused_moe_torch
 from nanovllm.layers.moe.fused_fp8 import fused_moe_fp8, fused_moe_torch_fp8
 from nanovllm.layers.quantization import get_quantization
 from nanovllm.layers.quantization.fp8 import BLOCK, FP8_DTYPE, quantize_weight_blocks
-from nanovllm.utils.distributed import get_tp_rank, get_tp_size
+from nanovllm.utils.distributed import all_reduce, get_tp_rank, get_tp_size
 
 # one expert's tensor in a Hugging Face checkpoint: "...experts.<id>.<gate_proj|up_proj|down_proj>.weight"
 EXPERT_TENSOR = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight(_scale_inv)?$")
@@ -193,5 +192,5 @@ class SparseMoeBlock(nn.Module):
         else:
             out = fused_moe_torch(x, experts.gate_up_proj, experts.down_proj, weights, ids)
         if self.tp_size > 1:
-            dist.all_reduce(out)
+            all_reduce(out)
         return out

@@ -1,0 +1,112 @@
+"""A one-shot all-reduce for tensor parallelism on one host: the small sums of a decode step in one
+kernel, where NCCL spends most of its time in latency.
+
+Every rank holds a buffer that the other ranks of the host map (torch's symmetric memory over
+CUDA IPC, without NVLink multicast). A call copies this rank's tensor into its own buffer, tells
+every peer that its part is there, waits until every peer has said the same, and sums the ranks'
+buffers in rank order (in float32), so every rank computes exactly the same values.
+
+The tensor is cut into blocks of ``BLOCK`` elements, one program each; program ``p`` of every rank
+handles the same block, so the handshake is per block: rank ``r`` writes epoch ``e`` into slot
+``(p, r)`` of every rank's flags after its block is in its buffer. The epoch is a per-block
+counter on the device (CUDA graphs replay the same arguments), and the buffer alternates between
+two halves by its parity: a rank that waits for its peers' epoch ``e`` knows they have finished
+reading epoch ``e - 1``'s half, so epoch ``e + 1`` may overwrite it.
+
+A spinning kernel never ends if a peer dies; ``abort()`` sets a flag in host memory that the waits
+poll, so the device drains and the engine can report the failure."""
+import os
+
+import torch
+import torch.distributed as dist
+import triton
+import triton.language as tl
+
+BLOCK = 1024  # elements a program sums
+MAX_BYTES = 8 << 20  # the largest tensor it takes; NCCL sums larger ones
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+POLL_ABORT_EVERY = 256  # spins between two reads of the abort flag (a read crosses PCIe)
+
+
+@triton.jit(do_not_specialize=["n", "rank"])
+def _one_shot_kernel(x_ptr, n, data_ptrs, flag_ptrs, epochs, abort_ptr, rank, half,
+                     WORLD: tl.constexpr, BLOCK: tl.constexpr, POLL: tl.constexpr):
+    pid = tl.program_id(0)
+    epoch = tl.load(epochs + pid) + 1
+    tl.store(epochs + pid, epoch)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    offs_in_half = (epoch % 2) * half + offs
+    elem = x_ptr.dtype.element_ty
+    own = tl.load(data_ptrs + rank).to(tl.pointer_type(elem))
+    tl.store(own + offs_in_half, tl.load(x_ptr + offs, mask=mask), mask=mask)
+    tl.debug_barrier()  # the whole block is written before the signal releases it
+    for r in tl.static_range(WORLD):
+        peer_flags = tl.load(flag_ptrs + r).to(tl.pointer_type(tl.int64))
+        tl.atomic_xchg(peer_flags + pid * WORLD + rank, epoch, sem="release", scope="sys")
+    flags = tl.load(flag_ptrs + rank).to(tl.pointer_type(tl.int64))
+    abort = tl.load(abort_ptr).to(tl.pointer_type(tl.int32))
+    for r in tl.static_range(WORLD):
+        spins = 0
+        seen = tl.atomic_add(flags + pid * WORLD + r, 0, sem="acquire", scope="sys")
+        while seen < epoch:
+            spins += 1
+            if spins % POLL == 0:
+                if tl.load(abort, volatile=True) != 0:
+                    seen = epoch
+            if seen < epoch:
+                seen = tl.atomic_add(flags + pid * WORLD + r, 0, sem="acquire", scope="sys")
+    tl.debug_barrier()
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for r in tl.static_range(WORLD):
+        src = tl.load(data_ptrs + r).to(tl.pointer_type(elem))
+        acc += tl.load(src + offs_in_half, mask=mask, volatile=True).to(tl.float32)
+    tl.store(x_ptr + offs, acc.to(elem), mask=mask)
+
+
+def launch(x: torch.Tensor, data_ptrs: torch.Tensor, flag_ptrs: torch.Tensor, epochs: torch.Tensor,
+           abort_ptr: torch.Tensor, rank: int, world: int, half: int) -> None:
+    """Sum ``x`` (contiguous, at most ``half`` elements) in place over the ranks whose buffers
+    (``half`` elements of x's dtype, twice) and int64 flags (``world`` per block) the int64
+    ``data_ptrs`` / ``flag_ptrs`` address; ``epochs`` (int64) holds each block's counter,
+    ``abort_ptr`` the address of an int32 abort flag."""
+    grid = (triton.cdiv(x.numel(), BLOCK),)
+    _one_shot_kernel[grid](x, x.numel(), data_ptrs, flag_ptrs, epochs, abort_ptr, rank, half,
+                           WORLD=world, BLOCK=BLOCK, POLL=POLL_ABORT_EVERY, num_warps=4)
+
+
+class CustomAllReduce:
+    """The one-shot all-reduce of this rank's tensor-parallel group (``create`` it on every rank
+    together). ``fits(x)`` says whether it takes ``x``; ``__call__(x)`` sums it in place."""
+
+    def __init__(self, device: torch.device, rank: int, world: int, group_name: str):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")  # nothing here uses multicast
+        self.rank, self.world = rank, world
+        max_blocks = MAX_BYTES // (2 * BLOCK)  # of a 16-bit tensor (a float32 one has half as many)
+        self.data = symm_mem.empty(2 * MAX_BYTES, dtype=torch.uint8, device=device)  # two halves
+        self.flags = symm_mem.empty(max_blocks * world, dtype=torch.int64, device=device)
+        self.flags.zero_()
+        torch.cuda.synchronize(device)
+        data_handle = symm_mem.rendezvous(self.data, group_name)
+        flag_handle = symm_mem.rendezvous(self.flags, group_name)
+        self.data_ptrs = torch.tensor(data_handle.buffer_ptrs, dtype=torch.int64, device=device)
+        self.flag_ptrs = torch.tensor(flag_handle.buffer_ptrs, dtype=torch.int64, device=device)
+        self._handles = (data_handle, flag_handle)
+        self.epochs = torch.zeros(max_blocks, dtype=torch.int64, device=device)
+        self.abort_flag = torch.zeros(1, dtype=torch.int32, pin_memory=True)  # read by the device (UVA)
+        self.abort_ptr = torch.tensor([self.abort_flag.data_ptr()], dtype=torch.int64, device=device)
+        dist.barrier()  # every rank's flags are zero before anyone signals
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return (x.is_cuda and x.dtype in DTYPES and x.is_contiguous() and x.numel() > 0
+                and x.numel() * x.element_size() <= MAX_BYTES)
+
+    def __call__(self, x: torch.Tensor) -> None:
+        launch(x, self.data_ptrs, self.flag_ptrs, self.epochs, self.abort_ptr, self.rank, self.world,
+               MAX_BYTES // x.element_size())
+
+    def abort(self) -> None:
+        """Let every wait of a running or queued call give up (its sums are then garbage)."""
+        self.abort_flag[0] = 1

@@ -1,0 +1,136 @@
+"""The one-shot all-reduce kernel (nanovllm/utils/custom_all_reduce.py) under the Triton interpreter,
+as one rank of a group whose peers are simulated: their buffers hold their inputs, each block in the
+half that the block's epoch selects, and their signals already stand in this rank's flags. The kernel must sum
+the ranks in rank order (every rank the same float32 sum), signal every rank's flags with the
+epoch, advance the epoch of the blocks it used and no other, alternate halves, and give up a wait
+when the abort flag is set. The real handshake between GPUs runs in tests/gpu/test_gpu_custom_all_reduce.py."""
+import json
+
+import pytest
+import torch
+
+from triton_interpreter import results_under_interpreter, round_interpreter_casts_to_nearest, run_cases
+
+BLOCKS = 4
+
+
+def simulate(world: int, rank: int, inputs: list[list[torch.Tensor]], dtype=torch.float32, abort: bool = False,
+             peers_signal: bool = True) -> dict:
+    """Run ``len(inputs)`` calls; ``inputs[k][r]`` is rank r's tensor in call k. Returns what the
+    test checks, as lists."""
+    from nanovllm.utils.custom_all_reduce import BLOCK, launch
+
+    half = BLOCKS * BLOCK
+    data = [torch.zeros(2 * half, dtype=dtype) for _ in range(world)]
+    flags = [torch.zeros(BLOCKS * world, dtype=torch.int64) for _ in range(world)]
+    epochs = torch.zeros(BLOCKS, dtype=torch.int64)
+    abort_flag = torch.tensor([int(abort)], dtype=torch.int32)
+    data_ptrs = torch.tensor([d.data_ptr() for d in data])
+    flag_ptrs = torch.tensor([f.data_ptr() for f in flags])
+    abort_ptr = torch.tensor([abort_flag.data_ptr()])
+    out = {"sums": [], "own_half": [], "signals": [], "epochs": []}
+    peer_epochs = [0] * BLOCKS  # the peers count each block's calls as this rank does
+    for call in inputs:
+        n = call[rank].numel()
+        where = []  # each block's elements in a rank's buffer: the half of the block's epoch
+        for b in range(-(-n // BLOCK)):
+            peer_epochs[b] += 1
+            start = (peer_epochs[b] % 2) * half + b * BLOCK
+            where.append((slice(b * BLOCK, min(n, (b + 1) * BLOCK)), slice(start, start + min(BLOCK, n - b * BLOCK))))
+            for r in range(world):
+                if r != rank:
+                    data[r][where[-1][1]] = call[r][where[-1][0]]
+                    if peers_signal:
+                        flags[rank].view(BLOCKS, world)[b, r] = peer_epochs[b]
+        x = call[rank].clone()
+        launch(x, data_ptrs, flag_ptrs, epochs, abort_ptr, rank, world, half)
+        out["sums"].append(x.float().tolist())
+        out["own_half"].append(all(torch.equal(data[rank][buf], call[rank][src]) for src, buf in where))
+        out["signals"].append([flags[r].view(BLOCKS, world)[:, rank].tolist() for r in range(world)])
+        out["epochs"].append(epochs.tolist())
+    return out
+
+
+def rank_order_sum(call: list[torch.Tensor]) -> list[float]:
+    total = torch.zeros(call[0].numel())
+    for t in call:
+        total = total + t.float()
+    return total.to(call[0].dtype).float().tolist()
+
+
+def _inputs(world: int, sizes: list[int], dtype=torch.float32, seed: int = 0) -> list[list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randn(n, generator=g).to(dtype) for _ in range(world)] for n in sizes]
+
+
+CALLS = {  # name: (world, rank, sizes of the calls, dtype)
+    "two_ranks_rank0": (2, 0, [2500, 1024, 7], torch.float32),
+    "two_ranks_rank1": (2, 1, [4096, 1, 3000], torch.float32),
+    "three_ranks_rank2": (3, 2, [1500, 1500], torch.float32),
+    "bf16": (2, 1, [2049, 2049, 2049], torch.bfloat16),
+}
+
+
+def _case(name: str) -> dict:
+    world, rank, sizes, dtype = CALLS[name]
+    inputs = _inputs(world, sizes, dtype)
+    got = simulate(world, rank, inputs, dtype)
+    return got | {"want": [rank_order_sum(call) for call in inputs]}
+
+
+def _rank_order_case() -> dict:
+    """Three ranks hold 1e8, 1 and -1e8: summed in rank order that is (1e8 + 1) - 1e8 = 0 in
+    float32; rank 2 summing its own value first would get 1."""
+    values = [torch.full((5,), v) for v in (1e8, 1.0, -1e8)]
+    return simulate(3, 2, [values])
+
+
+def _abort_case() -> dict:
+    """No peer ever signals, the abort flag is up: the call ends."""
+    return simulate(2, 0, _inputs(2, [3000]), abort=True, peers_signal=False)
+
+
+def run_interpreter_cases() -> dict:
+    round_interpreter_casts_to_nearest()
+    cases = {name: (lambda name=name: _case(name)) for name in CALLS}
+    cases["rank_order"] = _rank_order_case
+    cases["abort"] = _abort_case
+    return run_cases(cases)
+
+
+@pytest.fixture(scope="module")
+def interpreter_results():
+    return results_under_interpreter(__file__)
+
+
+@pytest.mark.parametrize("name", list(CALLS))
+def test_one_shot_sums_and_signals(interpreter_results, name):
+    from nanovllm.utils.custom_all_reduce import BLOCK
+
+    world, rank, sizes, _ = CALLS[name]
+    got = interpreter_results[name]
+    assert "error" not in got, got
+    assert got["sums"] == got["want"]  # exactly: the same float32 additions in rank order
+    assert all(got["own_half"])  # this rank's input went into the half of each block's epoch
+    for k, n in enumerate(sizes, start=1):
+        used = -(-n // BLOCK)
+        # block b's epoch counts the calls that used it; blocks past the tensor are untouched
+        assert got["epochs"][k - 1] == [sum(-(-m // BLOCK) > b for m in sizes[:k]) for b in range(BLOCKS)]
+        for signals in got["signals"][k - 1]:  # every rank's flags, this rank's column
+            assert signals[:used] == got["epochs"][k - 1][:used]
+
+
+def test_one_shot_sums_in_rank_order(interpreter_results):
+    got = interpreter_results["rank_order"]
+    assert "error" not in got, got
+    assert got["sums"] == [[0.0] * 5]
+
+
+def test_one_shot_abort_ends_the_wait(interpreter_results):
+    got = interpreter_results["abort"]
+    assert "error" not in got, got
+    assert got["epochs"] == [[1, 1, 1, 0]]
+
+
+if __name__ == "__main__":
+    print(json.dumps(run_interpreter_cases()))
