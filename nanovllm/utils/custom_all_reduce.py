@@ -6,12 +6,14 @@ CUDA IPC, without NVLink multicast). A call copies this rank's tensor into its o
 every peer that its part is there, waits until every peer has said the same, and sums the ranks'
 buffers in rank order (in float32), so every rank computes exactly the same values.
 
-The tensor is cut into blocks of ``BLOCK`` elements, one program each; program ``p`` of every rank
-handles the same block, so the handshake is per block: rank ``r`` writes epoch ``e`` into slot
-``(p, r)`` of every rank's flags after its block is in its buffer. The epoch is a per-block
-counter on the device (CUDA graphs replay the same arguments), and the buffer alternates between
-two halves by its parity: a rank that waits for its peers' epoch ``e`` knows they have finished
-reading epoch ``e - 1``'s half, so epoch ``e + 1`` may overwrite it.
+Every call runs the same ``PROGRAMS`` programs, all resident at once (a program that waits for its
+peer must not keep that peer's counterpart from being scheduled); program ``p`` handles blocks
+``p, p + PROGRAMS, ...`` of ``BLOCK`` elements on every rank, so the handshake is per program: rank
+``r`` writes epoch ``e`` into slot ``(p, r)`` of every rank's flags once its blocks are in its
+buffer. The epoch counts the calls on the device (CUDA graphs replay the same arguments), and the
+buffer alternates between two halves by its parity: a rank that sees its peers' epoch ``e`` knows
+they have finished the call before (a kernel starts after the previous one ends), so reading epoch
+``e - 1``'s half is over and epoch ``e + 1`` may overwrite it.
 
 A spinning kernel never ends if a peer dies; ``abort()`` sets a flag in host memory that the waits
 poll, so the device drains and the engine can report the failure."""
@@ -22,7 +24,8 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
-BLOCK = 1024  # elements a program sums
+BLOCK = 1024  # elements a program sums at a time
+PROGRAMS = 256  # programs of every call: few enough to be resident at once on any GPU it runs on
 MAX_BYTES = 8 << 20  # the largest tensor it takes; NCCL sums larger ones
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 POLL_ABORT_EVERY = 256  # spins between two reads of the abort flag (a read crosses PCIe)
@@ -30,17 +33,19 @@ POLL_ABORT_EVERY = 256  # spins between two reads of the abort flag (a read cros
 
 @triton.jit(do_not_specialize=["n", "rank"])
 def _one_shot_kernel(x_ptr, n, data_ptrs, flag_ptrs, epochs, abort_ptr, rank, half,
-                     WORLD: tl.constexpr, BLOCK: tl.constexpr, POLL: tl.constexpr):
+                     WORLD: tl.constexpr, PROGRAMS: tl.constexpr, BLOCK: tl.constexpr, POLL: tl.constexpr):
     pid = tl.program_id(0)
     epoch = tl.load(epochs + pid) + 1
     tl.store(epochs + pid, epoch)
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    offs_in_half = (epoch % 2) * half + offs
+    num_blocks = tl.cdiv(n, BLOCK)
+    base = (epoch % 2) * half
     elem = x_ptr.dtype.element_ty
     own = tl.load(data_ptrs + rank).to(tl.pointer_type(elem))
-    tl.store(own + offs_in_half, tl.load(x_ptr + offs, mask=mask), mask=mask)
-    tl.debug_barrier()  # the whole block is written before the signal releases it
+    for b in range(pid, num_blocks, PROGRAMS):
+        offs = b * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        tl.store(own + base + offs, tl.load(x_ptr + offs, mask=mask), mask=mask)
+    tl.debug_barrier()  # the program's blocks are written before the signal releases them
     for r in tl.static_range(WORLD):
         peer_flags = tl.load(flag_ptrs + r).to(tl.pointer_type(tl.int64))
         tl.atomic_xchg(peer_flags + pid * WORLD + rank, epoch, sem="release", scope="sys")
@@ -57,22 +62,24 @@ def _one_shot_kernel(x_ptr, n, data_ptrs, flag_ptrs, epochs, abort_ptr, rank, ha
             if seen < epoch:
                 seen = tl.atomic_add(flags + pid * WORLD + r, 0, sem="acquire", scope="sys")
     tl.debug_barrier()
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for r in tl.static_range(WORLD):
-        src = tl.load(data_ptrs + r).to(tl.pointer_type(elem))
-        acc += tl.load(src + offs_in_half, mask=mask, volatile=True).to(tl.float32)
-    tl.store(x_ptr + offs, acc.to(elem), mask=mask)
+    for b in range(pid, num_blocks, PROGRAMS):
+        offs = b * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for r in tl.static_range(WORLD):
+            src = tl.load(data_ptrs + r).to(tl.pointer_type(elem))
+            acc += tl.load(src + base + offs, mask=mask, volatile=True).to(tl.float32)
+        tl.store(x_ptr + offs, acc.to(elem), mask=mask)
 
 
 def launch(x: torch.Tensor, data_ptrs: torch.Tensor, flag_ptrs: torch.Tensor, epochs: torch.Tensor,
-           abort_ptr: torch.Tensor, rank: int, world: int, half: int) -> None:
+           abort_ptr: torch.Tensor, rank: int, world: int, half: int, programs: int = PROGRAMS) -> None:
     """Sum ``x`` (contiguous, at most ``half`` elements) in place over the ranks whose buffers
-    (``half`` elements of x's dtype, twice) and int64 flags (``world`` per block) the int64
-    ``data_ptrs`` / ``flag_ptrs`` address; ``epochs`` (int64) holds each block's counter,
-    ``abort_ptr`` the address of an int32 abort flag."""
-    grid = (triton.cdiv(x.numel(), BLOCK),)
-    _one_shot_kernel[grid](x, x.numel(), data_ptrs, flag_ptrs, epochs, abort_ptr, rank, half,
-                           WORLD=world, BLOCK=BLOCK, POLL=POLL_ABORT_EVERY, num_warps=4)
+    (``half`` elements of x's dtype, twice) and int64 flags (``world`` per program) the int64
+    ``data_ptrs`` / ``flag_ptrs`` address; ``epochs`` (int64, one per program) counts the calls,
+    ``abort_ptr`` holds the address of an int32 abort flag."""
+    _one_shot_kernel[(programs,)](x, x.numel(), data_ptrs, flag_ptrs, epochs, abort_ptr, rank, half,
+                                  WORLD=world, PROGRAMS=programs, BLOCK=BLOCK, POLL=POLL_ABORT_EVERY, num_warps=4)
 
 
 class CustomAllReduce:
@@ -84,9 +91,8 @@ class CustomAllReduce:
 
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")  # nothing here uses multicast
         self.rank, self.world = rank, world
-        max_blocks = MAX_BYTES // (2 * BLOCK)  # of a 16-bit tensor (a float32 one has half as many)
         self.data = symm_mem.empty(2 * MAX_BYTES, dtype=torch.uint8, device=device)  # two halves
-        self.flags = symm_mem.empty(max_blocks * world, dtype=torch.int64, device=device)
+        self.flags = symm_mem.empty(PROGRAMS * world, dtype=torch.int64, device=device)
         self.flags.zero_()
         torch.cuda.synchronize(device)
         data_handle = symm_mem.rendezvous(self.data, group_name)
@@ -94,7 +100,7 @@ class CustomAllReduce:
         self.data_ptrs = torch.tensor(data_handle.buffer_ptrs, dtype=torch.int64, device=device)
         self.flag_ptrs = torch.tensor(flag_handle.buffer_ptrs, dtype=torch.int64, device=device)
         self._handles = (data_handle, flag_handle)
-        self.epochs = torch.zeros(max_blocks, dtype=torch.int64, device=device)
+        self.epochs = torch.zeros(PROGRAMS, dtype=torch.int64, device=device)
         self.abort_flag = torch.zeros(1, dtype=torch.int32, pin_memory=True)  # read by the device (UVA)
         self.abort_ptr = torch.tensor([self.abort_flag.data_ptr()], dtype=torch.int64, device=device)
         dist.barrier()  # every rank's flags are zero before anyone signals

@@ -1,8 +1,8 @@
 """The one-shot all-reduce kernel (nanovllm/utils/custom_all_reduce.py) under the Triton interpreter,
-as one rank of a group whose peers are simulated: their buffers hold their inputs, each block in the
-half that the block's epoch selects, and their signals already stand in this rank's flags. The kernel must sum
-the ranks in rank order (every rank the same float32 sum), signal every rank's flags with the
-epoch, advance the epoch of the blocks it used and no other, alternate halves, and give up a wait
+as one rank of a group whose peers are simulated: their buffers hold their inputs in the half that
+the call's epoch selects, and their signals already stand in this rank's flags. The kernel must sum
+the ranks in rank order (every rank the same float32 sum) over the blocks each program loops over,
+signal every rank's flags with the epoch, count the calls, alternate halves, and give up a wait
 when the abort flag is set. The real handshake between GPUs runs in tests/gpu/test_gpu_custom_all_reduce.py."""
 import json
 
@@ -11,42 +11,38 @@ import torch
 
 from triton_interpreter import results_under_interpreter, round_interpreter_casts_to_nearest, run_cases
 
-BLOCKS = 4
+BLOCKS = 5  # the buffer's half holds 5 blocks
+PROGRAMS = 2  # programs of a call (the library runs more): each program handles every other block
 
 
 def simulate(world: int, rank: int, inputs: list[list[torch.Tensor]], dtype=torch.float32, abort: bool = False,
              peers_signal: bool = True) -> dict:
-    """Run ``len(inputs)`` calls; ``inputs[k][r]`` is rank r's tensor in call k. Returns what the
-    test checks, as lists."""
+    """Run ``len(inputs)`` calls of ``PROGRAMS`` programs; ``inputs[k][r]`` is rank r's tensor in
+    call k. Returns what the tests check, as lists."""
     from nanovllm.utils.custom_all_reduce import BLOCK, launch
 
     half = BLOCKS * BLOCK
     data = [torch.zeros(2 * half, dtype=dtype) for _ in range(world)]
-    flags = [torch.zeros(BLOCKS * world, dtype=torch.int64) for _ in range(world)]
-    epochs = torch.zeros(BLOCKS, dtype=torch.int64)
+    flags = [torch.zeros(PROGRAMS * world, dtype=torch.int64) for _ in range(world)]
+    epochs = torch.zeros(PROGRAMS, dtype=torch.int64)
     abort_flag = torch.tensor([int(abort)], dtype=torch.int32)
     data_ptrs = torch.tensor([d.data_ptr() for d in data])
     flag_ptrs = torch.tensor([f.data_ptr() for f in flags])
     abort_ptr = torch.tensor([abort_flag.data_ptr()])
     out = {"sums": [], "own_half": [], "signals": [], "epochs": []}
-    peer_epochs = [0] * BLOCKS  # the peers count each block's calls as this rank does
-    for call in inputs:
+    for k, call in enumerate(inputs, start=1):
         n = call[rank].numel()
-        where = []  # each block's elements in a rank's buffer: the half of the block's epoch
-        for b in range(-(-n // BLOCK)):
-            peer_epochs[b] += 1
-            start = (peer_epochs[b] % 2) * half + b * BLOCK
-            where.append((slice(b * BLOCK, min(n, (b + 1) * BLOCK)), slice(start, start + min(BLOCK, n - b * BLOCK))))
-            for r in range(world):
-                if r != rank:
-                    data[r][where[-1][1]] = call[r][where[-1][0]]
-                    if peers_signal:
-                        flags[rank].view(BLOCKS, world)[b, r] = peer_epochs[b]
+        mine = slice((k % 2) * half, (k % 2) * half + n)  # call k's half of a rank's buffer
+        for r in range(world):
+            if r != rank:
+                data[r][mine] = call[r]
+                if peers_signal:
+                    flags[rank].view(PROGRAMS, world)[:, r] = k
         x = call[rank].clone()
-        launch(x, data_ptrs, flag_ptrs, epochs, abort_ptr, rank, world, half)
+        launch(x, data_ptrs, flag_ptrs, epochs, abort_ptr, rank, world, half, programs=PROGRAMS)
         out["sums"].append(x.float().tolist())
-        out["own_half"].append(all(torch.equal(data[rank][buf], call[rank][src]) for src, buf in where))
-        out["signals"].append([flags[r].view(BLOCKS, world)[:, rank].tolist() for r in range(world)])
+        out["own_half"].append(torch.equal(data[rank][mine], call[rank]))
+        out["signals"].append([flags[r].view(PROGRAMS, world)[:, rank].tolist() for r in range(world)])
         out["epochs"].append(epochs.tolist())
     return out
 
@@ -64,7 +60,7 @@ def _inputs(world: int, sizes: list[int], dtype=torch.float32, seed: int = 0) ->
 
 
 CALLS = {  # name: (world, rank, sizes of the calls, dtype)
-    "two_ranks_rank0": (2, 0, [2500, 1024, 7], torch.float32),
+    "two_ranks_rank0": (2, 0, [2500, 1024, 7, 5 * 1024], torch.float32),
     "two_ranks_rank1": (2, 1, [4096, 1, 3000], torch.float32),
     "three_ranks_rank2": (3, 2, [1500, 1500], torch.float32),
     "bf16": (2, 1, [2049, 2049, 2049], torch.bfloat16),
@@ -105,19 +101,14 @@ def interpreter_results():
 
 @pytest.mark.parametrize("name", list(CALLS))
 def test_one_shot_sums_and_signals(interpreter_results, name):
-    from nanovllm.utils.custom_all_reduce import BLOCK
-
     world, rank, sizes, _ = CALLS[name]
     got = interpreter_results[name]
     assert "error" not in got, got
     assert got["sums"] == got["want"]  # exactly: the same float32 additions in rank order
-    assert all(got["own_half"])  # this rank's input went into the half of each block's epoch
-    for k, n in enumerate(sizes, start=1):
-        used = -(-n // BLOCK)
-        # block b's epoch counts the calls that used it; blocks past the tensor are untouched
-        assert got["epochs"][k - 1] == [sum(-(-m // BLOCK) > b for m in sizes[:k]) for b in range(BLOCKS)]
-        for signals in got["signals"][k - 1]:  # every rank's flags, this rank's column
-            assert signals[:used] == got["epochs"][k - 1][:used]
+    assert all(got["own_half"])  # this rank's input went into the half of the call's epoch
+    for k in range(1, len(sizes) + 1):
+        assert got["epochs"][k - 1] == [k] * PROGRAMS  # every program counts every call
+        assert got["signals"][k - 1] == [[k] * PROGRAMS] * world  # and signals every rank
 
 
 def test_one_shot_sums_in_rank_order(interpreter_results):
@@ -129,7 +120,7 @@ def test_one_shot_sums_in_rank_order(interpreter_results):
 def test_one_shot_abort_ends_the_wait(interpreter_results):
     got = interpreter_results["abort"]
     assert "error" not in got, got
-    assert got["epochs"] == [[1, 1, 1, 0]]
+    assert got["epochs"] == [[1] * PROGRAMS]
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 the dtype, on every rank alike; over sizes that end inside a block, calls in a row (the epochs and
 the two halves of the buffer), calls inside a CUDA graph replayed with new inputs, and an abort that
 frees a call whose peer never comes."""
+import faulthandler
 import threading
 import time
 import traceback
@@ -75,6 +76,7 @@ def _checks(rank: int) -> None:
 
 
 def _worker(rank: int, port: int, errors) -> None:
+    faulthandler.dump_traceback_later(240, exit=True)  # a rank that hangs shows where, and ends
     try:
         torch.cuda.set_device(rank)
         from nanovllm.utils.distributed import init_process_group
