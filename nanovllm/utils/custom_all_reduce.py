@@ -51,16 +51,17 @@ def _one_shot_kernel(x_ptr, n, data_ptrs, flag_ptrs, epochs, abort_ptr, rank, ha
         tl.atomic_xchg(peer_flags + pid * WORLD + rank, epoch, sem="release", scope="sys")
     flags = tl.load(flag_ptrs + rank).to(tl.pointer_type(tl.int64))
     abort = tl.load(abort_ptr).to(tl.pointer_type(tl.int32))
-    for r in tl.static_range(WORLD):
+    for r in tl.static_range(WORLD):  # spin on plain reads, then one acquire orders what follows
+        slot = flags + pid * WORLD + r
         spins = 0
-        seen = tl.atomic_add(flags + pid * WORLD + r, 0, sem="acquire", scope="sys")
+        seen = tl.load(slot, volatile=True)
         while seen < epoch:
             spins += 1
+            seen = tl.load(slot, volatile=True)
             if spins % POLL == 0:
                 if tl.load(abort, volatile=True) != 0:
                     seen = epoch
-            if seen < epoch:
-                seen = tl.atomic_add(flags + pid * WORLD + r, 0, sem="acquire", scope="sys")
+        tl.atomic_add(slot, 0, sem="acquire", scope="sys")
     tl.debug_barrier()
     for b in range(pid, num_blocks, PROGRAMS):
         offs = b * BLOCK + tl.arange(0, BLOCK)
@@ -68,7 +69,7 @@ def _one_shot_kernel(x_ptr, n, data_ptrs, flag_ptrs, epochs, abort_ptr, rank, ha
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for r in tl.static_range(WORLD):
             src = tl.load(data_ptrs + r).to(tl.pointer_type(elem))
-            acc += tl.load(src + base + offs, mask=mask, volatile=True).to(tl.float32)
+            acc += tl.load(src + base + offs, mask=mask, cache_modifier=".cg").to(tl.float32)
         tl.store(x_ptr + offs, acc.to(elem), mask=mask)
 
 
