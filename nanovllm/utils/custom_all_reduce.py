@@ -1,5 +1,5 @@
 """A one-shot all-reduce for tensor parallelism on one host: the small sums of a decode step in one
-kernel, where NCCL spends most of its time in latency.
+kernel, where NCCL spends much of its time in latency.
 
 Every rank holds a buffer that the other ranks of the host map (torch's symmetric memory over
 CUDA IPC, without NVLink multicast). A call copies this rank's tensor into its own buffer, tells
@@ -15,8 +15,13 @@ buffer alternates between two halves by its parity: a rank that sees its peers' 
 they have finished the call before (a kernel starts after the previous one ends), so reading epoch
 ``e - 1``'s half is over and epoch ``e + 1`` may overwrite it.
 
-A spinning kernel never ends if a peer dies; ``abort()`` sets a flag in host memory that the waits
-poll, so the device drains and the engine can report the failure."""
+A spinning kernel never ends if a peer dies; ``abort()`` raises a flag in device memory that the
+waits poll, so the device drains and the engine can report the failure. (With a flag in pinned host
+memory, polled from the GPU, calls stalled by ~0.6 ms on the machine measured; the host read is the
+suspected cause.)
+
+It is off by default (``Config.disable_custom_all_reduce``): on 2 × H100 it was not yet faster than
+NCCL (BENCHMARKS.md)."""
 import os
 
 import torch
@@ -28,11 +33,11 @@ BLOCK = 1024  # elements a program sums at a time
 PROGRAMS = 256  # programs of every call: few enough to be resident at once on any GPU it runs on
 MAX_BYTES = 8 << 20  # the largest tensor it takes; NCCL sums larger ones
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-POLL_ABORT_EVERY = 256  # spins between two reads of the abort flag (a read crosses PCIe)
+POLL_ABORT_EVERY = 64  # spins between two reads of the abort flag
 
 
 @triton.jit(do_not_specialize=["n", "rank"])
-def _one_shot_kernel(x_ptr, n, data_ptrs, flag_ptrs, epochs, abort_ptr, rank, half,
+def _one_shot_kernel(x_ptr, n, data_ptrs, flag_ptrs, epochs, abort_flag, rank, half,
                      WORLD: tl.constexpr, PROGRAMS: tl.constexpr, BLOCK: tl.constexpr, POLL: tl.constexpr):
     pid = tl.program_id(0)
     epoch = tl.load(epochs + pid) + 1
@@ -50,7 +55,6 @@ def _one_shot_kernel(x_ptr, n, data_ptrs, flag_ptrs, epochs, abort_ptr, rank, ha
         peer_flags = tl.load(flag_ptrs + r).to(tl.pointer_type(tl.int64))
         tl.atomic_xchg(peer_flags + pid * WORLD + rank, epoch, sem="release", scope="sys")
     flags = tl.load(flag_ptrs + rank).to(tl.pointer_type(tl.int64))
-    abort = tl.load(abort_ptr).to(tl.pointer_type(tl.int32))
     for r in tl.static_range(WORLD):  # spin on plain reads, then one acquire orders what follows
         slot = flags + pid * WORLD + r
         spins = 0
@@ -59,7 +63,7 @@ def _one_shot_kernel(x_ptr, n, data_ptrs, flag_ptrs, epochs, abort_ptr, rank, ha
             spins += 1
             seen = tl.load(slot, volatile=True)
             if spins % POLL == 0:
-                if tl.load(abort, volatile=True) != 0:
+                if tl.load(abort_flag, volatile=True) != 0:
                     seen = epoch
         tl.atomic_add(slot, 0, sem="acquire", scope="sys")
     tl.debug_barrier()
@@ -74,12 +78,12 @@ def _one_shot_kernel(x_ptr, n, data_ptrs, flag_ptrs, epochs, abort_ptr, rank, ha
 
 
 def launch(x: torch.Tensor, data_ptrs: torch.Tensor, flag_ptrs: torch.Tensor, epochs: torch.Tensor,
-           abort_ptr: torch.Tensor, rank: int, world: int, half: int, programs: int = PROGRAMS) -> None:
+           abort_flag: torch.Tensor, rank: int, world: int, half: int, programs: int = PROGRAMS) -> None:
     """Sum ``x`` (contiguous, at most ``half`` elements) in place over the ranks whose buffers
     (``half`` elements of x's dtype, twice) and int64 flags (``world`` per program) the int64
     ``data_ptrs`` / ``flag_ptrs`` address; ``epochs`` (int64, one per program) counts the calls,
-    ``abort_ptr`` holds the address of an int32 abort flag."""
-    _one_shot_kernel[(programs,)](x, x.numel(), data_ptrs, flag_ptrs, epochs, abort_ptr, rank, half,
+    and a nonzero int32 ``abort_flag`` ends the waits."""
+    _one_shot_kernel[(programs,)](x, x.numel(), data_ptrs, flag_ptrs, epochs, abort_flag, rank, half,
                                   WORLD=world, PROGRAMS=programs, BLOCK=BLOCK, POLL=POLL_ABORT_EVERY, num_warps=4)
 
 
@@ -102,8 +106,10 @@ class CustomAllReduce:
         self.flag_ptrs = torch.tensor(flag_handle.buffer_ptrs, dtype=torch.int64, device=device)
         self._handles = (data_handle, flag_handle)
         self.epochs = torch.zeros(PROGRAMS, dtype=torch.int64, device=device)
-        self.abort_flag = torch.zeros(1, dtype=torch.int32, pin_memory=True)  # read by the device (UVA)
-        self.abort_ptr = torch.tensor([self.abort_flag.data_ptr()], dtype=torch.int64, device=device)
+        self.device = device
+        self.abort_flag = torch.zeros(1, dtype=torch.int32, device=device)
+        self._abort_stream = torch.cuda.Stream(device)  # raises the flag beside the spinning kernels
+        self._one = torch.ones(1, dtype=torch.int32, pin_memory=True)
         dist.barrier()  # every rank's flags are zero before anyone signals
 
     def fits(self, x: torch.Tensor) -> bool:
@@ -111,9 +117,11 @@ class CustomAllReduce:
                 and x.numel() * x.element_size() <= MAX_BYTES)
 
     def __call__(self, x: torch.Tensor) -> None:
-        launch(x, self.data_ptrs, self.flag_ptrs, self.epochs, self.abort_ptr, self.rank, self.world,
+        launch(x, self.data_ptrs, self.flag_ptrs, self.epochs, self.abort_flag, self.rank, self.world,
                MAX_BYTES // x.element_size())
 
     def abort(self) -> None:
-        """Let every wait of a running or queued call give up (its sums are then garbage)."""
-        self.abort_flag[0] = 1
+        """Let every wait of a running or queued call give up (its sums are then garbage): a copy
+        from the host on a stream of its own, which the copy engine runs while the kernels spin."""
+        with torch.cuda.device(self.device), torch.cuda.stream(self._abort_stream):
+            self.abort_flag.copy_(self._one, non_blocking=True)

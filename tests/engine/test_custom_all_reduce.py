@@ -28,7 +28,6 @@ def simulate(world: int, rank: int, inputs: list[list[torch.Tensor]], dtype=torc
     abort_flag = torch.tensor([int(abort)], dtype=torch.int32)
     data_ptrs = torch.tensor([d.data_ptr() for d in data])
     flag_ptrs = torch.tensor([f.data_ptr() for f in flags])
-    abort_ptr = torch.tensor([abort_flag.data_ptr()])
     out = {"sums": [], "own_half": [], "signals": [], "epochs": []}
     for k, call in enumerate(inputs, start=1):
         n = call[rank].numel()
@@ -39,7 +38,7 @@ def simulate(world: int, rank: int, inputs: list[list[torch.Tensor]], dtype=torc
                 if peers_signal:
                     flags[rank].view(PROGRAMS, world)[:, r] = k
         x = call[rank].clone()
-        launch(x, data_ptrs, flag_ptrs, epochs, abort_ptr, rank, world, half, programs=PROGRAMS)
+        launch(x, data_ptrs, flag_ptrs, epochs, abort_flag, rank, world, half, programs=PROGRAMS)
         out["sums"].append(x.float().tolist())
         out["own_half"].append(torch.equal(data[rank][mine], call[rank]))
         out["signals"].append([flags[r].view(PROGRAMS, world)[:, rank].tolist() for r in range(world)])

@@ -2,8 +2,13 @@
 (skipped with fewer): exactly the float32 sum of the ranks' tensors in rank order, rounded once to
 the dtype, on every rank alike; over sizes that end inside a block, calls in a row (the epochs and
 the two halves of the buffer), calls inside a CUDA graph replayed with new inputs, and an abort that
-frees a call whose peer never comes."""
+frees a call whose peer never comes. Then the engine with it: with two ranks a sum is one addition,
+which NCCL rounds the same way, so its tokens and log-probabilities equal NCCL's exactly; and a
+worker killed mid-call still ends in a clear error with both GPUs released."""
 import faulthandler
+import multiprocessing
+import os
+import signal
 import threading
 import time
 import traceback
@@ -102,3 +107,50 @@ def test_gpu_custom_all_reduce_two_ranks():
         p.join(300)
     messages = [errors.get() for _ in range(errors.qsize())] if not errors.empty() else []
     assert all(p.exitcode == 0 for p in procs), "\n".join(messages) or [p.exitcode for p in procs]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from nanovllm.utils.checkpoint import make_random_checkpoint
+
+    return make_random_checkpoint(
+        str(tmp_path_factory.mktemp("gpu-qwen3-ar")), "tiny", dtype=torch.bfloat16, seed=1, std=0.1,
+        hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+        num_hidden_layers=3, vocab_size=4096,
+    )
+
+
+def generate(model_dir, **kwargs):
+    from nanovllm import LLM, SamplingParams
+
+    prompts = [[(7 * i + j) % 4096 for j in range(n)] for i, n in enumerate((1, 30, 257, 700, 64, 5))]
+    params = SamplingParams(temperature=0, max_tokens=40, logprobs=2, ignore_eos=True)
+    with LLM(model_dir, tensor_parallel_size=2, max_model_len=2048, max_num_seqs=16, max_num_batched_tokens=512,
+             **kwargs) as llm:
+        return [(o["token_ids"], o["logprobs"]) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
+def test_gpu_engine_custom_all_reduce_equals_nccl(model_dir, enforce_eager):
+    want = generate(model_dir, enforce_eager=enforce_eager, disable_custom_all_reduce=True)
+    got = generate(model_dir, enforce_eager=enforce_eager, disable_custom_all_reduce=False)
+    assert got == want
+
+
+def test_gpu_engine_custom_all_reduce_worker_killed(model_dir):
+    """Rank 0 may be spinning in the one-shot kernel for the dead worker: the abort ends it."""
+    from nanovllm import LLM, SamplingParams
+
+    kwargs = dict(tensor_parallel_size=2, max_model_len=2048, disable_custom_all_reduce=False)
+    llm = LLM(model_dir, **kwargs)
+    worker = llm.core.executor.workers.processes[0]
+    threading.Timer(1.0, os.kill, (worker.pid, signal.SIGKILL)).start()
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"worker rank 1 \(pid \d+\) exited with code -9"):
+        for _ in range(1000):
+            llm.generate([[1, 2, 3] * 10] * 8, SamplingParams(temperature=0, max_tokens=300, ignore_eos=True), use_tqdm=False)
+    assert time.monotonic() - start < 30
+    llm.exit()
+    assert not multiprocessing.active_children()
+    with LLM(model_dir, **kwargs) as llm:
+        assert len(llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]["token_ids"]) == 4
