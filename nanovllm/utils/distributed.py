@@ -33,7 +33,11 @@ def enable_custom_all_reduce(device: torch.device) -> bool:
         return False
     from nanovllm.utils.custom_all_reduce import CustomAllReduce
 
-    _custom_all_reduce = CustomAllReduce(device, dist.get_rank(), world, dist.group.WORLD.group_name)
+    try:
+        _custom_all_reduce = CustomAllReduce(device, dist.get_rank(), world, dist.group.WORLD.group_name)
+    except Exception as e:
+        raise RuntimeError(f"the one-shot all-reduce could not be set up ({type(e).__name__}: {e}); "
+                           "LLM(..., disable_custom_all_reduce=True) leaves every all-reduce to NCCL") from e
     return True
 
 
