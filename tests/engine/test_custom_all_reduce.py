@@ -3,7 +3,7 @@ as one rank of a group whose peers are simulated: their buffers hold their input
 the call's epoch selects, and their signals already stand in this rank's flags. The kernel must sum
 the ranks in rank order (every rank the same float32 sum) over the blocks each program loops over,
 signal every rank's flags with the epoch, count the calls, alternate halves, and give up a wait
-when the abort flag is set. The real handshake between GPUs runs in tests/gpu/test_gpu_custom_all_reduce.py."""
+when the abort flag is set. The real handshake between GPUs runs in tests/gpu/test_gpu_tensor_parallel.py."""
 import json
 
 import pytest

@@ -3,12 +3,7 @@ off, agrees with the torch reference path under greedy decoding; memory stays wi
 gpu_memory_utilization and is released by exit()."""
 import gc
 import importlib.util
-import multiprocessing
-import os
 import random
-import signal
-import threading
-import time
 
 import pytest
 import torch
@@ -153,51 +148,6 @@ def test_memory_within_utilization_and_released(model_dir):
     with LLM(model_dir, max_model_len=2048, gpu_memory_utilization=util, kvcache_block_size=256) as llm2:
         out = llm2.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
         assert len(out[0]["token_ids"]) == 4
-
-
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_tp2_matches_tp1(model_dir):
-    """NCCL tensor parallelism over two GPUs, with prefix-cache hits and chunked prefill, in float32
-    with torch attention: the same tokens as one GPU. (Two ranks sum a row-parallel layer's partial
-    products in another order; in float32 that moves the logits by float32 rounding (2^-24
-    relative per operation), orders of magnitude below any top-2 gap here, while in bf16 it can flip
-    a near-tie.)"""
-    prompts = make_prompts()
-    kwargs = dict(dtype="float32", attention_backend="torch", kvcache_block_size=256, max_num_batched_tokens=512)
-    want, _ = run(model_dir, prompts, **kwargs)
-    got, again = run(model_dir, prompts, tensor_parallel_size=2, **kwargs)
-    assert got == want
-    assert again == got
-
-
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_tp2_graphs_match_torch_reference(model_dir, reference, hf_model):
-    """bf16 with CUDA graphs (the all-reduce captured inside them) and the default backend agrees
-    with the one-GPU torch reference, near-ties aside."""
-    prompts = make_prompts()
-    got, again = run(model_dir, prompts, tensor_parallel_size=2, kvcache_block_size=256, max_num_batched_tokens=512)
-    assert_agree(hf_model, prompts, reference, got)
-    assert_agree(hf_model, prompts, got, again)
-
-
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
-def test_tp2_worker_killed_mid_generate(model_dir, enforce_eager):
-    """With NCCL, rank 0 may be waiting on a collective that the dead worker will never join (also
-    inside a CUDA graph): the engine must raise, release both GPUs and let a new engine start."""
-    kwargs = dict(tensor_parallel_size=2, max_model_len=2048, kvcache_block_size=256, enforce_eager=enforce_eager)
-    llm = LLM(model_dir, **kwargs)
-    worker = llm.core.executor.workers.processes[0]
-    threading.Timer(1.0, os.kill, (worker.pid, signal.SIGKILL)).start()
-    start = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"worker rank 1 \(pid \d+\) exited with code -9"):
-        for _ in range(1000):
-            llm.generate([[1, 2, 3] * 10] * 8, SamplingParams(temperature=0, max_tokens=300, ignore_eos=True), use_tqdm=False)
-    assert time.monotonic() - start < 30
-    llm.exit()
-    assert not multiprocessing.active_children()
-    with LLM(model_dir, **kwargs) as llm:
-        assert len(llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]["token_ids"]) == 4
 
 
 # ---- sampling controls on the GPU --------------------------------------------------------------

@@ -2,9 +2,8 @@
 (skipped with fewer): exactly the float32 sum of the ranks' tensors in rank order, rounded once to
 the dtype, on every rank alike; over sizes that end inside a block, calls in a row (the epochs and
 the two halves of the buffer), calls inside a CUDA graph replayed with new inputs, and an abort that
-frees a call whose peer never comes. Then the engine with it: with two ranks a sum is one addition,
-which NCCL rounds the same way, so its tokens and log-probabilities equal NCCL's exactly; and a
-worker killed mid-call still ends in a clear error with both GPUs released."""
+frees a call whose peer never comes. Then tensor parallelism in the engine, with NCCL and with the
+one-shot kernel (test_gpu.py's checkpoint, prompts and torch reference)."""
 import faulthandler
 import multiprocessing
 import os
@@ -16,6 +15,9 @@ import traceback
 import pytest
 import torch
 import torch.multiprocessing as mp
+from test_gpu import SMALL_BATCH, assert_agree, hf_model, make_prompts, model_dir, reference, run  # noqa: F401 (fixtures)
+
+from nanovllm import LLM, SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")]
 
@@ -109,39 +111,53 @@ def test_gpu_custom_all_reduce_two_ranks():
     assert all(p.exitcode == 0 for p in procs), "\n".join(messages) or [p.exitcode for p in procs]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from nanovllm.utils.checkpoint import make_random_checkpoint
+# ---- tensor parallelism in the engine ----------------------------------------------------------
 
-    return make_random_checkpoint(
-        str(tmp_path_factory.mktemp("gpu-qwen3-ar")), "tiny", dtype=torch.bfloat16, seed=1, std=0.1,
-        hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
-        num_hidden_layers=3, vocab_size=4096,
-    )
+def test_tp2_matches_tp1(model_dir):
+    """NCCL tensor parallelism over two GPUs, with prefix-cache hits and chunked prefill, in float32
+    with torch attention: the same tokens as one GPU. (Two ranks sum a row-parallel layer's partial
+    products in another order; in float32 that moves the logits by float32 rounding (2^-24
+    relative per operation), orders of magnitude below any top-2 gap here, while in bf16 it can flip
+    a near-tie.)"""
+    prompts = make_prompts()
+    kwargs = dict(dtype="float32", attention_backend="torch", kvcache_block_size=256, max_num_batched_tokens=512)
+    want, _ = run(model_dir, prompts, **kwargs)
+    got, again = run(model_dir, prompts, tensor_parallel_size=2, **kwargs)
+    assert got == want
+    assert again == got
 
 
-def generate(model_dir, **kwargs):
-    from nanovllm import LLM, SamplingParams
-
-    prompts = [[(7 * i + j) % 4096 for j in range(n)] for i, n in enumerate((1, 30, 257, 700, 64, 5))]
-    params = SamplingParams(temperature=0, max_tokens=40, logprobs=2, ignore_eos=True)
-    with LLM(model_dir, tensor_parallel_size=2, max_model_len=2048, max_num_seqs=16, max_num_batched_tokens=512,
-             **kwargs) as llm:
-        return [(o["token_ids"], o["logprobs"]) for o in llm.generate(prompts, params, use_tqdm=False)]
+def test_tp2_graphs_match_torch_reference(model_dir, reference, hf_model):
+    """bf16 with CUDA graphs (the all-reduce captured inside them) and the default backend agrees
+    with the one-GPU torch reference, near-ties aside."""
+    prompts = make_prompts()
+    got, again = run(model_dir, prompts, tensor_parallel_size=2, kvcache_block_size=256, max_num_batched_tokens=512)
+    assert_agree(hf_model, prompts, reference, got)
+    assert_agree(hf_model, prompts, got, again)
 
 
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
-def test_gpu_engine_custom_all_reduce_equals_nccl(model_dir, enforce_eager):
-    want = generate(model_dir, enforce_eager=enforce_eager, disable_custom_all_reduce=True)
-    got = generate(model_dir, enforce_eager=enforce_eager, disable_custom_all_reduce=False)
-    assert got == want
+def test_tp2_one_shot_all_reduce_equals_nccl(model_dir, enforce_eager):
+    """With two ranks every sum is one addition, which NCCL and the one-shot kernel round alike:
+    the same tokens and log-probabilities, bit for bit, in bf16."""
+    prompts = make_prompts()
+    params = SamplingParams(temperature=0, max_tokens=24, logprobs=2)
+    outputs = []
+    for nccl_only in (True, False):
+        with LLM(model_dir, tensor_parallel_size=2, max_model_len=2048, max_num_batched_tokens=512,
+                 enforce_eager=enforce_eager, disable_custom_all_reduce=nccl_only, **SMALL_BATCH) as llm:
+            outputs.append([(o["token_ids"], o["logprobs"]) for o in llm.generate(prompts, params, use_tqdm=False)])
+    assert outputs[1] == outputs[0]
 
 
-def test_gpu_engine_custom_all_reduce_worker_killed(model_dir):
-    """Rank 0 may be spinning in the one-shot kernel for the dead worker: the abort ends it."""
-    from nanovllm import LLM, SamplingParams
-
-    kwargs = dict(tensor_parallel_size=2, max_model_len=2048, disable_custom_all_reduce=False)
+@pytest.mark.parametrize("enforce_eager, nccl_only", [(True, True), (False, True), (False, False)],
+                         ids=["eager", "graphs", "graphs-one-shot-all-reduce"])
+def test_tp2_worker_killed_mid_generate(model_dir, enforce_eager, nccl_only):
+    """With NCCL, rank 0 may be waiting on a collective that the dead worker will never join (also
+    inside a CUDA graph), or spinning in the one-shot all-reduce for it: the engine must raise,
+    release both GPUs and let a new engine start."""
+    kwargs = dict(tensor_parallel_size=2, max_model_len=2048, kvcache_block_size=256, enforce_eager=enforce_eager,
+                  disable_custom_all_reduce=nccl_only)
     llm = LLM(model_dir, **kwargs)
     worker = llm.core.executor.workers.processes[0]
     threading.Timer(1.0, os.kill, (worker.pid, signal.SIGKILL)).start()
@@ -154,3 +170,5 @@ def test_gpu_engine_custom_all_reduce_worker_killed(model_dir):
     assert not multiprocessing.active_children()
     with LLM(model_dir, **kwargs) as llm:
         assert len(llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]["token_ids"]) == 4
+
+
