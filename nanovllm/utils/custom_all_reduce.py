@@ -88,7 +88,7 @@ def launch(x: torch.Tensor, data_ptrs: torch.Tensor, flag_ptrs: torch.Tensor, ep
 
 
 class CustomAllReduce:
-    """The one-shot all-reduce of this rank's tensor-parallel group (``create`` it on every rank
+    """The one-shot all-reduce of this rank's tensor-parallel group (every rank constructs it
     together). ``fits(x)`` says whether it takes ``x``; ``__call__(x)`` sums it in place."""
 
     def __init__(self, device: torch.device, rank: int, world: int, group_name: str):

@@ -42,10 +42,12 @@ def enable_custom_all_reduce(device: torch.device) -> bool:
 
 
 def _reaches_peers(device: torch.device, world: int) -> bool:
-    return all(torch.cuda.can_device_access_peer(device.index, other) for other in range(world) if other != device.index)
+    others = [i for i in range(world) if i != device.index]  # rank i runs on cuda:i
+    return all(torch.cuda.can_device_access_peer(device.index, other) for other in others)
 
 
 def disable_custom_all_reduce() -> None:
+    """Drop this process's one-shot all-reduce (its buffers go with it), before the group ends."""
     global _custom_all_reduce
     _custom_all_reduce = None
 
@@ -80,8 +82,9 @@ def wait_device(failure: Callable[[], str | None], event: torch.cuda.Event | Non
 
 
 def abort_nccl(drop_graphs: Callable[[], None], timeout: float = 30.0) -> bool:
-    """After a rank died: abort NCCL (and the one-shot all-reduce) so that kernels waiting on it quit. Returns whether the abort
-    finished (gloo needs none: its collectives fail when a peer's connection drops).
+    """After a rank died: abort NCCL (and the one-shot all-reduce) so that kernels waiting on it
+    quit. Returns whether the abort finished (gloo needs none: its collectives fail when a peer's
+    connection drops).
 
     The abort first tells the kernels to quit, then waits until no CUDA graph holds NCCL kernels;
     destroying a graph in turn waits until its launch has ended. So the abort runs in a thread of
