@@ -22,12 +22,12 @@ _custom_all_reduce = None  # this process's CustomAllReduce, while enabled
 
 
 def enable_custom_all_reduce(device: torch.device) -> bool:
-    """Set up the one-shot all-reduce for this rank's group (every rank calls this together). The
-    ranks first agree that each of them can: a CUDA device that reaches every other GPU of the
+    """Set up the one-shot all-reduce for this rank's group on CUDA ``device`` (every rank calls this
+    together). The ranks first agree that each of them can: its GPU reaches every other GPU of the
     group directly. Returns whether it is enabled; if not, NCCL sums everything."""
     global _custom_all_reduce
     world = dist.get_world_size()
-    able = torch.tensor([int(device.type == "cuda" and _reaches_peers(device, world))], device=device)
+    able = torch.tensor([int(_reaches_peers(device, world))], device=device)
     dist.all_reduce(able, op=dist.ReduceOp.MIN)
     if not able.item():
         return False
