@@ -2,26 +2,29 @@
 kernel, where NCCL spends much of its time in latency.
 
 Every rank holds a buffer that the other ranks of the host map (torch's symmetric memory over
-CUDA IPC, without NVLink multicast). A call copies this rank's tensor into its own buffer, tells
-every peer that its part is there, waits until every peer has said the same, and sums the ranks'
-buffers in rank order (in float32), so every rank computes exactly the same values.
+CUDA IPC, without NVLink multicast), with a slot for every rank. A call writes this rank's tensor
+into its slot of every rank's buffer (the only traffic between GPUs: writes, which NVLink carries
+faster than reads), tells every rank that its part is there, waits until every rank has said the
+same, and sums the slots of its own buffer in rank order (in float32), so every rank computes
+exactly the same values.
 
 Every call runs the same ``PROGRAMS`` programs, all resident at once (a program that waits for its
 peer must not keep that peer's counterpart from being scheduled); program ``p`` handles blocks
 ``p, p + PROGRAMS, ...`` of ``BLOCK`` elements on every rank, so the handshake is per program: rank
-``r`` writes epoch ``e`` into slot ``(p, r)`` of every rank's flags once its blocks are in its
-buffer. The epoch counts the calls on the device (CUDA graphs replay the same arguments), and the
-buffer alternates between two halves by its parity: a rank that sees its peers' epoch ``e`` knows
-they have finished the call before (a kernel starts after the previous one ends), so reading epoch
-``e - 1``'s half is over and epoch ``e + 1`` may overwrite it.
+``r`` writes epoch ``e`` into slot ``(p, r)`` of every rank's flags once its blocks are written.
+The epoch counts the calls on the device (CUDA graphs replay the same arguments), and the buffers
+alternate between two halves by its parity: a rank that sees its peers' epoch ``e`` knows they have
+finished the call before (a kernel starts after the previous one ends), so their sums of epoch
+``e - 1`` are over and epoch ``e + 1`` may write that half again.
 
 A spinning kernel never ends if a peer dies; ``abort()`` raises a flag in device memory that the
 waits poll, so the device drains and the engine can report the failure. (With a flag in pinned host
 memory, polled from the GPU, calls stalled by ~0.6 ms on the machine measured; the host read is the
 suspected cause.)
 
-It is off by default (``Config.disable_custom_all_reduce``): on 2 × H100 it was not yet faster than
-NCCL (BENCHMARKS.md)."""
+Torch pairs the ranks' symmetric-memory set-ups by a count kept per process, so a process sets the
+kernel up once: a later engine in the same process (whose other ranks are new processes) sums with
+NCCL (``distributed.enable_custom_all_reduce``)."""
 import os
 
 import torch
@@ -37,53 +40,55 @@ POLL_ABORT_EVERY = 64  # spins between two reads of the abort flag
 
 
 @triton.jit(do_not_specialize=["n", "rank"])
-def _one_shot_kernel(x_ptr, n, data_ptrs, flag_ptrs, epochs, abort_flag, rank, half,
+def _one_shot_kernel(x_ptr, n, data_ptrs, flag_ptrs, epochs, abort_flag, rank, slot,
                      WORLD: tl.constexpr, PROGRAMS: tl.constexpr, BLOCK: tl.constexpr, POLL: tl.constexpr):
     pid = tl.program_id(0)
     epoch = tl.load(epochs + pid) + 1
     tl.store(epochs + pid, epoch)
     num_blocks = tl.cdiv(n, BLOCK)
-    base = (epoch % 2) * half
+    half = (epoch % 2) * WORLD * slot  # the call's half of every buffer: one slot per rank
     elem = x_ptr.dtype.element_ty
-    own = tl.load(data_ptrs + rank).to(tl.pointer_type(elem))
-    for b in range(pid, num_blocks, PROGRAMS):
+    for b in range(pid, num_blocks, PROGRAMS):  # push: this rank's slot of every rank's buffer
         offs = b * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
-        tl.store(own + base + offs, tl.load(x_ptr + offs, mask=mask), mask=mask)
+        v = tl.load(x_ptr + offs, mask=mask)
+        for r in tl.static_range(WORLD):
+            dst = tl.load(data_ptrs + r).to(tl.pointer_type(elem))
+            tl.store(dst + half + rank * slot + offs, v, mask=mask)
     tl.debug_barrier()  # the program's blocks are written before the signal releases them
     for r in tl.static_range(WORLD):
         peer_flags = tl.load(flag_ptrs + r).to(tl.pointer_type(tl.int64))
         tl.atomic_xchg(peer_flags + pid * WORLD + rank, epoch, sem="release", scope="sys")
     flags = tl.load(flag_ptrs + rank).to(tl.pointer_type(tl.int64))
     for r in tl.static_range(WORLD):  # spin on plain reads, then one acquire orders what follows
-        slot = flags + pid * WORLD + r
+        signal = flags + pid * WORLD + r
         spins = 0
-        seen = tl.load(slot, volatile=True)
+        seen = tl.load(signal, volatile=True)
         while seen < epoch:
             spins += 1
-            seen = tl.load(slot, volatile=True)
+            seen = tl.load(signal, volatile=True)
             if spins % POLL == 0:
                 if tl.load(abort_flag, volatile=True) != 0:
                     seen = epoch
-        tl.atomic_add(slot, 0, sem="acquire", scope="sys")
+        tl.atomic_add(signal, 0, sem="acquire", scope="sys")
     tl.debug_barrier()
-    for b in range(pid, num_blocks, PROGRAMS):
+    own = tl.load(data_ptrs + rank).to(tl.pointer_type(elem)) + half
+    for b in range(pid, num_blocks, PROGRAMS):  # sum the slots of this rank's buffer, all local
         offs = b * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for r in tl.static_range(WORLD):
-            src = tl.load(data_ptrs + r).to(tl.pointer_type(elem))
-            acc += tl.load(src + base + offs, mask=mask, cache_modifier=".cg").to(tl.float32)
+        for r in tl.static_range(WORLD):  # .cg: past L1, which the peers' writes do not reach
+            acc += tl.load(own + r * slot + offs, mask=mask, cache_modifier=".cg").to(tl.float32)
         tl.store(x_ptr + offs, acc.to(elem), mask=mask)
 
 
 def launch(x: torch.Tensor, data_ptrs: torch.Tensor, flag_ptrs: torch.Tensor, epochs: torch.Tensor,
-           abort_flag: torch.Tensor, rank: int, world: int, half: int, programs: int = PROGRAMS) -> None:
-    """Sum ``x`` (contiguous, at most ``half`` elements) in place over the ranks whose buffers
-    (``half`` elements of x's dtype, twice) and int64 flags (``world`` per program) the int64
-    ``data_ptrs`` / ``flag_ptrs`` address; ``epochs`` (int64, one per program) counts the calls,
-    and a nonzero int32 ``abort_flag`` ends the waits."""
-    _one_shot_kernel[(programs,)](x, x.numel(), data_ptrs, flag_ptrs, epochs, abort_flag, rank, half,
+           abort_flag: torch.Tensor, rank: int, world: int, slot: int, programs: int = PROGRAMS) -> None:
+    """Sum ``x`` (contiguous, at most ``slot`` elements) in place over the ranks whose buffers
+    (two halves of ``world`` slots of ``slot`` elements of x's dtype) and int64 flags (``world``
+    per program) the int64 ``data_ptrs`` / ``flag_ptrs`` address; ``epochs`` (int64, one per
+    program) counts the calls, and a nonzero int32 ``abort_flag`` ends the waits."""
+    _one_shot_kernel[(programs,)](x, x.numel(), data_ptrs, flag_ptrs, epochs, abort_flag, rank, slot,
                                   WORLD=world, PROGRAMS=programs, BLOCK=BLOCK, POLL=POLL_ABORT_EVERY, num_warps=4)
 
 
@@ -96,7 +101,7 @@ class CustomAllReduce:
 
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")  # nothing here uses multicast
         self.rank, self.world = rank, world
-        self.data = symm_mem.empty(2 * MAX_BYTES, dtype=torch.uint8, device=device)  # two halves
+        self.data = symm_mem.empty(2 * world * MAX_BYTES, dtype=torch.uint8, device=device)  # two halves
         self.flags = symm_mem.empty(PROGRAMS * world, dtype=torch.int64, device=device)
         self.flags.zero_()
         torch.cuda.synchronize(device)

@@ -4,6 +4,7 @@ enabled and takes the tensor, else the process group's), and the two device wait
 hang on a dead rank."""
 import threading
 import time
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -19,20 +20,29 @@ def init_process_group(device: torch.device, rank: int, world_size: int, port: i
 
 
 _custom_all_reduce = None  # this process's CustomAllReduce, while enabled
+_set_up_before = False  # whether this process has set one up (torch allows it once per process)
 
 
 def enable_custom_all_reduce(device: torch.device) -> bool:
     """Set up the one-shot all-reduce for this rank's group on CUDA ``device`` (every rank calls this
     together). The ranks first agree that each of them can: its GPU reaches every other GPU of the
-    group directly. Returns whether it is enabled; if not, NCCL sums everything."""
-    global _custom_all_reduce
+    group directly, and its process has not set the kernel up before (see custom_all_reduce).
+    Returns whether it is enabled; if not, NCCL sums everything and rank 0 warns why."""
+    global _custom_all_reduce, _set_up_before
     world = dist.get_world_size()
-    able = torch.tensor([int(_reaches_peers(device, world))], device=device)
+    able = torch.tensor([int(_reaches_peers(device, world)), int(not _set_up_before)], device=device)
     dist.all_reduce(able, op=dist.ReduceOp.MIN)
-    if not able.item():
+    reaches, fresh = able.tolist()
+    if not (reaches and fresh):
+        if dist.get_rank() == 0:
+            why = ("a GPU of the group does not reach every other directly" if not reaches else
+                   "this process set it up for an earlier engine, and torch sets it up once per process")
+            warnings.warn(f"disable_custom_all_reduce=False: the one-shot all-reduce is not used ({why}); "
+                          "NCCL sums everything", stacklevel=2)
         return False
     from nanovllm.utils.custom_all_reduce import CustomAllReduce
 
+    _set_up_before = True
     try:
         _custom_all_reduce = CustomAllReduce(device, dist.get_rank(), world, dist.group.WORLD.group_name)
     except Exception as e:

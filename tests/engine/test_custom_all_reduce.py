@@ -1,9 +1,9 @@
 """The one-shot all-reduce kernel (nanovllm/utils/custom_all_reduce.py) under the Triton interpreter,
-as one rank of a group whose peers are simulated: their buffers hold their inputs in the half that
-the call's epoch selects, and their signals already stand in this rank's flags. The kernel must sum
-the ranks in rank order (every rank the same float32 sum) over the blocks each program loops over,
-signal every rank's flags with the epoch, count the calls, alternate halves, and give up a wait
-when the abort flag is set. The real handshake between GPUs runs in tests/gpu/test_gpu_tensor_parallel.py."""
+as one rank of a group whose peers are simulated: their inputs stand in their slots of this rank's
+buffer, in the half that the call's epoch selects, and their signals in this rank's flags. The kernel
+must write its input into its slot of every rank's buffer, sum the slots in rank order (every rank
+the same float32 sum) over the blocks each program loops over, signal every rank's flags with the
+epoch, count the calls, alternate halves, and give up a wait when the abort flag is set. The real handshake between GPUs runs in tests/gpu/test_gpu_tensor_parallel.py."""
 import json
 
 import pytest
@@ -11,7 +11,7 @@ import torch
 
 from triton_interpreter import results_under_interpreter, round_interpreter_casts_to_nearest, run_cases
 
-BLOCKS = 5  # the buffer's half holds 5 blocks
+BLOCKS = 5  # a slot of the buffer holds 5 blocks
 PROGRAMS = 2  # programs of a call (the library runs more): each program handles every other block
 
 
@@ -21,26 +21,30 @@ def simulate(world: int, rank: int, inputs: list[list[torch.Tensor]], dtype=torc
     call k. Returns what the tests check, as lists."""
     from nanovllm.utils.custom_all_reduce import BLOCK, launch
 
-    half = BLOCKS * BLOCK
-    data = [torch.zeros(2 * half, dtype=dtype) for _ in range(world)]
+    slot = BLOCKS * BLOCK
+    data = [torch.zeros(2 * world * slot, dtype=dtype) for _ in range(world)]
     flags = [torch.zeros(PROGRAMS * world, dtype=torch.int64) for _ in range(world)]
     epochs = torch.zeros(PROGRAMS, dtype=torch.int64)
     abort_flag = torch.tensor([int(abort)], dtype=torch.int32)
     data_ptrs = torch.tensor([d.data_ptr() for d in data])
     flag_ptrs = torch.tensor([f.data_ptr() for f in flags])
-    out = {"sums": [], "own_half": [], "signals": [], "epochs": []}
+    out = {"sums": [], "pushed": [], "signals": [], "epochs": []}
     for k, call in enumerate(inputs, start=1):
         n = call[rank].numel()
-        mine = slice((k % 2) * half, (k % 2) * half + n)  # call k's half of a rank's buffer
+
+        def slot_of(r: int) -> slice:  # rank r's slot in call k's half of a buffer
+            start = ((k % 2) * world + r) * slot
+            return slice(start, start + n)
+
         for r in range(world):
             if r != rank:
-                data[r][mine] = call[r]
+                data[rank][slot_of(r)] = call[r]
                 if peers_signal:
                     flags[rank].view(PROGRAMS, world)[:, r] = k
         x = call[rank].clone()
-        launch(x, data_ptrs, flag_ptrs, epochs, abort_flag, rank, world, half, programs=PROGRAMS)
+        launch(x, data_ptrs, flag_ptrs, epochs, abort_flag, rank, world, slot, programs=PROGRAMS)
         out["sums"].append(x.float().tolist())
-        out["own_half"].append(torch.equal(data[rank][mine], call[rank]))
+        out["pushed"].append([torch.equal(data[r][slot_of(rank)], call[rank]) for r in range(world)])
         out["signals"].append([flags[r].view(PROGRAMS, world)[:, rank].tolist() for r in range(world)])
         out["epochs"].append(epochs.tolist())
     return out
@@ -104,7 +108,7 @@ def test_one_shot_sums_and_signals(interpreter_results, name):
     got = interpreter_results[name]
     assert "error" not in got, got
     assert got["sums"] == got["want"]  # exactly: the same float32 additions in rank order
-    assert all(got["own_half"])  # this rank's input went into the half of the call's epoch
+    assert got["pushed"] == [[True] * world] * len(sizes)  # into its slot of every buffer, the epoch's half
     for k in range(1, len(sizes) + 1):
         assert got["epochs"][k - 1] == [k] * PROGRAMS  # every program counts every call
         assert got["signals"][k - 1] == [[k] * PROGRAMS] * world  # and signals every rank

@@ -11,6 +11,7 @@ import signal
 import threading
 import time
 import traceback
+import warnings
 
 import pytest
 import torch
@@ -136,26 +137,48 @@ def test_tp2_graphs_match_torch_reference(model_dir, reference, hf_model):
     assert_agree(hf_model, prompts, got, again)
 
 
+def in_fresh_process(fn, *args):
+    """Run ``fn(*args)`` in a new process (as rank 0 of the engines it starts) and return its result:
+    torch sets the one-shot all-reduce up once per process, so every engine that is to use it
+    starts from one."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    child = ctx.Process(target=_return_to, args=(results, fn, *args))
+    child.start()
+    ok, value = results.get(timeout=200)
+    child.join(60)
+    assert ok, value
+    return value
+
+
+def _return_to(results, fn, *args) -> None:
+    faulthandler.dump_traceback_later(170, exit=True)  # a hang shows where, and ends
+    try:
+        results.put((True, fn(*args)))
+    except BaseException:
+        results.put((False, traceback.format_exc()))
+
+
+def _tp2_outputs(model_dir, enforce_eager: bool, nccl_only: bool) -> list:
+    from nanovllm.utils import distributed
+
+    prompts = make_prompts()
+    params = SamplingParams(temperature=0, max_tokens=24, logprobs=2)
+    with LLM(model_dir, tensor_parallel_size=2, max_model_len=2048, max_num_batched_tokens=512,
+             enforce_eager=enforce_eager, disable_custom_all_reduce=nccl_only, **SMALL_BATCH) as llm:
+        assert (distributed._custom_all_reduce is None) == nccl_only
+        return [(o["token_ids"], o["logprobs"]) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
 def test_tp2_one_shot_all_reduce_equals_nccl(model_dir, enforce_eager):
     """With two ranks every sum is one addition, which NCCL and the one-shot kernel round alike:
     the same tokens and log-probabilities, bit for bit, in bf16."""
-    prompts = make_prompts()
-    params = SamplingParams(temperature=0, max_tokens=24, logprobs=2)
-    outputs = []
-    for nccl_only in (True, False):
-        with LLM(model_dir, tensor_parallel_size=2, max_model_len=2048, max_num_batched_tokens=512,
-                 enforce_eager=enforce_eager, disable_custom_all_reduce=nccl_only, **SMALL_BATCH) as llm:
-            outputs.append([(o["token_ids"], o["logprobs"]) for o in llm.generate(prompts, params, use_tqdm=False)])
-    assert outputs[1] == outputs[0]
+    want = _tp2_outputs(model_dir, enforce_eager, nccl_only=True)
+    assert in_fresh_process(_tp2_outputs, model_dir, enforce_eager, False) == want
 
 
-@pytest.mark.parametrize("enforce_eager, nccl_only", [(True, True), (False, True), (False, False)],
-                         ids=["eager", "graphs", "graphs-one-shot-all-reduce"])
-def test_tp2_worker_killed_mid_generate(model_dir, enforce_eager, nccl_only):
-    """With NCCL, rank 0 may be waiting on a collective that the dead worker will never join (also
-    inside a CUDA graph), or spinning in the one-shot all-reduce for it: the engine must raise,
-    release both GPUs and let a new engine start."""
+def _kill_a_worker(model_dir, enforce_eager: bool, nccl_only: bool) -> None:
     kwargs = dict(tensor_parallel_size=2, max_model_len=2048, kvcache_block_size=256, enforce_eager=enforce_eager,
                   disable_custom_all_reduce=nccl_only)
     llm = LLM(model_dir, **kwargs)
@@ -168,7 +191,21 @@ def test_tp2_worker_killed_mid_generate(model_dir, enforce_eager, nccl_only):
     assert time.monotonic() - start < 30
     llm.exit()
     assert not multiprocessing.active_children()
-    with LLM(model_dir, **kwargs) as llm:
-        assert len(llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]["token_ids"]) == 4
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with LLM(model_dir, **kwargs) as llm:
+            assert len(llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]["token_ids"]) == 4
+    # a second engine of this process sums with NCCL, and says so
+    assert any("once per process" in str(w.message) for w in caught) == (not nccl_only)
 
 
+@pytest.mark.parametrize("enforce_eager, nccl_only", [(True, True), (False, True), (False, False)],
+                         ids=["eager", "graphs", "graphs-one-shot-all-reduce"])
+def test_tp2_worker_killed_mid_generate(model_dir, enforce_eager, nccl_only):
+    """With NCCL, rank 0 may be waiting on a collective that the dead worker will never join (also
+    inside a CUDA graph), or spinning in the one-shot all-reduce for it: the engine must raise,
+    release both GPUs and let a new engine start."""
+    if nccl_only:
+        _kill_a_worker(model_dir, enforce_eager, nccl_only)
+    else:
+        in_fresh_process(_kill_a_worker, model_dir, enforce_eager, nccl_only)
