@@ -7,6 +7,7 @@ one-shot kernel (test_gpu.py's checkpoint, prompts and torch reference)."""
 import faulthandler
 import multiprocessing
 import os
+import queue
 import signal
 import threading
 import time
@@ -145,7 +146,16 @@ def in_fresh_process(fn, *args):
     results = ctx.Queue()
     child = ctx.Process(target=_return_to, args=(results, fn, *args))
     child.start()
-    ok, value = results.get(timeout=200)
+    deadline = time.monotonic() + 200
+    while True:
+        try:
+            ok, value = results.get(timeout=1)
+            break
+        except queue.Empty:
+            if not child.is_alive() or time.monotonic() > deadline:
+                child.kill()  # its workers follow rank 0
+                child.join()
+                raise AssertionError(f"the child process gave no result in 200 s (exit code {child.exitcode})")
     child.join(60)
     assert ok, value
     return value
