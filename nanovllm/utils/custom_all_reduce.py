@@ -3,10 +3,10 @@ kernel, where NCCL spends much of its time in latency.
 
 Every rank holds a buffer that the other ranks of the host map (torch's symmetric memory over
 CUDA IPC, without NVLink multicast), with a slot for every rank. A call writes this rank's tensor
-into its slot of every rank's buffer (the only traffic between GPUs: writes, which NVLink carries
-faster than reads), tells every rank that its part is there, waits until every rank has said the
-same, and sums the slots of its own buffer in rank order (in float32), so every rank computes
-exactly the same values.
+into its slot of every rank's buffer (the only traffic between GPUs: writes, which need no round
+trip and were measured faster than reads), tells every rank that its part is there, waits until
+every rank has said the same, and sums the slots of its own buffer in rank order (in float32), so
+every rank computes exactly the same values.
 
 Every call runs the same ``PROGRAMS`` programs, all resident at once (a program that waits for its
 peer must not keep that peer's counterpart from being scheduled); program ``p`` handles blocks
@@ -104,7 +104,7 @@ class CustomAllReduce:
 
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")  # nothing here uses multicast
         self.rank, self.world = rank, world
-        self.data = symm_mem.empty(2 * world * MAX_BYTES, dtype=torch.uint8, device=device)  # two halves
+        self.data = symm_mem.empty(2 * world * MAX_BYTES, dtype=torch.uint8, device=device)  # 2 halves x world slots
         self.flags = symm_mem.empty(PROGRAMS * world, dtype=torch.int64, device=device)
         self.flags.zero_()
         torch.cuda.synchronize(device)

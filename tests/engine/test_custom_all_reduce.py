@@ -3,7 +3,8 @@ as one rank of a group whose peers are simulated: their inputs stand in their sl
 buffer, in the half that the call's epoch selects, and their signals in this rank's flags. The kernel
 must write its input into its slot of every rank's buffer, sum the slots in rank order (every rank
 the same float32 sum) over the blocks each program loops over, signal every rank's flags with the
-epoch, count the calls, alternate halves, and give up a wait when the abort flag is set. The real handshake between GPUs runs in tests/gpu/test_gpu_tensor_parallel.py."""
+epoch, count the calls, alternate halves, and give up a wait when the abort flag is set. The real
+handshake between GPUs runs in tests/gpu/test_gpu_tensor_parallel.py."""
 import json
 
 import pytest
