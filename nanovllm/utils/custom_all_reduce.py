@@ -46,7 +46,8 @@ POLL_ABORT_EVERY = 64  # spins between two reads of the abort flag
 def _one_shot_kernel(x_ptr, n, data_ptrs, flag_ptrs, epochs, abort_flag, rank, slot,
                      WORLD: tl.constexpr, PROGRAMS: tl.constexpr, BLOCK: tl.constexpr, POLL: tl.constexpr):
     pid = tl.program_id(0)
-    epoch = tl.load(epochs + pid) + 1
+    epoch = tl.load(epochs + pid) + 1  # every thread reads the count; one thread stores it
+    tl.debug_barrier()  # so no warp may read the count after it moved on (its waits would never end)
     tl.store(epochs + pid, epoch)
     num_blocks = tl.cdiv(n, BLOCK)
     half = (epoch % 2) * WORLD * slot  # the call's half of every buffer: one slot per rank

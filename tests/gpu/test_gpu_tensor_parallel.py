@@ -1,7 +1,8 @@
 """The one-shot all-reduce (nanovllm/utils/custom_all_reduce.py) on two GPUs, one process each
 (skipped with fewer): exactly the float32 sum of the ranks' tensors in rank order, rounded once to
 the dtype, on every rank alike; over sizes that end inside a block, calls in a row (the epochs and
-the two halves of the buffer), calls inside a CUDA graph replayed with new inputs, and an abort that
+the two halves of the buffer), calls inside a CUDA graph replayed with new inputs, many small calls
+with the ranks arriving at different times, and an abort that
 frees a call whose peer never comes. Then tensor parallelism in the engine, with NCCL and with the
 one-shot kernel (test_gpu.py's checkpoint, prompts and torch reference)."""
 import faulthandler
@@ -24,6 +25,7 @@ from nanovllm import LLM, SamplingParams
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")]
 
 WORLD = 2
+STRESS_CALLS = 20_000
 SIZES = [1, 7, 1024, 1025, 4096, 3 * 4096 + 5, 256 * 4096, 4 << 20]  # elements; the last is 8 MiB of bf16
 
 
@@ -72,6 +74,22 @@ def _checks(rank: int) -> None:
         graph.replay()
         for i, x in enumerate(static):
             assert torch.equal(x, expected(x.numel(), x.dtype, seed + 1000 * i)), ("graph", i)
+    # many small calls in a row, the ranks arriving at different times (a few matmuls of their own
+    # first): every sum is right and every program counted every call (a warp that read its
+    # program's count after another had advanced it waited for an epoch that never came)
+    counts = custom.epochs.clone()
+    x = torch.empty(16 * 4096, dtype=torch.bfloat16, device="cuda")
+    wrong = torch.zeros((), dtype=torch.int64, device="cuda")
+    a, out = torch.randn(1024, 1024, device="cuda"), torch.empty(1024, 1024, device="cuda")
+    delays = torch.randint(0, 3, (STRESS_CALLS,), generator=torch.Generator().manual_seed(rank)).tolist()
+    for i, delay in enumerate(delays):
+        for _ in range(delay):
+            torch.mm(a, a, out=out)
+        x.fill_((rank + 1) * (i % 7 + 1))
+        custom(x)
+        wrong += (x != 3 * (i % 7 + 1)).sum()
+    assert wrong.item() == 0
+    assert torch.equal(custom.epochs, counts + STRESS_CALLS)
     # an abort frees a call whose peer never comes (rank 1 stays away)
     torch.distributed.barrier()
     torch.cuda.synchronize()
