@@ -26,8 +26,7 @@ Torch pairs the ranks' symmetric-memory set-ups by a count kept per process, so 
 kernel up once: a later engine in the same process (whose other ranks are new processes) sums with
 NCCL (``distributed.enable_custom_all_reduce``).
 
-It is off by default (``Config.disable_custom_all_reduce``): on 2 × H100 it sums 8 KiB-4 MiB faster
-than NCCL, but a Qwen3-8B benchmark with it did not finish (BENCHMARKS.md); the cause is not known."""
+``Config.disable_custom_all_reduce=True`` leaves every sum to NCCL."""
 import os
 
 import torch
