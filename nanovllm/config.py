@@ -51,9 +51,9 @@ class Config:
     async_scheduling: bool = True
     quantization: str | None = None  # "fp8": quantize a float checkpoint's linear layers at load (FP8 checkpoints need not ask)
     enable_sleep_mode: bool = False  # allow llm.sleep(level) / llm.wake_up() (engine/sleep.py)
-    # False: tensor parallelism on GPUs sums tensors up to 8 MiB with the one-shot kernel
-    # (utils/custom_all_reduce.py), larger ones with NCCL; True: NCCL sums every all-reduce
-    disable_custom_all_reduce: bool = False
+    # False: tensor parallelism sums tensors up to 8 MiB with the one-shot kernel (utils/custom_all_reduce.py);
+    # True (the default until a dead worker is reported as fast with it as without): NCCL sums every all-reduce
+    disable_custom_all_reduce: bool = True
     hf_config: object = field(default=None, init=False, repr=False)
     # what the weights run as: an FP8 checkpoint's "fp8" whatever ``quantization`` says, else ``quantization``
     weight_quantization: str | None = field(default=None, init=False)

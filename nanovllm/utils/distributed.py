@@ -37,8 +37,8 @@ def enable_custom_all_reduce(device: torch.device) -> bool:
         if dist.get_rank() == 0:
             why = ("a GPU of the group does not reach every other directly" if not reaches else
                    "this process set it up for an earlier engine, and torch sets it up once per process")
-            warnings.warn(f"the one-shot all-reduce is not used ({why}); NCCL sums everything "
-                          "(LLM(..., disable_custom_all_reduce=True) says so without this warning)", stacklevel=2)
+            warnings.warn(f"disable_custom_all_reduce=False: the one-shot all-reduce is not used ({why}); "
+                          "NCCL sums everything", stacklevel=2)
         return False
     from nanovllm.utils.custom_all_reduce import CustomAllReduce
 
