@@ -21,7 +21,6 @@ Run it from the repository root as ``python benchmarks/bench_floor.py ...``. It 
 folder is on ``sys.path``).
 """
 import argparse
-import math
 import re
 import sys
 from pathlib import Path

@@ -7,7 +7,6 @@ each 128-wide k-block of a product is summed by the tensor cores and added to th
 scale per k-block; the expert's intermediate size is a multiple of 128 (the FP8 loader checks it),
 so the up rows start on a block boundary.
 """
-import torch
 import triton
 import triton.language as tl
 
