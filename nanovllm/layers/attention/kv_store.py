@@ -6,6 +6,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.layers.attention.interface import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
+from nanovllm.utils.dependent_launch import launch_options, pdl, wait_for_inputs
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
 _FP8_MIN_SCALE = tl.constexpr(FP8_MIN_SCALE)
@@ -90,9 +91,11 @@ def _rope_store_kernel(
     block_size, stride_sb, stride_st, stride_sh,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr,
     HALF: tl.constexpr, HAS_NORM: tl.constexpr, WRITE_K: tl.constexpr, STORE: tl.constexpr, FP8: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program per token: its q and k heads normalised (HAS_NORM) and rotated, q (and k, with
     WRITE_K) written out, k and v stored into the cache slot (STORE; slot -1 skips)."""
+    wait_for_inputs(PDL)
     token = tl.program_id(0)
     pos = tl.load(positions_ptr + token)
     d = tl.arange(0, HALF)
@@ -148,6 +151,6 @@ def rope_and_store(
             k_cache.shape[1] if store else 1, *(k_scale.stride() if fp8 else (0, 0, 0)),
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEADS_PAD=triton.next_power_of_2(num_heads),
             KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads), HALF=head_dim // 2, HAS_NORM=norm is not None,
-            WRITE_K=write_k, STORE=store, FP8=fp8, num_warps=4,
+            WRITE_K=write_k, STORE=store, FP8=fp8, PDL=pdl(qkv.device), num_warps=4, **launch_options(qkv.device),
         )
     return q, k, v

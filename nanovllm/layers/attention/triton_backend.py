@@ -18,6 +18,7 @@ from nanovllm.layers.quantization.fp8 import BLOCK, QuantizedRows
 from nanovllm.layers.quantization.fp8_cublas import ROW_MULTIPLE
 from nanovllm.layers.quantization.fp8_triton import empty_quantized
 from nanovllm.utils.context import Context
+from nanovllm.utils.dependent_launch import launch_options, pdl
 
 # Shared memory a tile configuration may plan for, by ``shared_memory_estimate``: under the H100's
 # and H200's 232448-byte limit per block, with room to spare.
@@ -197,13 +198,14 @@ class TritonAttentionBackend(AttentionBackend):
             qo, qo_scales, num_seqs, m_out,
             NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
             BLOCK_SIZE=block_size, BLOCK_N=tile.block_n, NUM_SPLITS=num_splits, TABLE_PAD=table_pad,
-            FP8=fp8, DOT_DTYPE=dot_dtype, QUANTIZE=quantize,
-            num_warps=tile.num_warps, num_stages=tile.num_stages,
+            FP8=fp8, DOT_DTYPE=dot_dtype, QUANTIZE=quantize, PDL=pdl(q.device),
+            num_warps=tile.num_warps, num_stages=tile.num_stages, **launch_options(q.device),
         )
         if num_splits > 1:
             _decode_reduce_kernel[(m_out, num_heads)](
                 out, part_acc, part_ml, out.stride(0), out.stride(1), qo, qo_scales, num_seqs, m_out,
-                NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, QUANTIZE=quantize, num_warps=4,
+                NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, QUANTIZE=quantize, PDL=pdl(q.device),
+                num_warps=4, **launch_options(q.device),
             )
         return QuantizedRows(qo, qo_scales, num_seqs, q.dtype) if quantize else out
 

@@ -7,6 +7,7 @@ import triton.language as tl
 
 from nanovllm.layers.attention.triton_kernels import MASKED, _dot, _fp8_query, _fp8_scores, _online_softmax_step
 from nanovllm.layers.quantization.fp8_triton import quantize_store
+from nanovllm.utils.dependent_launch import wait_for_inputs
 
 
 @triton.jit
@@ -36,7 +37,7 @@ def _decode_kernel(
     qo_ptr, qo_scale_ptr, num_seqs, m_out,  # QUANTIZE only (num_seqs: for the partial sums too)
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, TABLE_PAD: tl.constexpr,
-    FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, QUANTIZE: tl.constexpr,
+    FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, QUANTIZE: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program: all GROUP query heads sharing one KV head, over one split of one sequence's
     context. With NUM_SPLITS == 1 it writes the output (``_store_output``); otherwise unnormalised
@@ -45,6 +46,7 @@ def _decode_kernel(
     once and picked from registers, so no load in the loop waits on another and the pipeline can
     fetch tiles ahead. grid: (num_seqs, num_kv_heads, NUM_SPLITS); with QUANTIZE and one split
     (m_out, ...): the rows past num_seqs read nothing and come out as zeros with scale 1."""
+    wait_for_inputs(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -112,9 +114,11 @@ def _decode_kernel(
 def _decode_reduce_kernel(
     o_ptr, part_acc_ptr, part_ml_ptr, stride_ot, stride_oh, qo_ptr, qo_scale_ptr, num_seqs, m_out,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, QUANTIZE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Merge the splits of one (sequence, head). grid: (num_seqs, num_heads); with QUANTIZE
     (m_out, num_heads), the rows past num_seqs zeros with scale 1."""
+    wait_for_inputs(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     real_seq = tl.minimum(seq, num_seqs - 1)

@@ -18,6 +18,7 @@ from nanovllm.layers.layernorm import add_rms_norm, rms_norm
 from nanovllm.layers.quantization.fp8 import BLOCK, QuantizedRows, quantize_to_rows
 from nanovllm.layers.quantization.fp8_cublas import ROW_MULTIPLE
 from nanovllm.layers.quantization.fp8_triton import empty_quantized, quantize_store
+from nanovllm.utils.dependent_launch import launch_options, pdl, wait_for_inputs
 
 _BLOCK = tl.constexpr(BLOCK)
 
@@ -25,9 +26,10 @@ _BLOCK = tl.constexpr(BLOCK)
 # Row counts are not specialised on (a new count would compile a new variant mid-call).
 @triton.jit(do_not_specialize=["M", "M_OUT"])
 def _rms_norm_quant_kernel(x_ptr, res_ptr, w_ptr, sum_ptr, q_ptr, scale_ptr, M, M_OUT, eps, stride_x, stride_r,
-                           N: tl.constexpr, GROUPS: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+                           N: tl.constexpr, GROUPS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
     """One row: (x + residual, rounded; written to ``sum_ptr``), its RMSNorm times the weight, each
     rounded to x's dtype, quantized per 128 channels. Rows from M to M_OUT (the grid) read as zeros."""
+    wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)  # (row offsets past 2^31 elements in a large prefill)
     group = tl.arange(0, GROUPS)
     cols = group[:, None] * _BLOCK + tl.arange(0, _BLOCK)[None, :]  # [GROUPS, 128]
@@ -46,9 +48,10 @@ def _rms_norm_quant_kernel(x_ptr, res_ptr, w_ptr, sum_ptr, q_ptr, scale_ptr, M, 
 
 
 @triton.jit(do_not_specialize=["M", "M_OUT"])
-def _silu_mul_quant_kernel(x_ptr, q_ptr, scale_ptr, M, M_OUT, N, stride_x, BLOCK_ROWS: tl.constexpr):
+def _silu_mul_quant_kernel(x_ptr, q_ptr, scale_ptr, M, M_OUT, N, stride_x, BLOCK_ROWS: tl.constexpr, PDL: tl.constexpr):
     """BLOCK_ROWS rows x one 128-channel group of SiLU(gate) * up (x = [gate | up], N channels each),
     each op rounded to x's dtype, quantized. Rows from M to M_OUT read as zeros."""
+    wait_for_inputs(PDL)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # (offsets past 2^31)
     group = tl.program_id(1)
     cols = group * _BLOCK + tl.arange(0, _BLOCK)
@@ -92,8 +95,8 @@ def rms_norm_quantized_triton(x: torch.Tensor, residual: torch.Tensor | None, we
         _rms_norm_quant_kernel[(m_out,)](
             x, residual if residual is not None else x, weight, total if total is not None else x, q, scales, m,
             m_out, eps, x.stride(0), residual.stride(0) if residual is not None else 0, N=n,
-            GROUPS=triton.next_power_of_2(scales.shape[0]), HAS_RESIDUAL=residual is not None,
-            num_warps=8 if n >= 4096 else 4)  # at 4096 channels and 16-256 rows: 8 warps 0.6-0.9 us faster
+            GROUPS=triton.next_power_of_2(scales.shape[0]), HAS_RESIDUAL=residual is not None, PDL=pdl(x.device),
+            num_warps=8 if n >= 4096 else 4, **launch_options(x.device))  # at 4096 channels and 16-256 rows: 8 warps 0.6-0.9 us faster
     rows = QuantizedRows(q, scales, m, x.dtype)
     return rows if residual is None else (rows, total)
 
@@ -104,5 +107,6 @@ def silu_and_mul_quantized_triton(x: torch.Tensor) -> QuantizedRows:
     m, n = x.shape[0], x.shape[1] // 2
     m_out, q, scales = empty_quantized(m, n, ROW_MULTIPLE, x.device)
     if m_out:  # (a multiple of 16)
-        _silu_mul_quant_kernel[(m_out // 16, scales.shape[0])](x, q, scales, m, m_out, n, x.stride(0), BLOCK_ROWS=16)
+        _silu_mul_quant_kernel[(m_out // 16, scales.shape[0])](x, q, scales, m, m_out, n, x.stride(0), BLOCK_ROWS=16,
+                                                               PDL=pdl(x.device), **launch_options(x.device))
     return QuantizedRows(q, scales, m, x.dtype)

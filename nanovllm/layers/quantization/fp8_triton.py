@@ -42,10 +42,12 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from nanovllm.layers.quantization import fp8_cublas
 from nanovllm.layers.quantization.fp8 import BLOCK, FP8_DTYPE, FP8_MAX, QuantizedRows
+from nanovllm.utils.dependent_launch import launch_options, pdl, prefetch_l2, wait_for_inputs
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
 _BLOCK_K = tl.constexpr(BLOCK)
 PRECISE = False  # the default of fp8_linear_triton's ``precise`` (tests comparing with the CPU set it)
+PREFETCH_WEIGHTS = True  # see _fp8_gemm_kernel
 
 
 class GemmTile(NamedTuple):
@@ -84,16 +86,18 @@ def _quantize_kernel(x_ptr, q_ptr, scale_ptr, M, M_OUT, K, stride_xm, stride_qm,
 
 
 @triton.jit(do_not_specialize=["M", "stride_xsk"])
-def _fp8_gemm_kernel(q_src, xs_ptr, w_src, ws_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr, M, N, K, stride_qm,
-                     stride_xsk, stride_wn, stride_wsn, stride_om, TMA: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     PRECISE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
-                     SPLIT_K: tl.constexpr):
+def _fp8_gemm_kernel(q_src, xs_ptr, w_src, w_ptr, ws_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr, M, N, K,
+                     stride_qm, stride_xsk, stride_wn, stride_wsn, stride_om, TMA: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, PRECISE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
     """``q_src``/``w_src``: TMA descriptors of the e4m3 activations [M, K] and weight [N, K] (``TMA``),
     or their pointers. BLOCK_N divides 128, so a tile's outputs share one weight scale per k-block.
     With SPLIT_K > 1 the k-blocks are cut into SPLIT_K ranges (grid axis 1); each program writes its
     float32 sum to ``partial_ptr`` [SPLIT_K, M, N] and counts itself in ``counter_ptr[tile]``; the
     last of a tile adds the SPLIT_K sums in range order (the same result whichever program is last),
-    writes the output and sets the counter back to zero."""
+    writes the output and sets the counter back to zero. With PREFETCH (which needs 128 | K >= 256
+    and 16-byte aligned rows) the program asks for its first two k-blocks of weight rows to be
+    brought into L2 while it waits for the previous kernel (``dependent_launch``)."""
     # programs of one group of GROUP_M token tiles walk the same weight tiles together (L2 reuse)
     pid, tiles_m, tiles_n = tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     first_m = (pid // (GROUP_M * tiles_n)) * GROUP_M
@@ -108,6 +112,10 @@ def _fp8_gemm_kernel(q_src, xs_ptr, w_src, ws_ptr, bias_ptr, out_ptr, partial_pt
     k_blocks = tl.cdiv(tl.cdiv(K, _BLOCK_K), SPLIT_K)  # per range
     first_kb = tl.program_id(1) * k_blocks
     last_kb = tl.minimum(first_kb + k_blocks, tl.cdiv(K, _BLOCK_K))
+    if PREFETCH:  # the weights: no kernel writes them, so they may be read before the wait
+        first = tl.minimum(first_kb, K // _BLOCK_K - 2)  # (an empty range's reads stay in its rows)
+        prefetch_l2(w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * stride_wn + first * _BLOCK_K)
+    wait_for_inputs(PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(first_kb, last_kb):
         if TMA:  # out-of-bounds rows and columns read as zeros
@@ -263,9 +271,12 @@ def fp8_linear_triton(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, wei
                and weight.data_ptr() % 16 == 0)
         q_src = TensorDescriptor.from_tensor(q, [t.block_m, BLOCK]) if tma else q
         w_src = TensorDescriptor.from_tensor(weight, [t.block_n, BLOCK]) if tma else weight
+        dependent = pdl(weight.device)
         _fp8_gemm_kernel[(tiles, splits)](
-            q_src, x_scale, w_src, weight_scale, bias if bias is not None else out, out, partials, counters, m, n,
+            q_src, x_scale, w_src, weight, weight_scale, bias if bias is not None else out, out, partials, counters, m, n,
             k, q.stride(0), x_scale.stride(0), weight.stride(0), weight_scale.stride(0), out.stride(0), TMA=tma,
             HAS_BIAS=bias is not None, PRECISE=precise, BLOCK_M=t.block_m,
-            BLOCK_N=t.block_n, GROUP_M=t.group_m, SPLIT_K=splits, num_warps=t.num_warps, num_stages=t.num_stages)
+            BLOCK_N=t.block_n, GROUP_M=t.group_m, SPLIT_K=splits, PDL=dependent,
+            PREFETCH=dependent and PREFETCH_WEIGHTS and tma and k % BLOCK == 0 and k >= 2 * BLOCK,
+            num_warps=t.num_warps, num_stages=t.num_stages, **launch_options(weight.device))
     return out.view(*lead, n)
