@@ -11,6 +11,7 @@ import torch.multiprocessing as mp
 from nanovllm.config import Config
 from nanovllm.engine.control_channel import ControlChannel
 from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.utils.distributed import abort_custom_all_reduce
 
 
 def _worker_main(config: Config, rank: int, dist_port: int, channel_name: str, event) -> None:
@@ -84,9 +85,12 @@ class WorkerGroup:
         """A worker killed while it waited on its event leaves ``Event.set()`` (in the engine)
         waiting for it to wake up, forever: the event's condition counts it as a sleeper. Once
         that wake-up is pending (its wait semaphore is up and nobody will take it), acknowledge
-        it on the dead worker's behalf; ``set()`` then returns and the engine sees the failure."""
+        it on the dead worker's behalf; ``set()`` then returns and the engine sees the failure.
+        First, the one-shot all-reduce of this rank is told to stop waiting on its peers."""
         sentinels = [p.sentinel for p in self.processes]
         wait(sentinels)
+        if not self.closing:  # a worker died: free this rank's one-shot all-reduce waits on it at once
+            abort_custom_all_reduce()
         pending = [False] * len(self.processes)
         while not self.closing:
             dead = wait(sentinels, 0)  # not p.exitcode: reaping here would race failure()

@@ -17,19 +17,23 @@ alternate between two halves by its parity: a rank that sees its peers' epoch ``
 finished the call before (a kernel starts after the previous one ends), so their sums of epoch
 ``e - 1`` are over and epoch ``e + 1`` may write that half again.
 
-A spinning kernel never ends if a peer dies; ``abort()`` raises a flag in device memory that the
-waits poll, so the device drains and the engine can report the failure. (With a flag in pinned host
-memory, polled from the GPU, calls stalled by ~0.6 ms on the machine measured; the host read is the
-suspected cause.)
+A spinning kernel never ends if a peer dies; ``abort()`` raises a flag that the waits poll, so the
+device drains and the engine can report the failure. The flag lives in pinned host memory and is
+raised by a plain store from any thread, with no CUDA call: a copy into device memory (tried first)
+never ran while the kernels spun, queued behind work that waited on them, and a thread blocked in a
+CUDA call that waits for the device (eager mode loading a kernel) is freed only this way. A wait
+reads the flag once every ``POLL_ABORT_EVERY`` spins, so a call whose peers come in time never
+reads host memory (polled every 64 spins, 256 programs reading it at once stalled calls
+by ~0.6 ms).
 
 Torch pairs the ranks' symmetric-memory set-ups by a count kept per process, so a process sets the
 kernel up once: a later engine in the same process (whose other ranks are new processes) sums with
 NCCL (``distributed.enable_custom_all_reduce``).
 
 It is off by default (``Config.disable_custom_all_reduce``): on 2 × H100 it sums 8 KiB-4 MiB faster
-than NCCL and a Qwen3-8B benchmark ~3% faster, but a worker killed while CUDA graphs run was
-reported after 30 s or more, not within seconds as with NCCL (BENCHMARKS.md; the abort waits up to
-30 s for the device to drain, and where the time went is not known)."""
+than NCCL and a Qwen3-8B benchmark ~3% faster, but with the abort flag in device memory a worker
+killed while CUDA graphs ran was reported only after 30 s (BENCHMARKS.md); the host flag that
+replaced it has not yet run on GPUs."""
 import os
 
 import torch
@@ -41,7 +45,7 @@ BLOCK = 1024  # elements a program sums at a time
 PROGRAMS = 256  # programs of every call: few enough to be resident at once on any GPU it runs on
 MAX_BYTES = 8 << 20  # the largest tensor it takes; NCCL sums larger ones
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-POLL_ABORT_EVERY = 64  # spins between two reads of the abort flag
+POLL_ABORT_EVERY = 1 << 14  # spins between two reads of the abort flag
 
 
 @triton.jit(do_not_specialize=["n", "rank"])
@@ -73,7 +77,7 @@ def _one_shot_kernel(x_ptr, n, data_ptrs, flag_ptrs, epochs, abort_flag, rank, s
         while seen < epoch:
             spins += 1
             seen = tl.load(signal, volatile=True)
-            if spins % POLL == 0:
+            if spins % POLL == 0:  # (host memory: volatile reads see the host's store)
                 if tl.load(abort_flag, volatile=True) != 0:
                     seen = epoch
         tl.atomic_add(signal, 0, sem="acquire", scope="sys")
@@ -89,13 +93,15 @@ def _one_shot_kernel(x_ptr, n, data_ptrs, flag_ptrs, epochs, abort_flag, rank, s
 
 
 def launch(x: torch.Tensor, data_ptrs: torch.Tensor, flag_ptrs: torch.Tensor, epochs: torch.Tensor,
-           abort_flag: torch.Tensor, rank: int, world: int, slot: int, programs: int = PROGRAMS) -> None:
+           abort_flag: torch.Tensor, rank: int, world: int, slot: int, programs: int = PROGRAMS,
+           poll: int = POLL_ABORT_EVERY) -> None:
     """Sum ``x`` (contiguous, at most ``slot`` elements) in place over the ranks whose buffers
     (two halves of ``world`` slots of ``slot`` elements of x's dtype) and int64 flags (``world``
     per program) the int64 ``data_ptrs`` / ``flag_ptrs`` address; ``epochs`` (int64, one per
-    program) counts the calls, and a nonzero int32 ``abort_flag`` ends the waits."""
+    program) counts the calls, and a nonzero int32 ``abort_flag`` (pinned host memory on a GPU) ends
+    the waits, read every ``poll`` spins."""
     _one_shot_kernel[(programs,)](x, x.numel(), data_ptrs, flag_ptrs, epochs, abort_flag, rank, slot,
-                                  WORLD=world, PROGRAMS=programs, BLOCK=BLOCK, POLL=POLL_ABORT_EVERY, num_warps=4)
+                                  WORLD=world, PROGRAMS=programs, BLOCK=BLOCK, POLL=poll, num_warps=4)
 
 
 class CustomAllReduce:
@@ -118,9 +124,7 @@ class CustomAllReduce:
         self._handles = (data_handle, flag_handle)
         self.epochs = torch.zeros(PROGRAMS, dtype=torch.int64, device=device)
         self.device = device
-        self.abort_flag = torch.zeros(1, dtype=torch.int32, device=device)
-        self._abort_stream = torch.cuda.Stream(device)  # raises the flag beside the spinning kernels
-        self._one = torch.ones(1, dtype=torch.int32, pin_memory=True)
+        self.abort_flag = torch.zeros(1, dtype=torch.int32, pin_memory=True)  # read by the GPU, written here
         dist.barrier()  # every rank's flags are zero before anyone signals
 
     def fits(self, x: torch.Tensor) -> bool:
@@ -132,7 +136,6 @@ class CustomAllReduce:
                MAX_BYTES // x.element_size())
 
     def abort(self) -> None:
-        """Let every wait of a running or queued call give up (its sums are then garbage): a copy
-        from the host on a stream of its own, which the copy engine runs while the kernels spin."""
-        with torch.cuda.device(self.device), torch.cuda.stream(self._abort_stream):
-            self.abort_flag.copy_(self._one, non_blocking=True)
+        """Let every wait of a running or queued call give up (its sums are then garbage from here
+        on): a store into host memory, safe from any thread."""
+        self.abort_flag.fill_(1)

@@ -56,6 +56,14 @@ def _reaches_peers(device: torch.device, world: int) -> bool:
     return all(torch.cuda.can_device_access_peer(device.index, other) for other in others)
 
 
+def abort_custom_all_reduce() -> None:
+    """Free every wait of this process's one-shot all-reduce, running or to come (a peer died); safe
+    from any thread, and with no CUDA call, so it also frees a thread blocked in one."""
+    custom = _custom_all_reduce
+    if custom is not None:
+        custom.abort()
+
+
 def disable_custom_all_reduce() -> None:
     """Drop this process's one-shot all-reduce (its buffers go with it), before the group ends."""
     global _custom_all_reduce
@@ -99,8 +107,7 @@ def abort_nccl(drop_graphs: Callable[[], None], timeout: float = 30.0) -> bool:
     The abort first tells the kernels to quit, then waits until no CUDA graph holds NCCL kernels;
     destroying a graph in turn waits until its launch has ended. So the abort runs in a thread of
     its own while this one lets the device drain, then drops the graphs."""
-    if _custom_all_reduce is not None:
-        _custom_all_reduce.abort()  # its kernels wait on the dead rank too
+    abort_custom_all_reduce()  # its kernels wait on the dead rank too
     if not (dist.is_initialized() and dist.get_backend() == "nccl"):
         return True
     aborting = threading.Thread(target=dist.distributed_c10d._abort_process_group, name="nanovllm-abort", daemon=True)

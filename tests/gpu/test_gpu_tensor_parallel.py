@@ -227,8 +227,8 @@ def _kill_a_worker(model_dir, enforce_eager: bool, nccl_only: bool) -> None:
     assert any("once per process" in str(w.message) for w in caught) == (not nccl_only)
 
 
-@pytest.mark.parametrize("enforce_eager, nccl_only", [(True, True), (False, True), (False, False)],
-                         ids=["eager", "graphs", "graphs-one-shot-all-reduce"])
+@pytest.mark.parametrize("enforce_eager, nccl_only", [(True, True), (False, True), (True, False), (False, False)],
+                         ids=["eager", "graphs", "eager-one-shot-all-reduce", "graphs-one-shot-all-reduce"])
 def test_tp2_worker_killed_mid_generate(model_dir, enforce_eager, nccl_only):
     """With NCCL, rank 0 may be waiting on a collective that the dead worker will never join (also
     inside a CUDA graph), or spinning in the one-shot all-reduce for it: the engine must raise,
