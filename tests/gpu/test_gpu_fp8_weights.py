@@ -4,7 +4,7 @@ engines in float32 with CUDA graphs (dense, and Qwen3-MoE through the FP8 MoE ke
 engine's greedy tokens and logprobs on short sequences (see SHORT); a GPU MoE layer equals the CPU's
 at decode and prefill sizes; ``quantization="fp8"`` on a bf16 checkpoint runs in bf16 with CUDA
 graphs and gives the tokens of the FP8 checkpoint written from it; a prefill of a new token count
-compiles no kernel."""
+compiles no kernel; kernels launched as programmatic dependents give the bits of plain launches."""
 import statistics
 
 import pytest
@@ -14,6 +14,7 @@ import triton
 from nanovllm import LLM, SamplingParams
 from nanovllm.layers.quantization import fp8_triton
 from nanovllm.layers.quantization.fp8 import fp8_linear, quantize_activation_groups, quantize_weight_blocks
+from nanovllm.utils import dependent_launch
 from nanovllm.utils.checkpoint import make_random_checkpoint
 
 pytestmark = pytest.mark.gpu  # skipped without a CUDA GPU (tests/conftest.py)
@@ -196,6 +197,26 @@ def test_gpu_new_token_counts_compile_nothing(tmp_path, family, monkeypatch):
                             lambda *args, **kwargs: compiled.append(kwargs["repr"]))
         llm.generate([PROMPTS[0][:61]], params, use_tqdm=False)
     assert compiled == []
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_gpu_dependent_launches_change_nothing(tmp_path, enforce_eager, monkeypatch):
+    """A kernel that read or wrote before its wait (``utils/dependent_launch.py``) would race the
+    kernel before it; through the FP8 cache a wrong value changes later tokens. 64 prompts of 5-700
+    tokens, FP8 weights and cache, greedy: tokens and logprobs the same with dependent launches off."""
+    if not dependent_launch.pdl(torch.device("cuda")):
+        pytest.skip("dependent launches need compute capability 9.0 and a Triton that has them")
+    path = make_random_checkpoint(str(tmp_path / "m"), "tiny", dtype=torch.bfloat16, seed=4, std=0.1,
+                                  quantization="fp8", **SHAPE)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 4096, (int(n),), generator=gen).tolist()
+               for n in torch.randint(5, 700, (64,), generator=gen)]
+    kwargs = dict(kv_cache_dtype="fp8", attention_backend="triton", enforce_eager=enforce_eager, max_num_seqs=64,
+                  num_kvcache_blocks=160)
+    params = SamplingParams(temperature=0, max_tokens=32, logprobs=0, ignore_eos=True)
+    on = run(path, params, prompts, **kwargs)
+    monkeypatch.setattr(dependent_launch, "ENABLED", False)
+    assert run(path, params, prompts, **kwargs) == on
 
 
 def test_gpu_quantize_at_load_bf16(tmp_path):
