@@ -5,10 +5,11 @@ earlier kernel's last programs leave idle, and the gap between two kernels of a 
 A kernel that takes part gets ``PDL=pdl(device)`` (a constexpr) and ``**launch_options(device)``,
 and calls ``wait_for_inputs(PDL)`` before it reads or writes any memory that another kernel of the
 step writes or reads: the wait ends when the previous kernel has completed and its writes are
-visible. Before the wait a kernel may only read what no kernel writes (the weights: the FP8 GEMM
-fetches its first weight tiles into L2 there). Right after the wait it lets the next kernel be
-scheduled; that kernel waits in turn, so each kernel still sees all earlier ones complete. A
-kernel launched without it (torch's, cuBLAS's) waits for the previous one to complete, as usual.
+visible. Before the wait a kernel reads nothing; the FP8 GEMM only asks for its first weight tiles
+to be brought into L2 (a hint: L2 is where every write lands, so nothing stale can come of it).
+Right after the wait it lets the next kernel be scheduled; that kernel waits in turn, so each
+kernel still sees all earlier ones complete. A kernel launched without it (torch's, cuBLAS's)
+waits for the previous one to complete, as usual.
 
 ``ENABLED`` switches it off for every kernel (for measuring; it changes no result)."""
 import functools

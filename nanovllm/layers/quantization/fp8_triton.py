@@ -112,7 +112,7 @@ def _fp8_gemm_kernel(q_src, xs_ptr, w_src, w_ptr, ws_ptr, bias_ptr, out_ptr, par
     k_blocks = tl.cdiv(tl.cdiv(K, _BLOCK_K), SPLIT_K)  # per range
     first_kb = tl.program_id(1) * k_blocks
     last_kb = tl.minimum(first_kb + k_blocks, tl.cdiv(K, _BLOCK_K))
-    if PREFETCH:  # the weights: no kernel writes them, so they may be read before the wait
+    if PREFETCH:  # a hint that reads nothing, so it may come before the wait
         first = tl.minimum(first_kb, K // _BLOCK_K - 2)  # (an empty range's reads stay in its rows)
         prefetch_l2(w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * stride_wn + first * _BLOCK_K)
     wait_for_inputs(PDL)
