@@ -23,8 +23,7 @@ raised by a plain store from any thread, with no CUDA call: a copy into device m
 never ran while the kernels spun, queued behind work that waited on them, and a thread blocked in a
 CUDA call that waits for the device (eager mode loading a kernel) is freed only this way. A wait
 reads the flag once every ``POLL_ABORT_EVERY`` spins, so a call whose peers come in time never
-reads host memory (polled every 64 spins, 256 programs reading it at once stalled calls
-by ~0.6 ms).
+reads host memory (polled every 64 spins, it had stalled calls by ~0.6 ms).
 
 Torch pairs the ranks' symmetric-memory set-ups by a count kept per process, so a process sets the
 kernel up once: a later engine in the same process (whose other ranks are new processes) sums with
@@ -32,8 +31,8 @@ NCCL (``distributed.enable_custom_all_reduce``).
 
 It is off by default (``Config.disable_custom_all_reduce``): on 2 × H100 it sums 8 KiB-4 MiB faster
 than NCCL and a Qwen3-8B benchmark ~3% faster, but with the abort flag in device memory a worker
-killed while CUDA graphs ran was reported only after 30 s (BENCHMARKS.md); the host flag that
-replaced it has not yet run on GPUs."""
+killed while CUDA graphs ran was reported only after 30 s (BENCHMARKS.md); with the host flag that
+replaced it, a GPU test's abort frees a wait, but the killed-worker tests have not passed yet."""
 import os
 
 import torch
@@ -123,7 +122,6 @@ class CustomAllReduce:
         self.flag_ptrs = torch.tensor(flag_handle.buffer_ptrs, dtype=torch.int64, device=device)
         self._handles = (data_handle, flag_handle)
         self.epochs = torch.zeros(PROGRAMS, dtype=torch.int64, device=device)
-        self.device = device
         self.abort_flag = torch.zeros(1, dtype=torch.int32, pin_memory=True)  # read by the GPU, written here
         dist.barrier()  # every rank's flags are zero before anyone signals
 

@@ -273,8 +273,8 @@ def fp8_linear_triton(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, wei
         w_src = TensorDescriptor.from_tensor(weight, [t.block_n, BLOCK]) if tma else weight
         dependent = pdl(weight.device)
         _fp8_gemm_kernel[(tiles, splits)](
-            q_src, x_scale, w_src, weight, weight_scale, bias if bias is not None else out, out, partials, counters, m, n,
-            k, q.stride(0), x_scale.stride(0), weight.stride(0), weight_scale.stride(0), out.stride(0), TMA=tma,
+            q_src, x_scale, w_src, weight, weight_scale, bias if bias is not None else out, out, partials, counters,
+            m, n, k, q.stride(0), x_scale.stride(0), weight.stride(0), weight_scale.stride(0), out.stride(0), TMA=tma,
             HAS_BIAS=bias is not None, PRECISE=precise, BLOCK_M=t.block_m,
             BLOCK_N=t.block_n, GROUP_M=t.group_m, SPLIT_K=splits, PDL=dependent,
             PREFETCH=dependent and PREFETCH_WEIGHTS and tma and k % BLOCK == 0 and k >= 2 * BLOCK,
