@@ -2,9 +2,9 @@
 (skipped with fewer): exactly the float32 sum of the ranks' tensors in rank order, rounded once to
 the dtype, on every rank alike; over sizes that end inside a block, calls in a row (the epochs and
 the two halves of the buffer), calls inside a CUDA graph replayed with new inputs, many small calls
-with the ranks arriving at different times, and an abort that
-frees a call whose peer never comes. Then tensor parallelism in the engine, with NCCL and with the
-one-shot kernel (test_gpu.py's checkpoint, prompts and torch reference)."""
+with the ranks arriving at different times, and an abort that frees a call whose peer never comes.
+Then tensor parallelism in the engine, with NCCL and with the one-shot kernel, a worker killed
+mid-call included (test_gpu.py's checkpoint, prompts and torch reference)."""
 import faulthandler
 import multiprocessing
 import os
