@@ -8,14 +8,18 @@ trip and were measured faster than reads), tells every rank that its part is the
 every rank has said the same, and sums the slots of its own buffer in rank order (in float32), so
 every rank computes exactly the same values.
 
-Every call runs the same ``PROGRAMS`` programs, all resident at once (a program that waits for its
-peer must not keep that peer's counterpart from being scheduled); program ``p`` handles blocks
-``p, p + PROGRAMS, ...`` of ``BLOCK`` elements on every rank, so the handshake is per program: rank
-``r`` writes epoch ``e`` into slot ``(p, r)`` of every rank's flags once its blocks are written.
-The epoch counts the calls on the device (CUDA graphs replay the same arguments), and the buffers
-alternate between two halves by its parity: a rank that sees its peers' epoch ``e`` knows they have
-finished the call before (a kernel starts after the previous one ends), so their sums of epoch
-``e - 1`` are over and epoch ``e + 1`` may write that half again.
+A call runs one program per block of ``BLOCK`` elements, at most ``PROGRAMS`` (few enough to be
+resident at once: a program that waits for its peer must not keep that peer's counterpart from being
+scheduled), so a small tensor's call is a few programs with a handshake each; program ``p`` of ``P``
+handles blocks ``p, p + P, ...`` on every rank (every rank runs the same ``P`` for the same size), so
+the handshake is per program: rank ``r`` writes epoch ``e`` into slot ``(p, r)`` of every rank's
+flags once its blocks are written, and its peers' programs ``p`` wait for it there. The epoch counts
+the calls on the device (CUDA graphs replay the same arguments): ``PROGRAMS`` counters all hold it,
+program ``p`` reads counter ``p`` and advances counters ``p, p + P, ...``, so every counter moves on
+every call whatever ``P`` is. The buffers alternate between two halves by the epoch's parity: a rank
+whose programs saw their peers' epoch ``e`` knows the peers have finished the call before (a kernel
+starts after the previous one ends), so their sums of epoch ``e - 1`` are over and epoch ``e + 1``
+may write that half again.
 
 A spinning kernel never ends if a peer dies; ``abort()`` raises a flag that the waits poll, so the
 device drains and the engine can report the failure. The flag lives in pinned host memory and is
@@ -29,10 +33,10 @@ Torch pairs the ranks' symmetric-memory set-ups by a count kept per process, so 
 kernel up once: a later engine in the same process (whose other ranks are new processes) sums with
 NCCL (``distributed.enable_custom_all_reduce``).
 
-It is off by default (``Config.disable_custom_all_reduce``): on 2 × H100 it sums 8 KiB-4 MiB faster
-than NCCL and a Qwen3-8B benchmark ~3% faster, but with the abort flag in device memory a worker
-killed while CUDA graphs ran was reported only after 30 s (BENCHMARKS.md); with the host flag that
-replaced it, a GPU test's abort frees a wait, but the killed-worker tests have not passed yet."""
+Only CUDA graphs launch it (``distributed.all_reduce``): eagerly, a spinning call would sit between
+host work that may wait for the device. It is off by default (``Config.disable_custom_all_reduce``):
+it sums 8 KiB-4 MiB faster than NCCL and a Qwen3-8B benchmark at TP=2 ~3% (2 × H100) to ~5%
+(2 × H200) faster, but the test that kills a worker under it has not passed yet (BENCHMARKS.md)."""
 import os
 
 import torch
@@ -41,7 +45,7 @@ import triton
 import triton.language as tl
 
 BLOCK = 1024  # elements a program sums at a time
-PROGRAMS = 256  # programs of every call: few enough to be resident at once on any GPU it runs on
+PROGRAMS = 256  # the most programs of a call: few enough to be resident at once on any GPU it runs on
 MAX_BYTES = 8 << 20  # the largest tensor it takes; NCCL sums larger ones
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 POLL_ABORT_EVERY = 1 << 14  # spins between two reads of the abort flag
@@ -49,15 +53,17 @@ POLL_ABORT_EVERY = 1 << 14  # spins between two reads of the abort flag
 
 @triton.jit(do_not_specialize=["n", "rank"])
 def _one_shot_kernel(x_ptr, n, data_ptrs, flag_ptrs, epochs, abort_flag, rank, slot,
-                     WORLD: tl.constexpr, PROGRAMS: tl.constexpr, BLOCK: tl.constexpr, POLL: tl.constexpr):
+                     WORLD: tl.constexpr, COUNTERS: tl.constexpr, BLOCK: tl.constexpr, POLL: tl.constexpr):
     pid = tl.program_id(0)
+    programs = tl.num_programs(0)
     epoch = tl.load(epochs + pid) + 1  # every thread reads the count; one thread stores it
     tl.debug_barrier()  # so no warp may read the count after it moved on (its waits would never end)
-    tl.store(epochs + pid, epoch)
+    for c in range(pid, COUNTERS, programs):  # no other program reads these in this call
+        tl.store(epochs + c, epoch)
     num_blocks = tl.cdiv(n, BLOCK)
     half = (epoch % 2) * WORLD * slot  # the call's half of every buffer: one slot per rank
     elem = x_ptr.dtype.element_ty
-    for b in range(pid, num_blocks, PROGRAMS):  # push: this rank's slot of every rank's buffer
+    for b in range(pid, num_blocks, programs):  # push: this rank's slot of every rank's buffer
         offs = b * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         v = tl.load(x_ptr + offs, mask=mask)
@@ -82,7 +88,7 @@ def _one_shot_kernel(x_ptr, n, data_ptrs, flag_ptrs, epochs, abort_flag, rank, s
         tl.atomic_add(signal, 0, sem="acquire", scope="sys")
     tl.debug_barrier()
     own = tl.load(data_ptrs + rank).to(tl.pointer_type(elem)) + half
-    for b in range(pid, num_blocks, PROGRAMS):  # sum the slots of this rank's buffer, all local
+    for b in range(pid, num_blocks, programs):  # sum the slots of this rank's buffer, all local
         offs = b * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -92,15 +98,16 @@ def _one_shot_kernel(x_ptr, n, data_ptrs, flag_ptrs, epochs, abort_flag, rank, s
 
 
 def launch(x: torch.Tensor, data_ptrs: torch.Tensor, flag_ptrs: torch.Tensor, epochs: torch.Tensor,
-           abort_flag: torch.Tensor, rank: int, world: int, slot: int, programs: int = PROGRAMS,
-           poll: int = POLL_ABORT_EVERY) -> None:
+           abort_flag: torch.Tensor, rank: int, world: int, slot: int, poll: int = POLL_ABORT_EVERY) -> None:
     """Sum ``x`` (contiguous, at most ``slot`` elements) in place over the ranks whose buffers
     (two halves of ``world`` slots of ``slot`` elements of x's dtype) and int64 flags (``world``
-    per program) the int64 ``data_ptrs`` / ``flag_ptrs`` address; ``epochs`` (int64, one per
-    program) counts the calls, and a nonzero int32 ``abort_flag`` (pinned host memory on a GPU) ends
-    the waits, read every ``poll`` spins."""
+    per counter) the int64 ``data_ptrs`` / ``flag_ptrs`` address; ``epochs`` (int64 counters, as
+    many as a call may run programs) counts the calls, and a nonzero int32 ``abort_flag`` (pinned
+    host memory on a GPU) ends the waits, read every ``poll`` spins."""
+    counters = epochs.numel()
+    programs = min(counters, triton.cdiv(x.numel(), BLOCK))
     _one_shot_kernel[(programs,)](x, x.numel(), data_ptrs, flag_ptrs, epochs, abort_flag, rank, slot,
-                                  WORLD=world, PROGRAMS=programs, BLOCK=BLOCK, POLL=poll, num_warps=4)
+                                  WORLD=world, COUNTERS=counters, BLOCK=BLOCK, POLL=poll, num_warps=4)
 
 
 class CustomAllReduce:
@@ -124,6 +131,8 @@ class CustomAllReduce:
         self.epochs = torch.zeros(PROGRAMS, dtype=torch.int64, device=device)
         self.abort_flag = torch.zeros(1, dtype=torch.int32, pin_memory=True)  # read by the GPU, written here
         dist.barrier()  # every rank's flags are zero before anyone signals
+        self(torch.zeros(1, device=device))  # compile and load the kernel now, not while a graph is captured
+        torch.cuda.synchronize(device)
 
     def fits(self, x: torch.Tensor) -> bool:
         return (x.is_cuda and x.dtype in DTYPES and x.is_contiguous() and x.numel() > 0

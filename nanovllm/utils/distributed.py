@@ -1,7 +1,7 @@
 """Tensor-parallel helpers: rank and size (the default process group, or a single rank without
-one), the all-reduce of the layers (the one-shot kernel of ``custom_all_reduce`` where it is
-enabled and takes the tensor, else the process group's), and the two device waits that must not
-hang on a dead rank."""
+one), the all-reduce of the layers (inside CUDA graphs the one-shot kernel of
+``custom_all_reduce`` where it is enabled and takes the tensor, else the process group's), and the
+two device waits that must not hang on a dead rank."""
 import threading
 import time
 import warnings
@@ -71,9 +71,19 @@ def disable_custom_all_reduce() -> None:
 
 
 def all_reduce(x: torch.Tensor) -> None:
-    """Sum ``x`` over the tensor-parallel ranks, in place."""
-    if _custom_all_reduce is not None and _custom_all_reduce.fits(x):
-        _custom_all_reduce(x)
+    """Sum ``x`` over the tensor-parallel ranks, in place: with the one-shot kernel where it is
+    enabled, the CUDA graph being captured holds the call and the kernel takes ``x``; with the
+    process group otherwise.
+
+    Eager work (prefill steps, the warm-ups, ``enforce_eager``) sums through the process group
+    because a kernel that spins until its peers arrive must not be launched between host work that
+    can wait for the device: a rank loading a kernel module for the first time (Inductor's or
+    Triton's) between two such calls waited forever, its peer's GPU spinning in the next call for it
+    (two GPUs, at start-up; BENCHMARKS.md). A graph's replay is one launch that holds all of a step's
+    calls, with no host work between them."""
+    custom = _custom_all_reduce
+    if custom is not None and torch.cuda.is_current_stream_capturing() and custom.fits(x):
+        custom(x)
     else:
         dist.all_reduce(x)
 

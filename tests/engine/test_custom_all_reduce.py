@@ -13,13 +13,13 @@ import torch
 from triton_interpreter import results_under_interpreter, round_interpreter_casts_to_nearest, run_cases
 
 BLOCKS = 5  # a slot of the buffer holds 5 blocks
-PROGRAMS = 2  # programs of a call (the library runs more): each program handles every other block
+PROGRAMS = 2  # the most programs of a call (the library allows more): one per block up to that
 
 
 def simulate(world: int, rank: int, inputs: list[list[torch.Tensor]], dtype=torch.float32, abort: bool = False,
              peers_signal: bool = True) -> dict:
-    """Run ``len(inputs)`` calls of ``PROGRAMS`` programs; ``inputs[k][r]`` is rank r's tensor in
-    call k. Returns what the tests check, as lists."""
+    """Run ``len(inputs)`` calls (each of one program per block, at most ``PROGRAMS``);
+    ``inputs[k][r]`` is rank r's tensor in call k. Returns what the tests check, as lists."""
     from nanovllm.utils.custom_all_reduce import BLOCK, launch
 
     slot = BLOCKS * BLOCK
@@ -43,7 +43,7 @@ def simulate(world: int, rank: int, inputs: list[list[torch.Tensor]], dtype=torc
                 if peers_signal:
                     flags[rank].view(PROGRAMS, world)[:, r] = k
         x = call[rank].clone()
-        launch(x, data_ptrs, flag_ptrs, epochs, abort_flag, rank, world, slot, programs=PROGRAMS)
+        launch(x, data_ptrs, flag_ptrs, epochs, abort_flag, rank, world, slot)
         out["sums"].append(x.float().tolist())
         out["pushed"].append([torch.equal(data[r][slot_of(rank)], call[rank]) for r in range(world)])
         out["signals"].append([flags[r].view(PROGRAMS, world)[:, rank].tolist() for r in range(world)])
@@ -110,9 +110,12 @@ def test_one_shot_sums_and_signals(interpreter_results, name):
     assert "error" not in got, got
     assert got["sums"] == got["want"]  # exactly: the same float32 additions in rank order
     assert got["pushed"] == [[True] * world] * len(sizes)  # into its slot of every buffer, the epoch's half
-    for k in range(1, len(sizes) + 1):
-        assert got["epochs"][k - 1] == [k] * PROGRAMS  # every program counts every call
-        assert got["signals"][k - 1] == [[k] * PROGRAMS] * world  # and signals every rank
+    last_signal = [0] * PROGRAMS  # per program: the last call it ran in
+    for k, n in enumerate(sizes, start=1):
+        programs = min(PROGRAMS, -(-n // 1024))  # one per block of 1,024 elements
+        last_signal[:programs] = [k] * programs
+        assert got["epochs"][k - 1] == [k] * PROGRAMS  # every counter counts every call
+        assert got["signals"][k - 1] == [last_signal] * world  # the call's programs signal every rank
 
 
 def test_one_shot_sums_in_rank_order(interpreter_results):
