@@ -50,7 +50,9 @@ FLASH_PREFILL = ("void flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128,
     ("_rms_norm_quant_kernel", "norms / rotary / activation"),
     ("_silu_mul_quant_kernel", "norms / rotary / activation"),
     ("_gumbel_argmax_kernel", "sampler"),
-    ("_best_of_chunks_kernel", "sampler"),
+    ("_best_of_parts_kernel", "sampler"),
+    ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "collectives"),
+    ("_one_shot_kernel", "collectives"),
     ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::ArgMaxOps<float>, unsigned int, long, 4> >(...)", "sampler"),
     ("void at::native::sbtopk::gatherTopK<c10::BFloat16, unsigned int, 2, false>(...)", "sampler"),
     ("void at::native::mbtopk::radixFindKthValues<c10::BFloat16, unsigned int, unsigned int, 2>(...)", "sampler"),
@@ -59,7 +61,6 @@ FLASH_PREFILL = ("void flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128,
     ("Memcpy HtoD (Pinned -> Device)", "copies"),
     ("Memset (Device)", "copies"),
     ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, std::array<char*, 1ul> >(...)", OTHER),
-    ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", OTHER),
 ])
 def test_category(name, expected):
     assert category(name) == expected
@@ -103,7 +104,7 @@ def test_summarize_overlaps_gaps_and_unknown_names():
         "decode attention": 0.75, "prefill attention": 0.5, "MoE experts": 0.0, "MoE routing": 0.0,
         "FP8 linears": 0.0, "GEMMs": 0.75,
         "norms / rotary / activation": 0.0,
-        "sampler": 0.25, "copies": 0.0, OTHER: 0.75,
+        "sampler": 0.25, "collectives": 0.0, "copies": 0.0, OTHER: 0.75,
     }
     assert list(p.times) == [label for label, _ in CATEGORIES] + [OTHER]
     assert p.counts["decode attention"] == 2 and p.counts[OTHER] == 3 and p.counts["copies"] == 0
