@@ -51,7 +51,8 @@ class Config:
     async_scheduling: bool = True
     quantization: str | None = None  # "fp8": quantize a float checkpoint's linear layers at load (FP8 checkpoints need not ask)
     enable_sleep_mode: bool = False  # allow llm.sleep(level) / llm.wake_up() (engine/sleep.py)
-    # False: tensor parallelism sums tensors up to 8 MiB with the one-shot kernel (utils/custom_all_reduce.py);
+    # False: tensor parallelism's CUDA graphs sum tensors up to 8 MiB with the one-shot kernel
+    # (utils/custom_all_reduce.py);
     # True (the default until a dead worker is reported as fast with it as without): NCCL sums every all-reduce
     disable_custom_all_reduce: bool = True
     hf_config: object = field(default=None, init=False, repr=False)

@@ -56,12 +56,14 @@ class ModelRunner:
         if self.world_size > 1:
             init_process_group(self.device, self.rank, self.world_size, dist_port)
             self.owns_group = True
-            if self.device.type == "cuda" and not config.disable_custom_all_reduce:
-                enable_custom_all_reduce(self.device)
         self.dtype = config.resolved_dtype(self.device.type)
         self.backend = backend = get_attention_backend(resolve_backend_name(
             config.attention_backend, self.device.type, self.block_size, self.dtype, config.kv_cache_dtype,
             config.weight_quantization))
+        # CUDA graphs need a capturable backend on a GPU; the torch backend syncs on the host
+        self.enforce_eager = config.enforce_eager or self.device.type == "cpu" or backend.name == "torch"
+        if self.world_size > 1 and not self.enforce_eager and not config.disable_custom_all_reduce:
+            enable_custom_all_reduce(self.device)  # (only CUDA graphs use it: distributed.all_reduce)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
@@ -76,8 +78,6 @@ class ModelRunner:
         for module in self.model.modules():
             if isinstance(module, Attention):
                 module.backend = backend
-        # CUDA graphs need a capturable backend on a GPU; the torch backend syncs on the host
-        self.enforce_eager = config.enforce_eager or self.device.type == "cpu" or backend.name == "torch"
         self.sampler = Sampler()
         self.offloaded = None  # while asleep: the model's tensors, as sleep.offload left them
         self.host_arena = sleep.HostArena()  # level 1's pinned host copies, kept between sleeps
