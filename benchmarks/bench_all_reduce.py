@@ -8,6 +8,7 @@ after warm-up, timed with CUDA events on rank 0; the figure is the time per all-
 
     python benchmarks/bench_all_reduce.py                # 2 GPUs, 8 KiB .. 32 MiB of bf16
     python benchmarks/bench_all_reduce.py --world 4
+    python benchmarks/bench_all_reduce.py --block 2048 --programs 128 --warps 8   # another shape of the kernel
 """
 import argparse
 import sys
@@ -19,7 +20,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: nanovllm
 
-from nanovllm.utils import distributed  # noqa: E402
+from nanovllm.utils import custom_all_reduce, distributed  # noqa: E402
 from nanovllm.utils.custom_all_reduce import MAX_BYTES  # noqa: E402
 
 SIZES_KIB = [8, 32, 128, 512, 1024, 2048, 4096, 8192, 32768]
@@ -51,6 +52,8 @@ def _worker(rank: int, world: int, port: int, args) -> None:
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
     distributed.init_process_group(device, rank, world, port)
+    custom_all_reduce.BLOCK, custom_all_reduce.PROGRAMS = args.block, args.programs
+    custom_all_reduce.NUM_WARPS = args.warps
     assert distributed.enable_custom_all_reduce(device), "the GPUs do not reach each other directly"
     custom = distributed._custom_all_reduce
     rows = []
@@ -69,7 +72,8 @@ def _worker(rank: int, world: int, port: int, args) -> None:
         rows.append((kib, nccl_us, one_shot_us))
     if rank == 0:
         print(f"{world} GPUs ({torch.cuda.get_device_name(device)}), bf16, µs per all-reduce "
-              f"(CUDA graph of {args.calls} calls, {args.iters} replays):")
+              f"(CUDA graph of {args.calls} calls, {args.iters} replays); one-shot kernel: blocks of "
+              f"{args.block} elements, at most {args.programs} programs of {args.warps} warps:")
         print("| size | NCCL | one-shot | NCCL / one-shot |\n|---:|---:|---:|---:|")
         for kib, nccl_us, one_us in rows:
             size = f"{kib} KiB" if kib < 1024 else f"{kib // 1024} MiB"
@@ -87,6 +91,9 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=SIZES_KIB, help="KiB of bf16 each")
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--block", type=int, default=custom_all_reduce.BLOCK, help="elements a program sums at a time")
+    parser.add_argument("--programs", type=int, default=custom_all_reduce.PROGRAMS, help="the most programs of a call")
+    parser.add_argument("--warps", type=int, default=custom_all_reduce.NUM_WARPS, help="warps per program")
     args = parser.parse_args()
     from nanovllm.engine.executor import _free_port
 

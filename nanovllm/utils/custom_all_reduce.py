@@ -49,6 +49,7 @@ PROGRAMS = 256  # the most programs of a call: few enough to be resident at once
 MAX_BYTES = 8 << 20  # the largest tensor it takes; NCCL sums larger ones
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 POLL_ABORT_EVERY = 1 << 14  # spins between two reads of the abort flag
+NUM_WARPS = 4  # per program
 
 
 @triton.jit(do_not_specialize=["n", "rank"])
@@ -107,7 +108,7 @@ def launch(x: torch.Tensor, data_ptrs: torch.Tensor, flag_ptrs: torch.Tensor, ep
     counters = epochs.numel()
     programs = min(counters, triton.cdiv(x.numel(), BLOCK))
     _one_shot_kernel[(programs,)](x, x.numel(), data_ptrs, flag_ptrs, epochs, abort_flag, rank, slot,
-                                  WORLD=world, COUNTERS=counters, BLOCK=BLOCK, POLL=poll, num_warps=4)
+                                  WORLD=world, COUNTERS=counters, BLOCK=BLOCK, POLL=poll, num_warps=NUM_WARPS)
 
 
 class CustomAllReduce:
