@@ -6,14 +6,17 @@ with the ranks arriving at different times, and an abort that frees a call whose
 Then tensor parallelism in the engine, with NCCL and with the one-shot kernel, the decode graphs'
 sharded draw, a worker killed mid-call included (test_gpu.py's checkpoint, prompts and torch reference)."""
 import faulthandler
+import json
 import multiprocessing
 import os
-import queue
 import signal
+import subprocess
+import sys
 import threading
 import time
 import traceback
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -175,34 +178,23 @@ def test_tp2_draw_in_graphs_equals_draw_on_rank0(model_dir):
 
 
 def in_fresh_process(fn, *args):
-    """Run ``fn(*args)`` in a new process (as rank 0 of the engines it starts) and return its result:
-    torch sets the one-shot all-reduce up once per process, so every engine that is to use it
-    starts from one."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    child = ctx.Process(target=_return_to, args=(results, fn, *args))
-    child.start()
-    deadline = time.monotonic() + 200
-    while True:
-        try:
-            ok, value = results.get(timeout=1)
-            break
-        except queue.Empty:
-            if not child.is_alive() or time.monotonic() > deadline:
-                child.kill()  # its workers follow rank 0
-                child.join()
-                raise AssertionError(f"the child process gave no result in 200 s (exit code {child.exitcode})")
-    child.join(60)
-    assert ok, value
-    return value
-
-
-def _return_to(results, fn, *args) -> None:
-    faulthandler.dump_traceback_later(170, exit=True)  # a hang shows where, and ends
+    """Run ``fn(*args)`` (a function of this module; arguments and result plain JSON data) in a new
+    interpreter, as rank 0 of the engines it starts, and return its result: torch sets the one-shot
+    all-reduce up once per process, so every engine that is to use it starts from one. The process
+    is a plain ``python``, as a user's script (a hang dumps its stacks at 170 s and ends)."""
+    code = ("import faulthandler, json, sys; faulthandler.dump_traceback_later(170, exit=True); "
+            "sys.path.insert(0, sys.argv[1]); import test_gpu_tensor_parallel as t; "
+            "print('RESULT ' + json.dumps(getattr(t, sys.argv[2])(*json.loads(sys.argv[3]))))")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(Path(__file__).parent), fn.__name__, json.dumps(args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        results.put((True, fn(*args)))
-    except BaseException:
-        results.put((False, traceback.format_exc()))
+        out, err = proc.communicate(timeout=200)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # rank 0 and its workers
+        out, err = proc.communicate()
+        raise AssertionError(f"no result in 200 s:\n{err[-4000:]}") from None
+    assert proc.returncode == 0, err[-4000:]
+    return json.loads(out.split("RESULT ", 1)[1])
 
 
 def _tp2_outputs(model_dir, enforce_eager: bool, nccl_only: bool) -> list:
@@ -222,7 +214,7 @@ def _tp2_outputs(model_dir, enforce_eager: bool, nccl_only: bool) -> list:
 def test_tp2_one_shot_all_reduce_equals_nccl(model_dir):
     """With two ranks every sum is one addition, which NCCL and the one-shot kernel (the decode
     graphs' sums) round alike: the same tokens and log-probabilities, bit for bit, in bf16."""
-    want = _tp2_outputs(model_dir, False, nccl_only=True)
+    want = json.loads(json.dumps(_tp2_outputs(model_dir, False, nccl_only=True)))  # as the other process reports it
     assert in_fresh_process(_tp2_outputs, model_dir, False, False) == want
 
 
