@@ -50,12 +50,9 @@ def wait_for_inputs(PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
-PREFETCH_BYTES = 256  # what ``prefetch_l2`` asks for at each address
-
-
 @triton.jit
 def prefetch_l2(ptrs):
-    """Ask for the PREFETCH_BYTES bytes from each 16-byte aligned address of ``ptrs`` to be brought
-    into L2; nothing waits for them."""
+    """Ask for the 256 bytes from each 16-byte aligned address of ``ptrs`` to be brought into L2;
+    nothing waits for them."""
     tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], 256; mov.u32 $0, 0;",
                               "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)

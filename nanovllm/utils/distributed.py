@@ -75,12 +75,11 @@ def all_reduce(x: torch.Tensor) -> None:
     enabled, the CUDA graph being captured holds the call and the kernel takes ``x``; with the
     process group otherwise.
 
-    Eager work (prefill steps, the warm-ups, ``enforce_eager``) sums through the process group
-    because a kernel that spins until its peers arrive must not be launched between host work that
-    can wait for the device: a rank loading a kernel module for the first time (Inductor's or
-    Triton's) between two such calls waited forever, its peer's GPU spinning in the next call for it
-    (two GPUs, at start-up; BENCHMARKS.md). A graph's replay is one launch that holds all of a step's
-    calls, with no host work between them."""
+    Eager work (prefill steps, the warm-ups) sums through the process group: a kernel that spins
+    until its peers arrive, launched eagerly, sits between host work that may wait for the device
+    (CUDA documents that loading a kernel can wait for running ones; one stack dump showed a rank
+    blocked loading a kernel while its peer waited, BENCHMARKS.md). A graph's replay is one launch
+    that holds all of a step's calls, with no host work between them."""
     custom = _custom_all_reduce
     if custom is not None and torch.cuda.is_current_stream_capturing() and custom.fits(x):
         custom(x)
