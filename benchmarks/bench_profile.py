@@ -41,7 +41,7 @@ CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
                                      "_rms_norm_quant_kernel", "_silu_mul_quant_kernel")),
     # the fused Gumbel-max draw (its chunks, then the best of them); greedy argmax; top-k/top-p/min-p
     # (topk, sort, cumsum, logsumexp); log-probabilities (log_softmax)
-    ("sampler", ("gumbel", "best_of_chunks", "argmax", "topk", "kthvalue", "radix", "sort", "softmax", "logsumexp",
+    ("sampler", ("gumbel", "best_of_", "argmax", "topk", "kthvalue", "radix", "sort", "softmax", "logsumexp",
                  "devicescan", "exponential")),
     # tensor parallelism: NCCL's kernels (all-reduce, gather, broadcast, all-gather) and the one-shot all-reduce
     ("collectives", ("nccl", "_one_shot_kernel")),
