@@ -1,11 +1,13 @@
 """Decode steps as CUDA graphs: the model's forward pass captured once per batch size over the
 decode buffer's device fields (``step_inputs.DecodeBuffer``), replayed after a step's inputs are
 sent. Each graph takes an input token from the host or, while the host does not know it yet, from
-the previous step's sampled ids on the device. On one GPU (``draw``) a graph also ends with the LM
-head and the fused temperature draw of every row into those sampled ids, so a step whose rows all
-sample plainly (``SamplingRows.plain``) is one copy and one graph launch; any other step samples
-again from the graph's logits. With tensor parallelism a graph ends with the hidden states (the LM
-head gathers the logits on rank 0 outside it)."""
+the previous step's sampled ids on the device. A graph ends with the LM head and the fused
+temperature draw of every row into those sampled ids, so a step whose rows all sample plainly
+(``SamplingRows.plain``) is one copy and one graph launch; any other step samples again from the
+graph's logits. With tensor parallelism each rank's graph computes its share of the vocabulary's
+logits and draws over it, and the ranks exchange each row's winners inside the graph, so every rank
+holds the step's tokens (``triton_draw.sharded_gumbel_argmax``); another step gathers the shares
+on rank 0 to sample there."""
 from collections.abc import Callable
 
 import torch
@@ -28,11 +30,11 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def __init__(self, model: nn.Module, inputs: DecodeBuffer, sampled: torch.Tensor, max_batch: int,
-                 hidden_size: int, vocab_size: int, dtype: torch.dtype, device: torch.device,
-                 sync: Callable[[], None], draw: bool, largest_only: bool = False):
-        self.model, self.inputs, self.sampled, self.draw = model, inputs, sampled, draw
+                 dtype: torch.dtype, device: torch.device, sync: Callable[[], None], largest_only: bool = False):
+        self.model, self.inputs, self.sampled = model, inputs, sampled
+        self.head = model.lm_head  # this rank's share of the vocabulary
         with device:
-            self.out = torch.empty(max_batch, vocab_size if draw else hidden_size, dtype=dtype)
+            self.out = torch.empty(max_batch, self.head.num_embeddings_per_rank, dtype=dtype)
         self.batch_sizes = graph_batch_sizes(max_batch)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         pool = None
@@ -47,18 +49,18 @@ class DecodeGraphs:
             sync()
 
     def _forward(self, batch: int) -> None:
-        """What a graph runs: the input tokens, the model, and with ``draw`` the LM head and the draw."""
+        """What a graph runs: the input tokens, the model, the LM head and the draw."""
+        from nanovllm.sampling.triton_draw import gumbel_argmax, sharded_gumbel_argmax
+
         v = self.inputs.fields
         input_ids, positions, context = decode_inputs(v, self.sampled, batch)
         with step_context(context):
-            hidden = self.model(input_ids, positions)
-            if not self.draw:
-                self.out[:batch] = hidden
-                return
-            from nanovllm.sampling.triton_draw import gumbel_argmax
-
-            logits = self.model.compute_logits(hidden, out=self.out[:batch])
-            gumbel_argmax(logits, v["temperatures"][:batch], v["seeds"][:batch], out=self.sampled[:batch])
+            logits = self.model.compute_logits(self.model(input_ids, positions), out=self.out[:batch], gather=False)
+        temperatures, seeds, out = v["temperatures"][:batch], v["seeds"][:batch], self.sampled[:batch]
+        if self.head.tp_size == 1:
+            gumbel_argmax(logits, temperatures, seeds, out=out)
+        else:
+            sharded_gumbel_argmax(logits, temperatures, seeds, self.head.vocab_start, self.head.num_embeddings, out)
 
     def padded_batch(self, n: int) -> int | None:
         """The batch size of the smallest graph that fits ``n`` rows, or None when none does."""
@@ -67,7 +69,7 @@ class DecodeGraphs:
         return next(b for b in self.batch_sizes if b >= n)
 
     def replay(self, n: int, batch: int) -> torch.Tensor:
-        """Run the graph of ``batch`` rows over the inputs already sent: the logits [n, vocab], the
-        rows drawn into ``sampled[:n]`` (``draw``), else the hidden states [n, hidden]."""
+        """Run the graph of ``batch`` rows over the inputs already sent: this rank's logits [n,
+        its share of the vocabulary], the rows drawn into ``sampled[:n]``."""
         self.graphs[batch].replay()
         return self.out[:n]

@@ -100,16 +100,16 @@ class ModelRunner:
     def capture_graphs(self, largest_only: bool = False) -> DecodeGraphs:
         """Decode graphs for batch sizes up to min(max_num_seqs, 512) (see ``DecodeGraphs``)."""
         return DecodeGraphs(self.model, self.decode_buffer, self.sampled, min(self.config.max_num_seqs, 512),
-                            self.config.hf_config.hidden_size, self.vocab_size, self.dtype, self.device, self.sync,
-                            draw=self.world_size == 1, largest_only=largest_only)
+                            self.dtype, self.device, self.sync, largest_only=largest_only)
 
     # ---- one step ----------------------------------------------------------------------------
 
     @torch.inference_mode()
     def run(self, step: Step) -> StepOutput | None:
-        """Launch one step on this rank; rank 0 (the step has sampling rows) returns its sampled
-        tokens on their way to the host. Every rank keeps them in ``sampled`` (async scheduling),
-        where the next step reads the tokens the host does not know yet."""
+        """Launch one step on this rank; rank 0 returns its sampled tokens on their way to the host.
+        Every rank keeps them in ``sampled`` (async scheduling), where the next step reads the
+        tokens the host does not know yet: a decode graph's draw leaves them there on every rank
+        (``drawn``); otherwise rank 0 samples the gathered logits and broadcasts them."""
         n = step.num_seqs
         with phase("inputs"):
             graph_batch = None  # the batch size of the decode graph that runs the step
@@ -122,27 +122,29 @@ class ModelRunner:
                     input_ids, positions, context = decode_inputs(fields, self.sampled, n)
                 else:
                     context = Context(is_prefill=False)
+        # every rank knows a plain step's rows (Step.for_workers), so all agree on this
+        drawn = graph_batch is not None and step.sampling is not None and step.sampling.plain
         with phase("forward"), step_context(context):
             if step.is_prefill or graph_batch is None:
                 hidden_states = self.model(input_ids, positions)
                 logits = self.model.compute_logits(hidden_states)
-            elif self.graphs.draw:
-                logits = self.graphs.replay(n, graph_batch)  # and its rows drawn into sampled[:n]
-            else:  # tensor parallelism: gathered on rank 0 only
-                logits = self.model.compute_logits(self.graphs.replay(n, graph_batch))
+            else:
+                logits = self.graphs.replay(n, graph_batch)  # its rows drawn into sampled[:n]
+                if not drawn:  # the whole vocabulary's logits on rank 0 (None elsewhere)
+                    logits = self.model.lm_head.gather(logits)
         prompt = None  # prompt log-probabilities (rank 0), with the step's output
         if step.prompt_scoring is not None:
             with phase("sample"):
                 prompt = score_prompt(self.model, hidden_states, step.prompt_scoring, self.vocab_size)
         output = None
-        if step.sampling is not None:
-            if graph_batch is not None and self.graphs.draw and step.sampling.plain:
+        if self.rank == 0 and step.sampling is not None:
+            if drawn:
                 output = StepOutput(SamplerOutput(self.sampled[:n]), None, self.wait_event)
             else:
                 output = self.sample(logits, step.sampling, step.prompt_scoring, prompt)
                 if self.config.async_scheduling:
                     self.sampled[:n] = output.device_token_ids
-        if self.config.async_scheduling and self.world_size > 1:
+        if self.config.async_scheduling and self.world_size > 1 and not drawn:
             dist.broadcast(self.sampled[:n], 0)
         return output
 

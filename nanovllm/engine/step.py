@@ -64,7 +64,7 @@ class Step:
     ``num_new[i]`` more (decode: one), whose ids are ``token_ids`` (all sequences', in order); a
     token the host does not know yet is -1, and ``prev_rows[i]`` names the row of the previous
     step's sampled ids that holds it. ``block_tables`` are empty for a step without a cache (the
-    warm-up). ``sampling`` is set on rank 0 only."""
+    warm-up). ``sampling`` is set on rank 0, and on the other ranks for a plain step (``for_workers``)."""
 
     is_prefill: bool
     token_ids: list[int]
@@ -80,8 +80,11 @@ class Step:
         return len(self.num_new)
 
     def for_workers(self) -> "Step":
-        """What ranks other than 0 need: everything but the sampling rows."""
-        return replace(self, sampling=None)
+        """What ranks other than 0 need: everything but the sampling rows, save a plain step's
+        temperatures and draw seeds (a decode graph draws on every rank, see cuda_graphs)."""
+        rows = self.sampling
+        plain = None if rows is None or not rows.plain else SamplingRows(rows.temperatures, rows.seeds, [], True)
+        return replace(self, sampling=plain)
 
 
 def build_step(seqs: list[Sequence], is_prefill: bool, rng: Random) -> Step:

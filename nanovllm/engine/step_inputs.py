@@ -112,8 +112,8 @@ class DecodeLayout:
 
 def fill_decode(fields: dict[str, np.ndarray], step: Step, rows: int, block_size: int) -> None:
     """Write a decode step into ``fields`` (NumPy arrays of ``DecodeLayout.fields``), with its rows'
-    temperatures and draw seeds where it has sampling rows (rank 0); rows ``step.num_seqs`` to
-    ``rows`` are padding, pointed at no cache slot."""
+    temperatures and draw seeds where it has them (rank 0; every rank for a plain step); rows
+    ``step.num_seqs`` to ``rows`` are padding, pointed at no cache slot."""
     n = step.num_seqs
     positions = fields["positions"]
     positions[:n] = step.num_computed

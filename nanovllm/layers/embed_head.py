@@ -16,6 +16,7 @@ class VocabParallelEmbedding(nn.Module):
         self.tp_rank = get_tp_rank()
         self.tp_size = get_tp_size()
         assert num_embeddings % self.tp_size == 0, "vocab size must divide by tensor_parallel_size"
+        self.num_embeddings = num_embeddings
         self.num_embeddings_per_rank = num_embeddings // self.tp_size
         self.vocab_start = self.tp_rank * self.num_embeddings_per_rank
         self.vocab_end = self.vocab_start + self.num_embeddings_per_rank
@@ -36,17 +37,22 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits for each sequence's last position (prefill) or its single token (decode); with
-    several ranks the vocabulary slices are gathered on rank 0, the only rank that samples.
-    Returns None on the other ranks."""
+    several ranks the vocabulary slices are gathered on rank 0, the only rank that samples (None
+    on the others), unless the caller takes this rank's slice as it is (``gather=False``: a decode
+    graph's draw, see sampling/triton_draw.py)."""
 
-    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
-        """``out``: where to write the logits (one rank only)."""
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None, gather: bool = True) -> torch.Tensor | None:
+        """``out``: where to write this rank's logits (not gathered)."""
         context = get_context()
         if context.is_prefill:
             x = x[context.cu_seqlens_q[1:] - 1].contiguous()
+        logits = F.linear(x, self.weight) if out is None else torch.mm(x, self.weight.t(), out=out)
+        return self.gather(logits) if gather else logits
+
+    def gather(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """Every rank's slice of the logits, in vocabulary order, on rank 0 (every rank calls this)."""
         if self.tp_size == 1:
-            return F.linear(x, self.weight) if out is None else torch.mm(x, self.weight.t(), out=out)
-        logits = F.linear(x, self.weight)
+            return logits
         parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
         dist.gather(logits, parts, dst=0)
         return torch.cat(parts, dim=-1) if self.tp_rank == 0 else None

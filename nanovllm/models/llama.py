@@ -162,5 +162,6 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden_states: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
-        return self.lm_head(hidden_states, out)
+    def compute_logits(self, hidden_states: torch.Tensor, out: torch.Tensor | None = None,
+                       gather: bool = True) -> torch.Tensor | None:
+        return self.lm_head(hidden_states, out, gather)

@@ -4,9 +4,12 @@ or the plain argmax when T = 0. No softmax, no noise tensor, no float32 copy of 
 
 A row's vocabulary is split into chunks of ``CHUNK`` entries, one program each, so that even a
 few rows keep every SM reading (one program per row would walk 151,936 logits alone, one load after
-the other); a second small kernel picks each row's best of its chunks' winners.
+the other); a second small kernel picks each row's best of its chunks' winners. Under tensor
+parallelism each rank draws over its share of the vocabulary and the ranks exchange only those
+winners (``sharded_gumbel_argmax``).
 """
 import torch
+import torch.distributed as dist
 import triton
 import triton.language as tl
 
@@ -24,9 +27,12 @@ def _mix32(x):
 
 @triton.jit
 def _gumbel_argmax_kernel(logits_ptr, stride, temperatures_ptr, seeds_ptr, out_ptr, part_val_ptr, part_id_ptr,
-                          vocab, chunk, NUM_CHUNKS: tl.constexpr, BLOCK: tl.constexpr):
-    """One program: one chunk of one row. With one chunk per row it writes the token id; otherwise
-    the chunk's best score and id, for ``_best_of_chunks_kernel``. grid: (rows, NUM_CHUNKS)"""
+                          vocab, chunk, id_offset, NUM_CHUNKS: tl.constexpr, TO_PARTS: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    """One program: one chunk of one row, whose logits are the vocabulary's ids ``id_offset`` to
+    ``id_offset + vocab`` (a tensor-parallel rank's share). With one chunk per row and not
+    ``TO_PARTS`` it writes the token id; otherwise the chunk's best score and id, for
+    ``_best_of_parts_kernel``. grid: (rows, NUM_CHUNKS)"""
     row = tl.program_id(0)
     part = tl.program_id(1)
     t = tl.load(temperatures_ptr + row)
@@ -34,24 +40,25 @@ def _gumbel_argmax_kernel(logits_ptr, stride, temperatures_ptr, seeds_ptr, out_p
         return
     seed = tl.load(seeds_ptr + row).to(tl.uint32)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
-    best_id = tl.zeros([BLOCK], tl.int32)
+    best_id = tl.zeros([BLOCK], tl.int32) + id_offset
     lo = part * chunk
     hi = tl.minimum(lo + chunk, vocab)
     for start in range(lo, hi, BLOCK):
         ids = start + tl.arange(0, BLOCK)
         mask = ids < hi
         x = tl.load(logits_ptr + row.to(tl.int64) * stride + ids, mask=mask, other=float("-inf")).to(tl.float32)
+        token_ids = ids + id_offset  # the noise and the answer are the vocabulary's ids
         if t > 0:
-            bits = _mix32(_mix32(ids.to(tl.uint32)) ^ seed)
+            bits = _mix32(_mix32(token_ids.to(tl.uint32)) ^ seed)
             u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
             x = x / t - tl.log(-tl.log(u))
             x = tl.where(mask, x, float("-inf"))
         better = x > best  # strict: each lane keeps its first maximum
         best = tl.where(better, x, best)
-        best_id = tl.where(better, ids, best_id)
+        best_id = tl.where(better, token_ids, best_id)
     top = tl.max(best, axis=0)
-    first = tl.min(tl.where(best == top, best_id, vocab), axis=0)  # the lowest id among equal maxima
-    if NUM_CHUNKS == 1:
+    first = tl.min(tl.where(best == top, best_id, id_offset + vocab), axis=0)  # the lowest id among equal maxima
+    if NUM_CHUNKS == 1 and not TO_PARTS:
         tl.store(out_ptr + row, first.to(tl.int64))
     else:
         tl.store(part_val_ptr + row * NUM_CHUNKS + part, top)
@@ -59,19 +66,21 @@ def _gumbel_argmax_kernel(logits_ptr, stride, temperatures_ptr, seeds_ptr, out_p
 
 
 @triton.jit
-def _best_of_chunks_kernel(temperatures_ptr, out_ptr, part_val_ptr, part_id_ptr, vocab,
-                           NUM_CHUNKS: tl.constexpr, CHUNKS_PAD: tl.constexpr):
-    """Each row's token: the best of its chunks' winners, the lowest id among equal scores (chunks
-    cover increasing ids, so this is the lowest id of the whole row). grid: (rows,)"""
+def _best_of_parts_kernel(temperatures_ptr, out_ptr, part_val_ptr, part_id_ptr, group_stride, no_id,
+                          NUM_PARTS: tl.constexpr, GROUPS: tl.constexpr, PARTS_PAD: tl.constexpr):
+    """Each row's token: the best of its parts' winners (``GROUPS`` groups of ``NUM_PARTS`` chunks,
+    ``group_stride`` apart), the lowest id among equal scores (the parts cover increasing ids, so
+    this is the lowest id of the whole row). grid: (rows,)"""
     row = tl.program_id(0)
     if tl.load(temperatures_ptr + row) < 0:
         return
-    parts = tl.arange(0, CHUNKS_PAD)
-    mask = parts < NUM_CHUNKS
-    val = tl.load(part_val_ptr + row * NUM_CHUNKS + parts, mask=mask, other=float("-inf"))
-    ids = tl.load(part_id_ptr + row * NUM_CHUNKS + parts, mask=mask, other=vocab)
+    parts = tl.arange(0, PARTS_PAD)
+    mask = parts < GROUPS * NUM_PARTS
+    offs = (parts // NUM_PARTS) * group_stride + row * NUM_PARTS + parts % NUM_PARTS
+    val = tl.load(part_val_ptr + offs, mask=mask, other=float("-inf"))
+    ids = tl.load(part_id_ptr + offs, mask=mask, other=no_id)
     top = tl.max(val, axis=0)
-    tl.store(out_ptr + row, tl.min(tl.where(val == top, ids, vocab), axis=0).to(tl.int64))
+    tl.store(out_ptr + row, tl.min(tl.where(val == top, ids, no_id), axis=0).to(tl.int64))
 
 
 def gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor,
@@ -81,24 +90,61 @@ def gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch
     [0, 2**32). ``chunk``: logits per program, a multiple of BLOCK. Returns ``out`` (or a new [rows]
     int64 tensor) holding the token ids."""
     rows, vocab = logits.shape
-    assert logits.stride(1) == 1 and temperatures.dtype == torch.float32 and seeds.dtype == torch.int64
-    assert chunk % BLOCK == 0
     if out is None:
         out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if not rows:
         return out
+    if triton.cdiv(vocab, chunk) == 1:
+        _check(logits, temperatures, seeds, chunk)
+        _gumbel_argmax_kernel[(rows, 1)](logits, logits.stride(0), temperatures, seeds, out, out, out, vocab, chunk, 0,
+                                         NUM_CHUNKS=1, TO_PARTS=False, BLOCK=BLOCK, num_warps=8)
+        return out
+    return best_of_parts(gumbel_parts(logits, temperatures, seeds, 0, chunk)[None], temperatures, vocab, out)
+
+
+def gumbel_parts(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, vocab_start: int,
+                 chunk: int = CHUNK) -> torch.Tensor:
+    """The first half of ``gumbel_argmax`` over logits of the vocabulary's ids ``vocab_start`` on
+    (a tensor-parallel rank's share): each chunk's best score and id, as int32 [2, rows, chunks]
+    (row 0: the scores' float32 bits). A skipped row's entries are left unwritten."""
+    _check(logits, temperatures, seeds, chunk)
+    rows, vocab = logits.shape
     num_chunks = triton.cdiv(vocab, chunk)
-    part_val = part_id = out  # unused with one chunk
-    if num_chunks > 1:
-        part_val = torch.empty(rows, num_chunks, dtype=torch.float32, device=logits.device)
-        part_id = torch.empty(rows, num_chunks, dtype=torch.int32, device=logits.device)
-    _gumbel_argmax_kernel[(rows, num_chunks)](
-        logits, logits.stride(0), temperatures, seeds, out, part_val, part_id, vocab, chunk,
-        NUM_CHUNKS=num_chunks, BLOCK=BLOCK, num_warps=8,
-    )
-    if num_chunks > 1:
-        _best_of_chunks_kernel[(rows,)](
-            temperatures, out, part_val, part_id, vocab,
-            NUM_CHUNKS=num_chunks, CHUNKS_PAD=triton.next_power_of_2(num_chunks), num_warps=1,
+    parts = torch.empty(2, rows, num_chunks, dtype=torch.int32, device=logits.device)
+    if rows:
+        _gumbel_argmax_kernel[(rows, num_chunks)](
+            logits, logits.stride(0), temperatures, seeds, parts, parts[0].view(torch.float32), parts[1], vocab, chunk,
+            vocab_start, NUM_CHUNKS=num_chunks, TO_PARTS=True, BLOCK=BLOCK, num_warps=8,
+        )
+    return parts
+
+
+def best_of_parts(parts: torch.Tensor, temperatures: torch.Tensor, vocab_size: int, out: torch.Tensor) -> torch.Tensor:
+    """The second half: ``parts`` [groups, 2, rows, chunks] int32 (``gumbel_parts`` of each share of
+    the vocabulary, in the order of their ids) into each row's token id, written to ``out`` [rows]."""
+    groups, _, rows, num_chunks = parts.shape
+    assert parts.is_contiguous() and parts.dtype == torch.int32
+    if rows:
+        _best_of_parts_kernel[(rows,)](
+            temperatures, out, parts[:, 0].view(torch.float32), parts[:, 1], 2 * rows * num_chunks, vocab_size,
+            NUM_PARTS=num_chunks, GROUPS=groups, PARTS_PAD=triton.next_power_of_2(groups * num_chunks), num_warps=1,
         )
     return out
+
+
+def sharded_gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, vocab_start: int,
+                          vocab_size: int, out: torch.Tensor) -> torch.Tensor:
+    """``gumbel_argmax`` under tensor parallelism, every rank of the default process group
+    holding ``logits`` of its share of the vocabulary (ids ``vocab_start`` on, shares in rank order):
+    each rank finds its chunks' winners, the ranks exchange them (a few bytes a row), and every rank
+    picks the same token per row into ``out``. The scores are the same per id as over the whole
+    vocabulary, so are the tokens."""
+    parts = gumbel_parts(logits, temperatures, seeds, vocab_start)
+    gathered = parts.new_empty(dist.get_world_size(), *parts.shape)
+    dist.all_gather_into_tensor(gathered, parts)
+    return best_of_parts(gathered, temperatures, vocab_size, out)
+
+
+def _check(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, chunk: int) -> None:
+    assert logits.stride(1) == 1 and temperatures.dtype == torch.float32 and seeds.dtype == torch.int64
+    assert chunk % BLOCK == 0

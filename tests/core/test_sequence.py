@@ -32,7 +32,8 @@ def test_sequence_blocks_and_derived_fields():
 
 def test_step_describes_only_what_it_computes():
     """What the workers get: plain lists of what the step computes (a chunk's tokens, a decode
-    step's one token or its placeholder's row), never the sequences; sampling rows stay on rank 0."""
+    step's one token or its placeholder's row), never the sequences; of the sampling rows only a
+    plain step's temperatures and draw seeds (every rank draws in a decode graph)."""
     seq = make_seq(list(range(10)), block_size=4)
     seq.block_table = [3, 1, 2]
     seq.num_cached_tokens, seq.num_scheduled_tokens = 4, 5  # a chunk: tokens 4..8
@@ -49,8 +50,14 @@ def test_step_describes_only_what_it_computes():
     assert (decode.token_ids, decode.num_computed, decode.num_new) == ([42, -1], [10, 2], [1, 1])
     assert decode.prev_rows == [-1, 1]
     sent = pickle.loads(pickle.dumps(decode.for_workers()))
-    assert sent.sampling is None and sent.token_ids == [42, -1] and sent.block_tables == [[3, 1, 2], [5]]
+    assert sent.token_ids == [42, -1] and sent.block_tables == [[3, 1, 2], [5]]
     assert decode.sampling.temperatures == [0.0, 0.0] and decode.sampling.plain
+    rows = sent.sampling
+    assert (rows.temperatures, rows.seeds, rows.params, rows.plain) == ([0.0, 0.0], decode.sampling.seeds, [], True)
+    assert rows.suppressed is None and rows.penalty_tokens is None and rows.token_bitmask is None
+    seq.sampling_params = SamplingParams(temperature=0.5, logprobs=2)  # not plain: its rows stay on rank 0
+    step = build_step([seq, other], False, Random(0))
+    assert not step.sampling.plain and step.for_workers().sampling is None
 
 
 def test_engine_core_does_not_import_torch():

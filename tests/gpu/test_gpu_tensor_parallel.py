@@ -3,8 +3,8 @@
 the dtype, on every rank alike; over sizes that end inside a block, calls in a row (the epochs and
 the two halves of the buffer), calls inside a CUDA graph replayed with new inputs, many small calls
 with the ranks arriving at different times, and an abort that frees a call whose peer never comes.
-Then tensor parallelism in the engine, with NCCL and with the one-shot kernel, a worker killed
-mid-call included (test_gpu.py's checkpoint, prompts and torch reference)."""
+Then tensor parallelism in the engine, with NCCL and with the one-shot kernel, the decode graphs'
+sharded draw, a worker killed mid-call included (test_gpu.py's checkpoint, prompts and torch reference)."""
 import faulthandler
 import json
 import multiprocessing
@@ -157,6 +157,24 @@ def test_tp2_graphs_match_torch_reference(model_dir, reference, hf_model):
     got, again = run(model_dir, prompts, tensor_parallel_size=2, kvcache_block_size=256, max_num_batched_tokens=512)
     assert_agree(hf_model, prompts, reference, got)
     assert_agree(hf_model, prompts, got, again)
+
+
+def _seeded_tokens(model_dir, logprobs: int | None) -> list[list[int]]:
+    prompts = make_prompts()
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=24, ignore_eos=True, logprobs=logprobs)
+              for i in range(len(prompts))]
+    with LLM(model_dir, tensor_parallel_size=2, max_model_len=2048, max_num_batched_tokens=512, **SMALL_BATCH) as llm:
+        return [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_tp2_draw_in_graphs_equals_draw_on_rank0(model_dir):
+    """A plain seeded draw runs inside the decode graphs, each rank over its share of the
+    vocabulary, the ranks exchanging each row's winners; asking for log-probabilities makes the
+    steps gather the logits on rank 0 and draw there. The same logits and the same noise per token
+    id (each engine from scratch): the same tokens."""
+    in_graphs = _seeded_tokens(model_dir, None)
+    assert in_graphs == _seeded_tokens(model_dir, 0)
+    assert len({tuple(t) for t in in_graphs}) == len(in_graphs)
 
 
 def in_fresh_process(fn, *args):

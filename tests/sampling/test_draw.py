@@ -189,6 +189,32 @@ def triton_skip_case(chunk_blocks: int | None = None) -> dict:
     return dict(returned_out=got is out, out=out.tolist(), want=want.tolist())
 
 
+def triton_sharded_case(vocab: int, shards: int, seed: int, chunk_blocks: int | None = None) -> dict:
+    """Tensor parallelism's draw: each share of the vocabulary's chunk winners (``gumbel_parts``
+    with its first id), stacked in rank order, then ``best_of_parts``, against ``gumbel_argmax`` over
+    the whole row. Equal maxima sit in different shares, and some rows are skipped."""
+    from nanovllm.sampling import triton_draw
+
+    g = torch.Generator().manual_seed(seed)
+    temps = torch.tensor([0.0, 0.3, 1.0, 2.5, -1.0]).repeat_interleave(4)
+    n, share = temps.numel(), vocab // shards
+    logits = (1.5 * torch.randn(n, vocab, generator=g)).to(torch.bfloat16)
+    logits[:4, [3, share + 3, vocab - 1]] = 30.0  # greedy rows: the lowest id of equal maxima wins
+    seeds = seed_tensor(n, seed)
+    chunk = triton_draw.BLOCK * chunk_blocks if chunk_blocks else triton_draw.CHUNK
+    parts = torch.stack([triton_draw.gumbel_parts(logits[:, r * share : (r + 1) * share], temps, seeds, r * share,
+                                                  chunk) for r in range(shards)])
+    got = triton_draw.best_of_parts(parts, temps, vocab, torch.full((n,), -7, dtype=torch.int64))
+    want = triton_draw.gumbel_argmax(logits, temps, seeds, out=torch.full((n,), -7, dtype=torch.int64), chunk=chunk)
+    return dict(got=got.tolist(), want=want.tolist(), distinct=len(set(want.tolist())))
+
+
+TRITON_SHARDED_CASES = {
+    "sharded_two_ranks": lambda: triton_sharded_case(5000, 2, 40),
+    "sharded_two_ranks_chunks_of_one_block": lambda: triton_sharded_case(10000, 2, 41, chunk_blocks=1),
+    "sharded_four_ranks_chunks_of_one_block": lambda: triton_sharded_case(9000, 4, 42, chunk_blocks=1),
+}
+
 TRITON_CASES = {
     "skipped_rows": triton_skip_case,
     "skipped_rows_two_chunks": lambda: triton_skip_case(chunk_blocks=1),
@@ -211,7 +237,7 @@ TRITON_CASES = {
 def run_triton_cases() -> dict:
     """Runs in the subprocess, with TRITON_INTERPRET=1 already in the environment."""
     squeeze_interpreter_loop_bounds()
-    return run_cases(TRITON_CASES)
+    return run_cases(TRITON_CASES | TRITON_SHARDED_CASES)
 
 
 @pytest.fixture(scope="module")
@@ -239,6 +265,17 @@ def test_triton_gumbel_argmax_matches_torch(triton_results, case):
     assert "error" not in result, result["error"]
     assert not result["mismatches"], f"{case}: Triton and torch draw different tokens: {result['mismatches']}"
     assert result["distinct"] >= 3, f"{case}: the rows hardly differ: {result}"
+
+
+@pytest.mark.parametrize("case", list(TRITON_SHARDED_CASES))
+def test_triton_sharded_draw_equals_the_whole_row(triton_results, case):
+    """Every rank's share drawn on its own and the winners combined: the very tokens of the draw
+    over the whole vocabulary (the same score per id), skipped rows left alone."""
+    r = triton_results[case]
+    assert "error" not in r, r
+    assert r["got"] == r["want"]
+    assert r["want"][:4] == [3] * 4 and r["want"][-4:] == [-7] * 4
+    assert r["distinct"] >= 8, r
 
 
 if __name__ == "__main__":
