@@ -2,6 +2,7 @@ import torch
 from torch import nn
 
 from nanovllm.utils.compile import compile_on_gpu
+from nanovllm.utils.distributed import all_reduce
 
 
 @compile_on_gpu
@@ -31,8 +32,15 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.quantize = quantize
+        self.reduces_input = False  # True: with a residual, x is a row-parallel layer's unsummed output
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None and self.reduces_input:
+            if not self.quantize:
+                from nanovllm.layers.reduce_norm import reduce_add_rms_norm
+
+                return reduce_add_rms_norm(x, residual, self.weight, self.eps)
+            all_reduce(x)
         if self.quantize:
             from nanovllm.layers.quantization.fp8_fused import rms_norm_quantized
 

@@ -135,14 +135,16 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 class RowParallelLinear(LinearBase):
     """Splits the input features; partial results are summed with one all-reduce. The bias is
-    added once, after the reduction."""
+    added once, after the reduction. ``reduce_results = False`` (set by a model, only without a
+    bias) returns this rank's partial results for the layer behind it to sum."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__(_divide(input_size, get_tp_size()), output_size, bias, tp_dim=1)
+        self.reduce_results = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.linear(x, None)
-        if self.tp_size > 1:
+        if self.tp_size > 1 and self.reduce_results:
             all_reduce(y)
         if self.bias is not None:
             y = y + self.bias

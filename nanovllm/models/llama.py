@@ -63,6 +63,9 @@ class DecoderAttention(nn.Module):
             q, k = self.rotary_emb(positions, q, k)
         return self._project(self.attn(q, k, v))
 
+    def leave_output_unsummed(self) -> None:
+        self.o_proj.reduce_results = False
+
     def _project(self, o: torch.Tensor | QuantizedRows) -> torch.Tensor:
         """o_proj of the attention output [tokens, heads, head_dim] (or of its quantized rows)."""
         return self.o_proj(o if isinstance(o, QuantizedRows) else o.flatten(1, -1))
@@ -79,6 +82,9 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
         self.act_fn = SiluAndMul(quantize=self.down_proj.fp8)
         self.quantized_input = self.gate_up_proj.fp8
+
+    def leave_output_unsummed(self) -> None:
+        self.down_proj.reduce_results = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -113,6 +119,15 @@ class DecoderModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        biased = any(isinstance(m, RowParallelLinear) and m.bias is not None for m in self.modules())
+        if get_tp_size() > 1 and not biased:
+            # each layer's attention and MLP leave their sums to the norm behind them (layers/reduce_norm.py):
+            # the next one's, the last layer's to the final norm (layer 0's input norm gets no residual)
+            for layer in self.layers:
+                layer.self_attn.leave_output_unsummed()
+                layer.mlp.leave_output_unsummed()
+                layer.input_layernorm.reduces_input = layer.post_attention_layernorm.reduces_input = True
+            self.norm.reduces_input = True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)

@@ -52,26 +52,24 @@ POLL_ABORT_EVERY = 1 << 14  # spins between two reads of the abort flag
 NUM_WARPS = 4  # per program
 
 
-@triton.jit(do_not_specialize=["n", "rank"])
-def _one_shot_kernel(x_ptr, n, data_ptrs, flag_ptrs, epochs, abort_flag, rank, slot,
-                     WORLD: tl.constexpr, COUNTERS: tl.constexpr, BLOCK: tl.constexpr, POLL: tl.constexpr):
+@triton.jit
+def next_epoch(epochs, COUNTERS: tl.constexpr):
+    """This call's epoch (the calls so far, plus one), advancing this program's share of the
+    counters: program ``p`` of ``P`` reads counter ``p`` and stores ``p, p + P, ...``."""
     pid = tl.program_id(0)
-    programs = tl.num_programs(0)
     epoch = tl.load(epochs + pid) + 1  # every thread reads the count; one thread stores it
     tl.debug_barrier()  # so no warp may read the count after it moved on (its waits would never end)
-    for c in range(pid, COUNTERS, programs):  # no other program reads these in this call
+    for c in range(pid, COUNTERS, tl.num_programs(0)):  # no other program reads these in this call
         tl.store(epochs + c, epoch)
-    num_blocks = tl.cdiv(n, BLOCK)
-    half = (epoch % 2) * WORLD * slot  # the call's half of every buffer: one slot per rank
-    elem = x_ptr.dtype.element_ty
-    for b in range(pid, num_blocks, programs):  # push: this rank's slot of every rank's buffer
-        offs = b * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        v = tl.load(x_ptr + offs, mask=mask)
-        for r in tl.static_range(WORLD):
-            dst = tl.load(data_ptrs + r).to(tl.pointer_type(elem))
-            tl.store(dst + half + rank * slot + offs, v, mask=mask)
-    tl.debug_barrier()  # the program's blocks are written before the signal releases them
+    return epoch
+
+
+@triton.jit
+def signal_and_wait(flag_ptrs, abort_flag, rank, epoch, WORLD: tl.constexpr, POLL: tl.constexpr):
+    """Tell every rank that this program's part of the call is in its buffer, then wait until
+    every rank has said the same to this one (or the abort flag is up)."""
+    pid = tl.program_id(0)
+    tl.debug_barrier()  # the program's writes are done before the signal releases them
     for r in tl.static_range(WORLD):
         peer_flags = tl.load(flag_ptrs + r).to(tl.pointer_type(tl.int64))
         tl.atomic_xchg(peer_flags + pid * WORLD + rank, epoch, sem="release", scope="sys")
@@ -88,6 +86,25 @@ def _one_shot_kernel(x_ptr, n, data_ptrs, flag_ptrs, epochs, abort_flag, rank, s
                     seen = epoch
         tl.atomic_add(signal, 0, sem="acquire", scope="sys")
     tl.debug_barrier()
+
+
+@triton.jit(do_not_specialize=["n", "rank"])
+def _one_shot_kernel(x_ptr, n, data_ptrs, flag_ptrs, epochs, abort_flag, rank, slot,
+                     WORLD: tl.constexpr, COUNTERS: tl.constexpr, BLOCK: tl.constexpr, POLL: tl.constexpr):
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    epoch = next_epoch(epochs, COUNTERS)
+    num_blocks = tl.cdiv(n, BLOCK)
+    half = (epoch % 2) * WORLD * slot  # the call's half of every buffer: one slot per rank
+    elem = x_ptr.dtype.element_ty
+    for b in range(pid, num_blocks, programs):  # push: this rank's slot of every rank's buffer
+        offs = b * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        v = tl.load(x_ptr + offs, mask=mask)
+        for r in tl.static_range(WORLD):
+            dst = tl.load(data_ptrs + r).to(tl.pointer_type(elem))
+            tl.store(dst + half + rank * slot + offs, v, mask=mask)
+    signal_and_wait(flag_ptrs, abort_flag, rank, epoch, WORLD, POLL)
     own = tl.load(data_ptrs + rank).to(tl.pointer_type(elem)) + half
     for b in range(pid, num_blocks, programs):  # sum the slots of this rank's buffer, all local
         offs = b * BLOCK + tl.arange(0, BLOCK)
@@ -139,9 +156,12 @@ class CustomAllReduce:
         return (x.is_cuda and x.dtype in DTYPES and x.is_contiguous() and x.numel() > 0
                 and x.numel() * x.element_size() <= MAX_BYTES)
 
+    def slot(self, x: torch.Tensor) -> int:
+        """Elements of x's dtype in one rank's slot of a buffer half."""
+        return MAX_BYTES // x.element_size()
+
     def __call__(self, x: torch.Tensor) -> None:
-        launch(x, self.data_ptrs, self.flag_ptrs, self.epochs, self.abort_flag, self.rank, self.world,
-               MAX_BYTES // x.element_size())
+        launch(x, self.data_ptrs, self.flag_ptrs, self.epochs, self.abort_flag, self.rank, self.world, self.slot(x))
 
     def abort(self) -> None:
         """Let every wait of a running or queued call give up (its sums are then garbage from here

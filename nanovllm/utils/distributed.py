@@ -71,9 +71,18 @@ def disable_custom_all_reduce() -> None:
 
 
 def all_reduce(x: torch.Tensor) -> None:
-    """Sum ``x`` over the tensor-parallel ranks, in place: with the one-shot kernel where it is
-    enabled, the CUDA graph being captured holds the call and the kernel takes ``x``; with the
-    process group otherwise.
+    """Sum ``x`` over the tensor-parallel ranks, in place: with the one-shot kernel where
+    ``custom_all_reduce_for`` gives it, with the process group otherwise."""
+    custom = custom_all_reduce_for(x)
+    if custom is not None:
+        custom(x)
+    else:
+        dist.all_reduce(x)
+
+
+def custom_all_reduce_for(x: torch.Tensor):
+    """This process's one-shot all-reduce if it sums ``x`` here: it is enabled, the CUDA graph being
+    captured holds the call, and the kernel takes ``x``; else None.
 
     Eager work (prefill steps, the warm-ups) sums through the process group: a kernel that spins
     until its peers arrive, launched eagerly, sits between host work that may wait for the device
@@ -82,9 +91,8 @@ def all_reduce(x: torch.Tensor) -> None:
     that holds all of a step's calls, with no host work between them."""
     custom = _custom_all_reduce
     if custom is not None and torch.cuda.is_current_stream_capturing() and custom.fits(x):
-        custom(x)
-    else:
-        dist.all_reduce(x)
+        return custom
+    return None
 
 
 def get_tp_rank() -> int:

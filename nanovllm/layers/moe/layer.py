@@ -175,6 +175,10 @@ class SparseMoeBlock(nn.Module):
         self.tp_size = get_tp_size()
         self.gate = ReplicatedLinear(hidden_size, num_experts, quantizable=False)  # FP8 checkpoints keep it too
         self.experts = Experts(num_experts, hidden_size, intermediate_size)
+        self.reduce_results = True  # False: the output stays this rank's partial sum (see RowParallelLinear)
+
+    def leave_output_unsummed(self) -> None:
+        self.reduce_results = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         router_logits = self.gate(x)
@@ -191,6 +195,6 @@ class SparseMoeBlock(nn.Module):
             out = fused_moe(x, experts.gate_up_proj, experts.down_proj, weights, ids)
         else:
             out = fused_moe_torch(x, experts.gate_up_proj, experts.down_proj, weights, ids)
-        if self.tp_size > 1:
+        if self.tp_size > 1 and self.reduce_results:
             all_reduce(out)
         return out

@@ -1,0 +1,104 @@
+"""The sum of a row-parallel layer's partial outputs over the tensor-parallel ranks, with the
+residual add and RMSNorm that follow it in the decoder: ``reduce_add_rms_norm``.
+
+Under tensor parallelism o_proj and down_proj (or a MoE block) leave their outputs unsummed
+(``reduce_results = False``) and the norm behind them sums first (``RMSNorm.reduces_input``). On a
+GPU, inside a CUDA graph with the one-shot all-reduce enabled (``utils/custom_all_reduce.py``), one
+kernel does all three: each program owns whole rows, pushes them into every rank's buffer, waits
+for the peers' rows, sums them in rank order (float32, rounded once to the model's dtype, as the
+plain all-reduce) and goes on with the residual add and the norm, so the norm's own launch and
+its pass over the rows are gone. Elsewhere on a GPU the process group sums and one Triton kernel
+adds and normalizes with the same arithmetic (so with two ranks both ways give the same bits); on
+the CPU the process group sums and ``layernorm.add_rms_norm`` follows.
+
+The arithmetic is ``add_rms_norm``'s: x + residual rounded to the model's dtype, normalized in
+float32, rounded, times the weight, rounded (its sums of squares are added in another order than
+torch's)."""
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm.layers.layernorm import add_rms_norm
+from nanovllm.utils import distributed
+from nanovllm.utils.custom_all_reduce import POLL_ABORT_EVERY, next_epoch, signal_and_wait
+
+
+@triton.jit
+def _add_rms_norm_row(s, res_ptr, w_ptr, out_ptr, sum_ptr, offs, cols, mask, eps, N: tl.constexpr):
+    """``s``: a row's sum over the ranks (float32 values of the model's dtype), ``offs`` its
+    elements' offsets in the [rows, N] tensors. Stores s + residual (rounded) into ``sum_ptr`` and
+    its RMSNorm times the weight into ``out_ptr``."""
+    dtype = out_ptr.dtype.element_ty
+    h = (s + tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(dtype)
+    tl.store(sum_ptr + offs, h, mask=mask)
+    hf = h.to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(hf * hf, axis=0) / N + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, (w * (hf * rstd).to(dtype).to(tl.float32)).to(dtype), mask=mask)
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, eps, N: tl.constexpr, N_PAD: tl.constexpr):
+    """One row of x (already summed over the ranks). grid: (rows,)"""
+    cols = tl.arange(0, N_PAD)
+    mask = cols < N
+    offs = tl.program_id(0).to(tl.int64) * N + cols  # (offsets past 2^31 elements in a large prefill)
+    s = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    _add_rms_norm_row(s, res_ptr, w_ptr, out_ptr, sum_ptr, offs, cols, mask, eps, N)
+
+
+@triton.jit(do_not_specialize=["rows", "rank"])
+def _one_shot_add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, rows, eps, data_ptrs, flag_ptrs, epochs,
+                                  abort_flag, rank, slot, WORLD: tl.constexpr, COUNTERS: tl.constexpr,
+                                  N: tl.constexpr, N_PAD: tl.constexpr, POLL: tl.constexpr):
+    """The one-shot all-reduce of x's rows (program ``p`` of ``P``: rows ``p, p + P, ...``), then
+    each summed row's residual add and norm. grid: (min(rows, COUNTERS),)"""
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    epoch = next_epoch(epochs, COUNTERS)
+    half = (epoch % 2) * WORLD * slot
+    elem = x_ptr.dtype.element_ty
+    cols = tl.arange(0, N_PAD)
+    mask = cols < N
+    for row in range(pid, rows, programs):  # push: this rank's slot of every rank's buffer
+        offs = row * N + cols  # (a decode step's rows: int32 offsets suffice)
+        v = tl.load(x_ptr + offs, mask=mask)
+        for r in tl.static_range(WORLD):
+            dst = tl.load(data_ptrs + r).to(tl.pointer_type(elem))
+            tl.store(dst + half + rank * slot + offs, v, mask=mask)
+    signal_and_wait(flag_ptrs, abort_flag, rank, epoch, WORLD, POLL)
+    own = tl.load(data_ptrs + rank).to(tl.pointer_type(elem)) + half
+    for row in range(pid, rows, programs):
+        offs = row * N + cols
+        acc = tl.zeros([N_PAD], dtype=tl.float32)
+        for r in tl.static_range(WORLD):  # .cg: past L1, which the peers' writes do not reach
+            acc += tl.load(own + r * slot + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        s = acc.to(elem).to(tl.float32)  # the all-reduce's result
+        _add_rms_norm_row(s, res_ptr, w_ptr, out_ptr, sum_ptr, offs, cols, mask, eps, N)
+
+
+def reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [tokens, hidden]: this rank's partial sums, summed here over the ranks; returns
+    (RMSNorm(sum + residual) * weight, sum + residual), as ``add_rms_norm`` does for a summed x."""
+    if not x.is_cuda:
+        distributed.all_reduce(x)
+        return add_rms_norm(x, residual, weight, eps)
+    x, residual = x.contiguous(), residual.contiguous()
+    rows, n = x.shape
+    out, total = torch.empty_like(x), torch.empty_like(x)
+    if not rows:
+        return out, total
+    custom = distributed.custom_all_reduce_for(x)
+    n_pad = triton.next_power_of_2(n)
+    warps = 8 if n >= 4096 else 4
+    if custom is None:
+        distributed.all_reduce(x)
+        _add_rms_norm_kernel[(rows,)](x, residual, weight, out, total, eps, N=n, N_PAD=n_pad, num_warps=warps)
+    else:
+        _one_shot_add_rms_norm_kernel[(min(rows, custom.epochs.numel()),)](
+            x, residual, weight, out, total, rows, eps, custom.data_ptrs, custom.flag_ptrs, custom.epochs,
+            custom.abort_flag, custom.rank, custom.slot(x), WORLD=custom.world, COUNTERS=custom.epochs.numel(),
+            N=n, N_PAD=n_pad, POLL=POLL_ABORT_EVERY, num_warps=warps,
+        )
+    return out, total
