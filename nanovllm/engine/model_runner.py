@@ -21,8 +21,8 @@ from nanovllm.sampling import Sampler, SamplerOutput
 from nanovllm.sampling.batch import make_sampling_batch
 from nanovllm.sampling.prompt_logprobs import score_prompt
 from nanovllm.utils.context import Context, step_context
-from nanovllm.utils.distributed import (abort_nccl, disable_custom_all_reduce, enable_custom_all_reduce,
-                                        init_process_group, wait_device)
+from nanovllm.utils.distributed import (abort_nccl, enable_custom_all_reduce, init_process_group, leave_group,
+                                        wait_device)
 from nanovllm.utils.loader import (WeightEntry, check_fp8_tensors, copy_weight, expected_shapes, init_dummy_weights,
                                    is_fp8_model, load_model, plan_weights)
 from nanovllm.utils.profiling import phase
@@ -269,13 +269,9 @@ class ModelRunner:
         self.model = self.kv_cache = self.sampled = self.offloaded = None  # the layers' cache views go with the model
         if torch.cuda.is_initialized():
             torch.cuda.empty_cache()
-        if self.owns_group and dist.is_initialized():
+        if self.owns_group:
             self.owns_group = False
-            disable_custom_all_reduce()
-            try:
-                dist.destroy_process_group()
-            except Exception:  # an aborted group may refuse a clean teardown
-                pass
+            leave_group()
 
     def _drop_graphs(self) -> None:
         self.graphs = None

@@ -64,10 +64,18 @@ def abort_custom_all_reduce() -> None:
         custom.abort()
 
 
-def disable_custom_all_reduce() -> None:
-    """Drop this process's one-shot all-reduce (its buffers go with it), before the group ends."""
+def leave_group() -> None:
+    """Drop this process's one-shot all-reduce (its buffers go with it) and leave the default group.
+    After a rank died, ``abort_nccl`` has already ended the group; the kernel must go all the same,
+    or the next engine of this process would capture it in its graphs while its peers sum through
+    NCCL, and wait on each other for ever."""
     global _custom_all_reduce
     _custom_all_reduce = None
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # an aborted group may refuse a clean teardown
+            pass
 
 
 def all_reduce(x: torch.Tensor) -> None:

@@ -238,3 +238,26 @@ def test_sampling_controls_match_one_rank(ckpt_tied):
                     assert all(abs(x[t] - y[t]) < 1e-4 for t in x), (i, x, y)
     stopped = [o["stop_reason"] for o in results[1]]
     assert {type(r) for r in stopped} >= {int, str}, f"the batch should end on a stop id and a stop string: {stopped}"
+
+
+def test_leaving_an_aborted_group_drops_the_one_shot_all_reduce():
+    """After a rank died, ``abort_nccl`` has ended the default group before rank 0 leaves it; the
+    one-shot all-reduce must go all the same, or the process's next engine would capture it into its
+    decode graphs (``distributed.all_reduce``) while its new workers sum through NCCL."""
+    from nanovllm.engine.executor import _free_port
+    from nanovllm.utils import distributed
+
+    try:
+        distributed.init_process_group(torch.device("cpu"), 0, 1, _free_port())
+        distributed._custom_all_reduce = object()  # stands for the kernel, which needs GPUs
+        torch.distributed.distributed_c10d._abort_process_group()  # what abort_nccl does with NCCL
+        assert not torch.distributed.is_initialized()
+        distributed.leave_group()
+        assert distributed._custom_all_reduce is None
+        distributed.init_process_group(torch.device("cpu"), 0, 1, _free_port())  # a next group starts
+        distributed.leave_group()
+        assert not torch.distributed.is_initialized()
+    finally:
+        distributed._custom_all_reduce = None
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
