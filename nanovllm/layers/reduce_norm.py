@@ -20,7 +20,7 @@ import triton.language as tl
 
 from nanovllm.layers.layernorm import add_rms_norm
 from nanovllm.utils import distributed
-from nanovllm.utils.custom_all_reduce import POLL_ABORT_EVERY, next_epoch, signal_and_wait
+from nanovllm.utils.custom_all_reduce import POLL_ABORT_EVERY, next_epoch, push, signal_and_wait, sum_slots
 
 
 @triton.jit
@@ -60,20 +60,13 @@ def _one_shot_add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, rows,
     elem = x_ptr.dtype.element_ty
     cols = tl.arange(0, N_PAD)
     mask = cols < N
-    for row in range(pid, rows, programs):  # push: this rank's slot of every rank's buffer
-        offs = row * N + cols  # (a decode step's rows: int32 offsets suffice)
-        v = tl.load(x_ptr + offs, mask=mask)
-        for r in tl.static_range(WORLD):
-            dst = tl.load(data_ptrs + r).to(tl.pointer_type(elem))
-            tl.store(dst + half + rank * slot + offs, v, mask=mask)
+    for row in range(pid, rows, programs):  # (a decode step's rows: int32 offsets suffice)
+        push(x_ptr, row * N + cols, mask, data_ptrs, half, rank, slot, WORLD)
     signal_and_wait(flag_ptrs, abort_flag, rank, epoch, WORLD, POLL)
     own = tl.load(data_ptrs + rank).to(tl.pointer_type(elem)) + half
     for row in range(pid, rows, programs):
         offs = row * N + cols
-        acc = tl.zeros([N_PAD], dtype=tl.float32)
-        for r in tl.static_range(WORLD):  # .cg: past L1, which the peers' writes do not reach
-            acc += tl.load(own + r * slot + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-        s = acc.to(elem).to(tl.float32)  # the all-reduce's result
+        s = sum_slots(own, offs, mask, slot, WORLD).to(elem).to(tl.float32)  # the all-reduce's result
         _add_rms_norm_row(s, res_ptr, w_ptr, out_ptr, sum_ptr, offs, cols, mask, eps, N)
 
 

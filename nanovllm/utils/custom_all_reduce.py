@@ -88,6 +88,26 @@ def signal_and_wait(flag_ptrs, abort_flag, rank, epoch, WORLD: tl.constexpr, POL
     tl.debug_barrier()
 
 
+@triton.jit
+def push(x_ptr, offs, mask, data_ptrs, half, rank, slot, WORLD: tl.constexpr):
+    """Store x's elements at ``offs`` into this rank's slot of every rank's buffer (``half``: the
+    call's half of each)."""
+    v = tl.load(x_ptr + offs, mask=mask)
+    for r in tl.static_range(WORLD):
+        dst = tl.load(data_ptrs + r).to(tl.pointer_type(x_ptr.dtype.element_ty))
+        tl.store(dst + half + rank * slot + offs, v, mask=mask)
+
+
+@triton.jit
+def sum_slots(own, offs, mask, slot, WORLD: tl.constexpr):
+    """The sum at ``offs`` over the ranks' slots of this rank's buffer (``own``: the call's half), in
+    rank order, in float32. The loads go past L1 (.cg), which the peers' writes do not reach."""
+    acc = tl.load(own + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    for r in tl.static_range(1, WORLD):
+        acc += tl.load(own + r * slot + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    return acc
+
+
 @triton.jit(do_not_specialize=["n", "rank"])
 def _one_shot_kernel(x_ptr, n, data_ptrs, flag_ptrs, epochs, abort_flag, rank, slot,
                      WORLD: tl.constexpr, COUNTERS: tl.constexpr, BLOCK: tl.constexpr, POLL: tl.constexpr):
@@ -97,22 +117,15 @@ def _one_shot_kernel(x_ptr, n, data_ptrs, flag_ptrs, epochs, abort_flag, rank, s
     num_blocks = tl.cdiv(n, BLOCK)
     half = (epoch % 2) * WORLD * slot  # the call's half of every buffer: one slot per rank
     elem = x_ptr.dtype.element_ty
-    for b in range(pid, num_blocks, programs):  # push: this rank's slot of every rank's buffer
+    for b in range(pid, num_blocks, programs):
         offs = b * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        v = tl.load(x_ptr + offs, mask=mask)
-        for r in tl.static_range(WORLD):
-            dst = tl.load(data_ptrs + r).to(tl.pointer_type(elem))
-            tl.store(dst + half + rank * slot + offs, v, mask=mask)
+        push(x_ptr, offs, offs < n, data_ptrs, half, rank, slot, WORLD)
     signal_and_wait(flag_ptrs, abort_flag, rank, epoch, WORLD, POLL)
     own = tl.load(data_ptrs + rank).to(tl.pointer_type(elem)) + half
-    for b in range(pid, num_blocks, programs):  # sum the slots of this rank's buffer, all local
+    for b in range(pid, num_blocks, programs):  # all local
         offs = b * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for r in tl.static_range(WORLD):  # .cg: past L1, which the peers' writes do not reach
-            acc += tl.load(own + r * slot + offs, mask=mask, cache_modifier=".cg").to(tl.float32)
-        tl.store(x_ptr + offs, acc.to(elem), mask=mask)
+        tl.store(x_ptr + offs, sum_slots(own, offs, mask, slot, WORLD).to(elem), mask=mask)
 
 
 def launch(x: torch.Tensor, data_ptrs: torch.Tensor, flag_ptrs: torch.Tensor, epochs: torch.Tensor,
