@@ -33,18 +33,20 @@ CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
     ("FP8 linears", ("_fp8_gemm_kernel", "_quantize_kernel")),
     # cuBLAS / cuBLASLt / CUTLASS matrix multiplies (also the LM head)
     ("GEMMs", ("gemm", "sm90_xmma", "cutlass", "cublas", "nvjet")),
+    # tensor parallelism: NCCL's kernels (all-reduce, gather, broadcast, all-gather) and the one-shot
+    # all-reduce, also the one fused with the residual add and RMSNorm (before the norms: its name
+    # contains theirs)
+    ("collectives", ("nccl", "_one_shot")),
     # torch.compile'd RMSNorm and SiLU-and-mul (Inductor's Triton kernels; with FP8 weights our kernels
     # that also quantize for the next linear); the fused QK-norm, RoPE and KV-cache store of the new
     # tokens (attention.kv_store.rope_and_store: the only KV store on the GPU, so there is no category
     # of its own)
     ("norms / rotary / activation", ("triton_poi_fused", "triton_red_fused", "triton_per_fused", "_rope_store",
-                                     "_rms_norm_quant_kernel", "_silu_mul_quant_kernel")),
+                                     "_rms_norm_quant_kernel", "_silu_mul_quant_kernel", "_add_rms_norm_kernel")),
     # the fused Gumbel-max draw (its chunks, then the best of them); greedy argmax; top-k/top-p/min-p
     # (topk, sort, cumsum, logsumexp); log-probabilities (log_softmax)
     ("sampler", ("gumbel", "best_of_", "argmax", "topk", "kthvalue", "radix", "sort", "softmax", "logsumexp",
                  "devicescan", "exponential")),
-    # tensor parallelism: NCCL's kernels (all-reduce, gather, broadcast, all-gather) and the one-shot all-reduce
-    ("collectives", ("nccl", "_one_shot_kernel")),
     # CUPTI names these "Memcpy HtoD (Pinned -> Device)", "Memset (Device)", ...
     ("copies", ("memcpy", "memset")),
 ]
