@@ -54,7 +54,7 @@ def _worker(rank: int, world: int, port: int, args) -> None:
     distributed.init_process_group(device, rank, world, port)
     custom_all_reduce.BLOCK, custom_all_reduce.PROGRAMS = args.block, args.programs
     custom_all_reduce.NUM_WARPS = args.warps
-    assert distributed.enable_custom_all_reduce(device), "the GPUs do not reach each other directly"
+    assert distributed.enable_custom_all_reduce(device, torch.bfloat16), "the GPUs do not reach each other directly"
     custom = distributed._custom_all_reduce
     rows = []
     for kib in args.sizes:

@@ -53,7 +53,7 @@ class Config:
     enable_sleep_mode: bool = False  # allow llm.sleep(level) / llm.wake_up() (engine/sleep.py)
     # False: tensor parallelism's CUDA graphs sum tensors up to 8 MiB with the one-shot kernel
     # (utils/custom_all_reduce.py);
-    # True (the default until the GPU test that kills a worker under the kernel passes): NCCL sums every all-reduce
+    # True (the default until the whole GPU suite has run with the kernel on): NCCL sums every all-reduce
     disable_custom_all_reduce: bool = True
     hf_config: object = field(default=None, init=False, repr=False)
     # what the weights run as: an FP8 checkpoint's "fp8" whatever ``quantization`` says, else ``quantization``

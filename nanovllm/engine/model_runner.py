@@ -63,7 +63,7 @@ class ModelRunner:
         # CUDA graphs need a capturable backend on a GPU; the torch backend syncs on the host
         self.enforce_eager = config.enforce_eager or self.device.type == "cpu" or backend.name == "torch"
         if self.world_size > 1 and not self.enforce_eager and not config.disable_custom_all_reduce:
-            enable_custom_all_reduce(self.device)  # (only CUDA graphs use it: distributed.all_reduce)
+            enable_custom_all_reduce(self.device, self.dtype)  # (only CUDA graphs use it: distributed.all_reduce)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:

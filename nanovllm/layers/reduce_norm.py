@@ -4,12 +4,12 @@ residual add and RMSNorm that follow it in the decoder: ``reduce_add_rms_norm``.
 Under tensor parallelism o_proj and down_proj (or a MoE block) leave their outputs unsummed
 (``reduce_results = False``) and the norm behind them sums first (``RMSNorm.reduces_input``). On a
 GPU, inside a CUDA graph with the one-shot all-reduce enabled (``utils/custom_all_reduce.py``), one
-kernel does all three: each program owns whole rows, pushes them into every rank's buffer, waits
-for the peers' rows, sums them in rank order (float32, rounded once to the model's dtype, as the
-plain all-reduce) and goes on with the residual add and the norm, so the norm's own launch and
-its pass over the rows are gone. Elsewhere on a GPU the process group sums and one Triton kernel
-adds and normalizes with the same arithmetic (so with two ranks both ways give the same bits); on
-the CPU the process group sums and ``layernorm.add_rms_norm`` follows.
+kernel does all three: each program owns whole rows, pushes them into every other rank's buffer,
+takes the peers' rows as they arrive, sums them in rank order (float32, rounded once to the
+model's dtype, as the plain all-reduce) and goes on with the residual add and the norm, so the
+norm's own launch and its pass over the rows are gone. Elsewhere on a GPU the process group sums
+and one Triton kernel adds and normalizes with the same arithmetic (so with two ranks both ways
+give the same bits); on the CPU the process group sums and ``layernorm.add_rms_norm`` follows.
 
 The arithmetic is ``add_rms_norm``'s: x + residual rounded to the model's dtype, normalized in
 float32, rounded, times the weight, rounded (its sums of squares are added in another order than
@@ -20,7 +20,7 @@ import triton.language as tl
 
 from nanovllm.layers.layernorm import add_rms_norm
 from nanovllm.utils import distributed
-from nanovllm.utils.custom_all_reduce import POLL_ABORT_EVERY, next_epoch, push, signal_and_wait, sum_slots
+from nanovllm.utils.custom_all_reduce import POLL_ABORT_EVERY, TL_INT, buffer, next_epoch, push, sentinel, sum_ranks
 
 
 @triton.jit
@@ -48,25 +48,25 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, eps, N: tl.con
 
 
 @triton.jit(do_not_specialize=["rows", "rank"])
-def _one_shot_add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, rows, eps, data_ptrs, flag_ptrs, epochs,
-                                  abort_flag, rank, slot, WORLD: tl.constexpr, COUNTERS: tl.constexpr,
-                                  N: tl.constexpr, N_PAD: tl.constexpr, POLL: tl.constexpr):
+def _one_shot_add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, rows, eps, data_ptrs, epochs, abort_flag,
+                                  rank, slot, WORLD: tl.constexpr, COUNTERS: tl.constexpr, N: tl.constexpr,
+                                  N_PAD: tl.constexpr, BITS: tl.constexpr, SENTINEL: tl.constexpr,
+                                  POLL: tl.constexpr):
     """The one-shot all-reduce of x's rows (program ``p`` of ``P``: rows ``p, p + P, ...``), then
     each summed row's residual add and norm. grid: (min(rows, COUNTERS),)"""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     epoch = next_epoch(epochs, COUNTERS)
     half = (epoch % 2) * WORLD * slot
-    elem = x_ptr.dtype.element_ty
     cols = tl.arange(0, N_PAD)
     mask = cols < N
     for row in range(pid, rows, programs):  # (a decode step's rows: int32 offsets suffice)
-        push(x_ptr, row * N + cols, mask, data_ptrs, half, rank, slot, WORLD)
-    signal_and_wait(flag_ptrs, abort_flag, rank, epoch, WORLD, POLL)
-    own = tl.load(data_ptrs + rank).to(tl.pointer_type(elem)) + half
+        push(x_ptr, row * N + cols, mask, data_ptrs, half, rank, slot, WORLD, BITS, SENTINEL)
+    own = buffer(data_ptrs, rank, BITS) + half
     for row in range(pid, rows, programs):
         offs = row * N + cols
-        s = sum_slots(own, offs, mask, slot, WORLD).to(elem).to(tl.float32)  # the all-reduce's result
+        s = sum_ranks(x_ptr, own, offs, mask, rank, slot, abort_flag, WORLD, SENTINEL, POLL)
+        s = s.to(x_ptr.dtype.element_ty).to(tl.float32)  # the all-reduce's result
         _add_rms_norm_row(s, res_ptr, w_ptr, out_ptr, sum_ptr, offs, cols, mask, eps, N)
 
 
@@ -89,9 +89,10 @@ def reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
         distributed.all_reduce(x)
         _add_rms_norm_kernel[(rows,)](x, residual, weight, out, total, eps, N=n, N_PAD=n_pad, num_warps=warps)
     else:
+        bits, value = sentinel(x.dtype)
         _one_shot_add_rms_norm_kernel[(min(rows, custom.epochs.numel()),)](
-            x, residual, weight, out, total, rows, eps, custom.data_ptrs, custom.flag_ptrs, custom.epochs,
-            custom.abort_flag, custom.rank, custom.slot(x), WORLD=custom.world, COUNTERS=custom.epochs.numel(),
-            N=n, N_PAD=n_pad, POLL=POLL_ABORT_EVERY, num_warps=warps,
+            x, residual, weight, out, total, rows, eps, custom.data_ptrs, custom.epochs, custom.abort_flag,
+            custom.rank, custom.slot(x), WORLD=custom.world, COUNTERS=custom.epochs.numel(), N=n, N_PAD=n_pad,
+            BITS=TL_INT[bits], SENTINEL=value, POLL=POLL_ABORT_EVERY, num_warps=warps,
         )
     return out, total

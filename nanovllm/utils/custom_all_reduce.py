@@ -3,23 +3,26 @@ kernel, where NCCL spends much of its time in latency.
 
 Every rank holds a buffer that the other ranks of the host map (torch's symmetric memory over
 CUDA IPC, without NVLink multicast), with a slot for every rank. A call writes this rank's tensor
-into its slot of every rank's buffer (the only traffic between GPUs: writes, which need no round
-trip and were measured faster than reads), tells every rank that its part is there, waits until
-every rank has said the same, and sums the slots of its own buffer in rank order (in float32), so
-every rank computes exactly the same values.
+into its slot of every other rank's buffer (the only traffic between GPUs: writes, which need no
+round trip and were measured faster than reads), then sums, in rank order and in float32, its own
+tensor and the peers' slots of its own buffer as their elements arrive, so every rank computes
+exactly the same values.
+
+The data are their own signal: an element not yet written holds negative zero (the sentinel; a
+pushed -0.0 goes as +0.0, which sums the same), so a program reads a block of a peer's slot until
+none of it is the sentinel, with no flag and no fence between the writes and the reads. Having
+read a block it puts the sentinel back. The buffers alternate between two halves by the call's
+parity (the epoch): the peers write this half again two calls later, in a call that needs this
+rank's data of the next call, which it sends only after this call (and its clearing) has ended.
+The sentinel is the bits of -0.0 in the buffer's one dtype (the model's), so only tensors of that
+dtype are taken.
 
 A call runs one program per block of ``BLOCK`` elements, at most ``PROGRAMS`` (few enough to be
 resident at once: a program that waits for its peer must not keep that peer's counterpart from being
-scheduled), so a small tensor's call is a few programs with a handshake each; program ``p`` of ``P``
-handles blocks ``p, p + P, ...`` on every rank (every rank runs the same ``P`` for the same size), so
-the handshake is per program: rank ``r`` writes epoch ``e`` into slot ``(p, r)`` of every rank's
-flags once its blocks are written, and its peers' programs ``p`` wait for it there. The epoch counts
-the calls on the device (CUDA graphs replay the same arguments): ``PROGRAMS`` counters all hold it,
-program ``p`` reads counter ``p`` and advances counters ``p, p + P, ...``, so every counter moves on
-every call whatever ``P`` is. The buffers alternate between two halves by the epoch's parity: a rank
-whose programs saw their peers' epoch ``e`` knows the peers have finished the call before (a kernel
-starts after the previous one ends), so their sums of epoch ``e - 1`` are over and epoch ``e + 1``
-may write that half again.
+scheduled); program ``p`` of ``P`` handles blocks ``p, p + P, ...`` on every rank (every rank runs
+the same ``P`` for the same size). The epoch counts the calls on the device (CUDA graphs replay the
+same arguments): ``PROGRAMS`` counters all hold it, program ``p`` reads counter ``p`` and advances
+counters ``p, p + P, ...``, so every counter moves on every call whatever ``P`` is.
 
 A spinning kernel never ends if a peer dies; ``abort()`` raises a flag that the waits poll, so the
 device drains and the engine can report the failure. The flag lives in pinned host memory and is
@@ -35,8 +38,8 @@ NCCL (``distributed.enable_custom_all_reduce``).
 
 Only CUDA graphs launch it (``distributed.all_reduce``): eagerly, a spinning call would sit between
 host work that may wait for the device. It is off by default (``Config.disable_custom_all_reduce``):
-it sums 8 KiB-4 MiB faster than NCCL and a Qwen3-8B benchmark at TP=2 ~3% (2 × H100) to ~5%
-(2 × H200) faster, but the test that kills a worker under it has not passed yet (BENCHMARKS.md)."""
+on 2 × H200 it sums 8 KiB-2 MiB in a third to a half of NCCL's time (BENCHMARKS.md); its own GPU
+tests pass, the killed worker's included, but the rest of the GPU suite has not run with it on."""
 import os
 
 import torch
@@ -50,6 +53,7 @@ MAX_BYTES = 8 << 20  # the largest tensor it takes; NCCL sums larger ones
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 POLL_ABORT_EVERY = 1 << 14  # spins between two reads of the abort flag
 NUM_WARPS = 4  # per program
+TL_INT = {torch.int16: tl.int16, torch.int32: tl.int32}
 
 
 @triton.jit
@@ -65,108 +69,131 @@ def next_epoch(epochs, COUNTERS: tl.constexpr):
 
 
 @triton.jit
-def signal_and_wait(flag_ptrs, abort_flag, rank, epoch, WORLD: tl.constexpr, POLL: tl.constexpr):
-    """Tell every rank that this program's part of the call is in its buffer, then wait until
-    every rank has said the same to this one (or the abort flag is up)."""
-    pid = tl.program_id(0)
-    tl.debug_barrier()  # the program's writes are done before the signal releases them
-    for r in tl.static_range(WORLD):
-        peer_flags = tl.load(flag_ptrs + r).to(tl.pointer_type(tl.int64))
-        tl.atomic_xchg(peer_flags + pid * WORLD + rank, epoch, sem="release", scope="sys")
-    flags = tl.load(flag_ptrs + rank).to(tl.pointer_type(tl.int64))
-    for r in tl.static_range(WORLD):  # spin on plain reads, then one acquire orders what follows
-        signal = flags + pid * WORLD + r
-        spins = 0
-        seen = tl.load(signal, volatile=True)
-        while seen < epoch:
-            spins += 1
-            seen = tl.load(signal, volatile=True)
-            if spins % POLL == 0:  # (host memory: volatile reads see the host's store)
-                if tl.load(abort_flag, volatile=True) != 0:
-                    seen = epoch
-        tl.atomic_add(signal, 0, sem="acquire", scope="sys")
-    tl.debug_barrier()
+def buffer(data_ptrs, r, BITS: tl.constexpr):
+    """Rank r's buffer as integers of ``BITS``, aligned (so that accesses go 16 bytes at a time:
+    the compiler cannot see the alignment of an address it loads)."""
+    return tl.multiple_of(tl.load(data_ptrs + r).to(tl.pointer_type(BITS)), 16)
 
 
 @triton.jit
-def push(x_ptr, offs, mask, data_ptrs, half, rank, slot, WORLD: tl.constexpr):
-    """Store x's elements at ``offs`` into this rank's slot of every rank's buffer (``half``: the
-    call's half of each)."""
-    v = tl.load(x_ptr + offs, mask=mask)
+def push(x_ptr, offs, mask, data_ptrs, half, rank, slot, WORLD: tl.constexpr, BITS: tl.constexpr,
+         SENTINEL: tl.constexpr):
+    """Store x's elements at ``offs`` into this rank's slot of every other rank's buffer (``half``:
+    the call's half of each; ``BITS``: integers of the dtype's width), -0.0 as +0.0."""
+    v = tl.load(x_ptr + offs, mask=mask).to(BITS, bitcast=True)
+    v = tl.where(v == SENTINEL, tl.zeros_like(v), v)  # the sentinel never leaves a rank
     for r in tl.static_range(WORLD):
-        dst = tl.load(data_ptrs + r).to(tl.pointer_type(x_ptr.dtype.element_ty))
-        tl.store(dst + half + rank * slot + offs, v, mask=mask)
+        if r != rank:
+            tl.store(buffer(data_ptrs, r, BITS) + half + rank * slot + offs, v, mask=mask)
 
 
 @triton.jit
-def sum_slots(own, offs, mask, slot, WORLD: tl.constexpr):
-    """The sum at ``offs`` over the ranks' slots of this rank's buffer (``own``: the call's half), in
-    rank order, in float32. The loads go past L1 (.cg), which the peers' writes do not reach."""
-    acc = tl.load(own + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-    for r in tl.static_range(1, WORLD):
-        acc += tl.load(own + r * slot + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+def take(own, r, offs, mask, slot, abort_flag, SENTINEL: tl.constexpr, POLL: tl.constexpr):
+    """Rank r's elements at ``offs`` in this rank's buffer (``own``: the call's half, as integers
+    of the dtype's width), once none is the sentinel (or the abort flag is up); the sentinel goes
+    back in their place."""
+    ptr = own + r * slot + offs
+    bits = tl.load(ptr, mask=mask, other=0, volatile=True)  # past L1, where the peers' writes land
+    missing = tl.sum((bits == SENTINEL).to(tl.int32), axis=0)
+    spins = 0
+    while missing > 0:
+        spins += 1
+        bits = tl.load(ptr, mask=mask, other=0, volatile=True)
+        missing = tl.sum((bits == SENTINEL).to(tl.int32), axis=0)
+        if spins % POLL == 0:  # (host memory: volatile reads see the host's store)
+            if tl.load(abort_flag, volatile=True) != 0:
+                missing = 0
+    tl.store(ptr, tl.full(bits.shape, SENTINEL, bits.dtype), mask=mask)
+    return bits
+
+
+@triton.jit
+def sum_ranks(x_ptr, own, offs, mask, rank, slot, abort_flag, WORLD: tl.constexpr, SENTINEL: tl.constexpr,
+              POLL: tl.constexpr):
+    """The sum at ``offs`` over the ranks (this rank's from x, the others' from their slots of
+    ``own``, as ``take`` gives them), in rank order, in float32."""
+    mine = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    for r in tl.static_range(WORLD):
+        value = mine
+        if r != rank:
+            value = take(own, r, offs, mask, slot, abort_flag, SENTINEL, POLL).to(mine.dtype, bitcast=True)
+        if r == 0:
+            acc = value.to(tl.float32)
+        else:
+            acc += value.to(tl.float32)
     return acc
 
 
-@triton.jit(do_not_specialize=["n", "rank"])
-def _one_shot_kernel(x_ptr, n, data_ptrs, flag_ptrs, epochs, abort_flag, rank, slot,
-                     WORLD: tl.constexpr, COUNTERS: tl.constexpr, BLOCK: tl.constexpr, POLL: tl.constexpr):
+@triton.jit(do_not_specialize=["rank"])  # (n: a multiple of 16 lets the masked accesses go 16 bytes at a time)
+def _one_shot_kernel(x_ptr, n, data_ptrs, epochs, abort_flag, rank, slot, WORLD: tl.constexpr,
+                     COUNTERS: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr, SENTINEL: tl.constexpr,
+                     POLL: tl.constexpr):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     epoch = next_epoch(epochs, COUNTERS)
     num_blocks = tl.cdiv(n, BLOCK)
     half = (epoch % 2) * WORLD * slot  # the call's half of every buffer: one slot per rank
-    elem = x_ptr.dtype.element_ty
     for b in range(pid, num_blocks, programs):
         offs = b * BLOCK + tl.arange(0, BLOCK)
-        push(x_ptr, offs, offs < n, data_ptrs, half, rank, slot, WORLD)
-    signal_and_wait(flag_ptrs, abort_flag, rank, epoch, WORLD, POLL)
-    own = tl.load(data_ptrs + rank).to(tl.pointer_type(elem)) + half
+        push(x_ptr, offs, offs < n, data_ptrs, half, rank, slot, WORLD, BITS, SENTINEL)
+    own = buffer(data_ptrs, rank, BITS) + half
     for b in range(pid, num_blocks, programs):  # all local
         offs = b * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
-        tl.store(x_ptr + offs, sum_slots(own, offs, mask, slot, WORLD).to(elem), mask=mask)
+        total = sum_ranks(x_ptr, own, offs, mask, rank, slot, abort_flag, WORLD, SENTINEL, POLL)
+        tl.store(x_ptr + offs, total.to(x_ptr.dtype.element_ty), mask=mask)
 
 
-def launch(x: torch.Tensor, data_ptrs: torch.Tensor, flag_ptrs: torch.Tensor, epochs: torch.Tensor,
-           abort_flag: torch.Tensor, rank: int, world: int, slot: int, poll: int = POLL_ABORT_EVERY) -> None:
-    """Sum ``x`` (contiguous, at most ``slot`` elements) in place over the ranks whose buffers
-    (two halves of ``world`` slots of ``slot`` elements of x's dtype) and int64 flags (``world``
-    per counter) the int64 ``data_ptrs`` / ``flag_ptrs`` address; ``epochs`` (int64 counters, as
-    many as a call may run programs) counts the calls, and a nonzero int32 ``abort_flag`` (pinned
-    host memory on a GPU) ends the waits, read every ``poll`` spins."""
+def sentinel(dtype: torch.dtype) -> tuple[torch.dtype, int]:
+    """The integer dtype of ``dtype``'s width and the bits of its -0.0 in it: what an element of a
+    buffer slot holds until a peer writes it."""
+    bits = torch.finfo(dtype).bits
+    return {16: torch.int16, 32: torch.int32}[bits], -(1 << (bits - 1))
+
+
+def launch(x: torch.Tensor, data_ptrs: torch.Tensor, epochs: torch.Tensor, abort_flag: torch.Tensor, rank: int,
+           world: int, slot: int, poll: int = POLL_ABORT_EVERY) -> None:
+    """Sum ``x`` (contiguous, at most ``slot`` elements) in place over the ranks whose buffers (two
+    halves of ``world`` slots of ``slot`` elements of x's dtype, each element the sentinel until
+    written) the int64 ``data_ptrs`` address; ``epochs`` (int64 counters, as many as a call may run
+    programs) counts the calls, and a nonzero int32 ``abort_flag`` (pinned host memory on a GPU)
+    ends the waits, read every ``poll`` spins."""
     counters = epochs.numel()
     programs = min(counters, triton.cdiv(x.numel(), BLOCK))
-    _one_shot_kernel[(programs,)](x, x.numel(), data_ptrs, flag_ptrs, epochs, abort_flag, rank, slot,
-                                  WORLD=world, COUNTERS=counters, BLOCK=BLOCK, POLL=poll, num_warps=NUM_WARPS)
+    bits, value = sentinel(x.dtype)
+    _one_shot_kernel[(programs,)](x, x.numel(), data_ptrs, epochs, abort_flag, rank, slot, WORLD=world,
+                                  COUNTERS=counters, BLOCK=BLOCK, BITS=TL_INT[bits], SENTINEL=value, POLL=poll,
+                                  num_warps=NUM_WARPS)
 
 
 class CustomAllReduce:
-    """The one-shot all-reduce of this rank's tensor-parallel group (every rank constructs it
-    together). ``fits(x)`` says whether it takes ``x``; ``__call__(x)`` sums it in place."""
+    """The one-shot all-reduce of this rank's tensor-parallel group for tensors of ``dtype`` (every
+    rank constructs it together). ``fits(x)`` says whether it takes ``x``; ``__call__(x)`` sums it
+    in place."""
 
-    def __init__(self, device: torch.device, rank: int, world: int, group_name: str):
+    def __init__(self, device: torch.device, rank: int, world: int, group_name: str, dtype: torch.dtype):
         import torch.distributed._symmetric_memory as symm_mem
 
+        if dtype not in DTYPES:
+            raise ValueError(f"the one-shot all-reduce sums {DTYPES}, not {dtype}")
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")  # nothing here uses multicast
-        self.rank, self.world = rank, world
+        self.rank, self.world, self.dtype = rank, world, dtype
         self.data = symm_mem.empty(2 * world * MAX_BYTES, dtype=torch.uint8, device=device)  # 2 halves x world slots
-        self.flags = symm_mem.empty(PROGRAMS * world, dtype=torch.int64, device=device)
-        self.flags.zero_()
+        bits, value = sentinel(dtype)
+        self.data.view(bits).fill_(value)
         torch.cuda.synchronize(device)
-        data_handle = symm_mem.rendezvous(self.data, group_name)
-        flag_handle = symm_mem.rendezvous(self.flags, group_name)
-        self.data_ptrs = torch.tensor(data_handle.buffer_ptrs, dtype=torch.int64, device=device)
-        self.flag_ptrs = torch.tensor(flag_handle.buffer_ptrs, dtype=torch.int64, device=device)
-        self._handles = (data_handle, flag_handle)
+        handle = symm_mem.rendezvous(self.data, group_name)
+        self.data_ptrs = torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device)
+        self._handle = handle
         self.epochs = torch.zeros(PROGRAMS, dtype=torch.int64, device=device)
         self.abort_flag = torch.zeros(1, dtype=torch.int32, pin_memory=True)  # read by the GPU, written here
-        dist.barrier()  # every rank's flags are zero before anyone signals
-        self(torch.zeros(1, device=device))  # compile and load the kernel now, not while a graph is captured
+        dist.barrier()  # every rank's buffer holds the sentinel before anyone writes into it
+        for n in (1, 16, 17):  # compile and load the kernel's variants now, not while a graph is captured
+            self(torch.zeros(n, dtype=dtype, device=device))
         torch.cuda.synchronize(device)
 
     def fits(self, x: torch.Tensor) -> bool:
-        return (x.is_cuda and x.dtype in DTYPES and x.is_contiguous() and x.numel() > 0
+        return (x.is_cuda and x.dtype == self.dtype and x.is_contiguous() and x.numel() > 0
                 and x.numel() * x.element_size() <= MAX_BYTES)
 
     def slot(self, x: torch.Tensor) -> int:
@@ -174,7 +201,10 @@ class CustomAllReduce:
         return MAX_BYTES // x.element_size()
 
     def __call__(self, x: torch.Tensor) -> None:
-        launch(x, self.data_ptrs, self.flag_ptrs, self.epochs, self.abort_flag, self.rank, self.world, self.slot(x))
+        if not self.fits(x):  # (another dtype's elements would never look like this one's sentinel)
+            raise ValueError(f"the one-shot all-reduce takes contiguous CUDA tensors of {self.dtype} up to "
+                             f"{MAX_BYTES} bytes, not {x.dtype} {tuple(x.shape)} on {x.device}")
+        launch(x, self.data_ptrs, self.epochs, self.abort_flag, self.rank, self.world, self.slot(x))
 
     def abort(self) -> None:
         """Let every wait of a running or queued call give up (its sums are then garbage from here

@@ -23,9 +23,9 @@ _custom_all_reduce = None  # this process's CustomAllReduce, while enabled
 _set_up_before = False  # whether this process has set one up (torch allows it once per process)
 
 
-def enable_custom_all_reduce(device: torch.device) -> bool:
-    """Set up the one-shot all-reduce for this rank's group on CUDA ``device`` (every rank calls this
-    together). The ranks first agree that each of them can: its GPU reaches every other GPU of the
+def enable_custom_all_reduce(device: torch.device, dtype: torch.dtype) -> bool:
+    """Set up the one-shot all-reduce of ``dtype`` tensors for this rank's group on CUDA ``device``
+    (every rank calls this together). The ranks first agree that each of them can: its GPU reaches every other GPU of the
     group directly, and its process has not set the kernel up before (see custom_all_reduce).
     Returns whether it is enabled; if not, NCCL sums everything and rank 0 warns why."""
     global _custom_all_reduce, _set_up_before
@@ -44,7 +44,7 @@ def enable_custom_all_reduce(device: torch.device) -> bool:
 
     _set_up_before = True
     try:
-        _custom_all_reduce = CustomAllReduce(device, dist.get_rank(), world, dist.group.WORLD.group_name)
+        _custom_all_reduce = CustomAllReduce(device, dist.get_rank(), world, dist.group.WORLD.group_name, dtype)
     except Exception as e:
         raise RuntimeError(f"the one-shot all-reduce could not be set up ({type(e).__name__}: {e}); "
                            "LLM(..., disable_custom_all_reduce=True) leaves every all-reduce to NCCL") from e

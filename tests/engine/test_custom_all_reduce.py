@@ -1,10 +1,11 @@
 """The one-shot all-reduce kernel (nanovllm/utils/custom_all_reduce.py) under the Triton interpreter,
 as one rank of a group whose peers are simulated: their inputs stand in their slots of this rank's
-buffer, in the half that the call's epoch selects, and their signals in this rank's flags. The kernel
-must write its input into its slot of every rank's buffer, sum the slots in rank order (every rank
-the same float32 sum) over the blocks each program loops over, signal every rank's flags with the
-epoch, count the calls, alternate halves, and give up a wait when the abort flag is set. The real
-handshake between GPUs runs in tests/gpu/test_gpu_tensor_parallel.py."""
+buffer, in the half that the call's epoch selects; every other element holds the sentinel (-0.0's
+bits). The kernel must write its input (-0.0 as +0.0) into its slot of every other rank's buffer,
+sum its own input and the peers' slots in rank order (every rank the same float32 sum) over the
+blocks each program loops over, put the sentinel back where it read, leave its own slot alone,
+count the calls, alternate halves, and give up a wait when the abort flag is set. The real
+exchange between GPUs runs in tests/gpu/test_gpu_tensor_parallel.py."""
 import json
 
 import pytest
@@ -17,19 +18,18 @@ PROGRAMS = 2  # the most programs of a call (the library allows more): one per b
 
 
 def simulate(world: int, rank: int, inputs: list[list[torch.Tensor]], dtype=torch.float32, abort: bool = False,
-             peers_signal: bool = True) -> dict:
+             peers_write: bool = True) -> dict:
     """Run ``len(inputs)`` calls (each of one program per block, at most ``PROGRAMS``);
     ``inputs[k][r]`` is rank r's tensor in call k. Returns what the tests check, as lists."""
-    from nanovllm.utils.custom_all_reduce import BLOCK, launch
+    from nanovllm.utils.custom_all_reduce import BLOCK, launch, sentinel
 
+    bits, value = sentinel(dtype)
     slot = BLOCKS * BLOCK
-    data = [torch.zeros(2 * world * slot, dtype=dtype) for _ in range(world)]
-    flags = [torch.zeros(PROGRAMS * world, dtype=torch.int64) for _ in range(world)]
+    data = [torch.full((2 * world * slot,), value, dtype=bits).view(dtype) for _ in range(world)]
     epochs = torch.zeros(PROGRAMS, dtype=torch.int64)
     abort_flag = torch.tensor([int(abort)], dtype=torch.int32)
     data_ptrs = torch.tensor([d.data_ptr() for d in data])
-    flag_ptrs = torch.tensor([f.data_ptr() for f in flags])
-    out = {"sums": [], "pushed": [], "signals": [], "epochs": []}
+    out = {"sums": [], "pushed": [], "cleared": [], "own_slot_untouched": [], "epochs": []}
     for k, call in enumerate(inputs, start=1):
         n = call[rank].numel()
 
@@ -38,17 +38,23 @@ def simulate(world: int, rank: int, inputs: list[list[torch.Tensor]], dtype=torc
             return slice(start, start + n)
 
         for r in range(world):
-            if r != rank:
-                data[rank][slot_of(r)] = call[r]
-                if peers_signal:
-                    flags[rank].view(PROGRAMS, world)[:, r] = k
+            if r != rank and peers_write:
+                data[rank][slot_of(r)] = canonical(call[r])
         x = call[rank].clone()
-        launch(x, data_ptrs, flag_ptrs, epochs, abort_flag, rank, world, slot)
+        launch(x, data_ptrs, epochs, abort_flag, rank, world, slot)
         out["sums"].append(x.float().tolist())
-        out["pushed"].append([torch.equal(data[r][slot_of(rank)], call[rank]) for r in range(world)])
-        out["signals"].append([flags[r].view(PROGRAMS, world)[:, rank].tolist() for r in range(world)])
+        out["pushed"].append([torch.equal(data[r][slot_of(rank)].view(bits), canonical(call[rank]).view(bits))
+                              for r in range(world) if r != rank])
+        out["cleared"].append([bool((data[rank][slot_of(r)].view(bits) == value).all()) for r in range(world)])
+        out["own_slot_untouched"].append(bool((data[rank].view(bits)[rank * slot:(rank + 1) * slot] == value).all()
+                                              and (data[rank].view(bits)[(world + rank) * slot:(world + rank + 1) * slot] == value).all()))
         out["epochs"].append(epochs.tolist())
     return out
+
+
+def canonical(t: torch.Tensor) -> torch.Tensor:
+    """t with -0.0 as +0.0, as a rank pushes it."""
+    return torch.where(t == 0, torch.zeros_like(t), t)
 
 
 def rank_order_sum(call: list[torch.Tensor]) -> list[float]:
@@ -59,8 +65,13 @@ def rank_order_sum(call: list[torch.Tensor]) -> list[float]:
 
 
 def _inputs(world: int, sizes: list[int], dtype=torch.float32, seed: int = 0) -> list[list[torch.Tensor]]:
+    """Random tensors, every fifth element -0.0 (the sentinel's value) on every rank."""
     g = torch.Generator().manual_seed(seed)
-    return [[torch.randn(n, generator=g).to(dtype) for _ in range(world)] for n in sizes]
+    calls = [[torch.randn(n, generator=g).to(dtype) for _ in range(world)] for n in sizes]
+    for call in calls:
+        for t in call:
+            t[::5] = -0.0
+    return calls
 
 
 CALLS = {  # name: (world, rank, sizes of the calls, dtype)
@@ -86,8 +97,8 @@ def _rank_order_case() -> dict:
 
 
 def _abort_case() -> dict:
-    """No peer ever signals, the abort flag is up: the call ends."""
-    return simulate(2, 0, _inputs(2, [3000]), abort=True, peers_signal=False)
+    """No peer ever writes, the abort flag is up: the call ends."""
+    return simulate(2, 0, _inputs(2, [3000]), abort=True, peers_write=False)
 
 
 def run_interpreter_cases() -> dict:
@@ -104,18 +115,16 @@ def interpreter_results():
 
 
 @pytest.mark.parametrize("name", list(CALLS))
-def test_one_shot_sums_and_signals(interpreter_results, name):
+def test_one_shot_sums_pushes_and_clears(interpreter_results, name):
     world, rank, sizes, _ = CALLS[name]
     got = interpreter_results[name]
     assert "error" not in got, got
     assert got["sums"] == got["want"]  # exactly: the same float32 additions in rank order
-    assert got["pushed"] == [[True] * world] * len(sizes)  # into its slot of every buffer, the epoch's half
-    last_signal = [0] * PROGRAMS  # per program: the last call it ran in
-    for k, n in enumerate(sizes, start=1):
-        programs = min(PROGRAMS, -(-n // 1024))  # one per block of 1,024 elements
-        last_signal[:programs] = [k] * programs
+    assert got["pushed"] == [[True] * (world - 1)] * len(sizes)  # into its slot of every other buffer, -0.0 as +0.0
+    assert got["cleared"] == [[True] * world] * len(sizes)  # the sentinel back where it read
+    assert got["own_slot_untouched"] == [True] * len(sizes)
+    for k in range(1, len(sizes) + 1):
         assert got["epochs"][k - 1] == [k] * PROGRAMS  # every counter counts every call
-        assert got["signals"][k - 1] == [last_signal] * world  # the call's programs signal every rank
 
 
 def test_one_shot_sums_in_rank_order(interpreter_results):

@@ -1,7 +1,8 @@
 """The one-shot all-reduce (nanovllm/utils/custom_all_reduce.py) on two GPUs, one process each
 (skipped with fewer): exactly the float32 sum of the ranks' tensors in rank order, rounded once to
-the dtype, on every rank alike; over sizes that end inside a block, calls in a row (the epochs and
-the two halves of the buffer), calls inside a CUDA graph replayed with new inputs, many small calls
+the dtype, on every rank alike; in each dtype, over sizes that end inside a block, calls in a row
+(the epochs and the two halves of the buffer), -0.0 among the inputs, every buffer back to the
+sentinel after the calls, calls inside a CUDA graph replayed with new inputs, many small calls
 with the ranks arriving at different times, and an abort that frees a call whose peer never comes.
 Then tensor parallelism in the engine, with NCCL and with the one-shot kernel, the decode graphs'
 sharded draw, a worker killed mid-call included (test_gpu.py's checkpoint, prompts and torch reference)."""
@@ -44,13 +45,25 @@ def expected(numel: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     return total.to(dtype)
 
 
+def _all_sentinel(custom) -> bool:
+    """Whether every element of the rank's buffer is back to the sentinel (no call in flight)."""
+    from nanovllm.utils.custom_all_reduce import sentinel
+
+    bits, value = sentinel(custom.dtype)
+    torch.distributed.barrier()
+    torch.cuda.synchronize()
+    return bool((custom.data.view(bits) == value).all())
+
+
 def _checks(rank: int) -> None:
     from nanovllm.utils import distributed
+    from nanovllm.utils.custom_all_reduce import CustomAllReduce
 
-    assert distributed.enable_custom_all_reduce(torch.device("cuda", rank))
-    custom = distributed._custom_all_reduce
+    group = torch.distributed.group.WORLD.group_name
     seed = 0
-    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+    for dtype in (torch.float16, torch.float32):  # one kernel set-up per dtype (bf16: the engine's, below)
+        custom = CustomAllReduce(torch.device("cuda", rank), rank, WORLD, group, dtype)
+        assert not custom.fits(torch.zeros(4, dtype=torch.bfloat16, device="cuda"))  # another dtype: NCCL
         for numel in SIZES:
             if numel * dtype.itemsize > 8 << 20:
                 continue
@@ -60,6 +73,19 @@ def _checks(rank: int) -> None:
                 assert custom.fits(x)
                 custom(x)
                 assert torch.equal(x, expected(numel, dtype, seed)), (dtype, numel)
+        assert _all_sentinel(custom)  # every element read was put back, every push read
+    assert distributed.enable_custom_all_reduce(torch.device("cuda", rank), torch.bfloat16)
+    custom = distributed._custom_all_reduce
+    for numel in SIZES:
+        for _ in range(3):
+            seed += 1
+            x = rank_input(rank, numel, torch.bfloat16, seed)
+            x[::3] = -0.0  # the sentinel's value: pushed as +0.0
+            custom(x)
+            want = expected(numel, torch.bfloat16, seed)
+            want[::3] = 0.0
+            assert torch.equal(x, want), numel
+    assert _all_sentinel(custom)
     # larger than the buffer: NCCL
     assert not custom.fits(torch.empty(4 << 20, dtype=torch.float32, device="cuda"))
     # a CUDA graph of three calls, replayed with new inputs
@@ -93,13 +119,14 @@ def _checks(rank: int) -> None:
         wrong += (x != 3 * (i % 7 + 1)).sum()
     assert wrong.item() == 0
     assert torch.equal(custom.epochs, counts + STRESS_CALLS)
+    assert _all_sentinel(custom)
     # an abort frees a call whose peer never comes (rank 1 stays away)
     torch.distributed.barrier()
     torch.cuda.synchronize()
     if rank == 0:
         threading.Timer(0.5, custom.abort).start()
         start = time.monotonic()
-        custom(torch.ones(4096, device="cuda"))
+        custom(torch.ones(4096, dtype=torch.bfloat16, device="cuda"))
         torch.cuda.synchronize()
         assert 0.4 < time.monotonic() - start < 10
     torch.distributed.barrier(device_ids=[rank])

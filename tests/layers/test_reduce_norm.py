@@ -1,7 +1,7 @@
 """The norm that sums a row-parallel layer's partial outputs (nanovllm/layers/reduce_norm.py) under
 the Triton interpreter. The plain kernel (after the process group's sum) against
 ``layernorm.add_rms_norm``; the one-shot kernel, as one rank of a group whose peers are simulated
-(their rows in their slots of this rank's buffer, their signals in its flags), against the plain
+(their rows in their slots of this rank's buffer, the rest of it the sentinel), against the plain
 kernel over the rank-order sum, bit for bit: the same arithmetic is what makes the two ways give
 the same tokens. The engine's tensor-parallel tests run the CPU path (the process group's sum, then
 ``add_rms_norm``)."""
@@ -40,30 +40,31 @@ def plain_case(rows: int, n: int, dtype: torch.dtype) -> dict:
 
 
 def one_shot_case(world: int, rank: int, rows: int, n: int, dtype: torch.dtype, programs: int) -> dict:
-    """One call of the fused kernel with the peers' rows already in place: the pushed rows, the
-    signals, and out / total equal to the plain kernel's over the float32 rank-order sum."""
+    """One call of the fused kernel with the peers' rows already in place (every other element of
+    the buffers the sentinel): the pushed rows, the sentinel back where it read, and out / total
+    equal to the plain kernel's over the float32 rank-order sum."""
     import triton
 
     from nanovllm.layers.reduce_norm import _add_rms_norm_kernel, _one_shot_add_rms_norm_kernel
+    from nanovllm.utils.custom_all_reduce import TL_INT, sentinel
 
     inputs = [_rows((rows, n), dtype, 10 + r, 3.0) for r in range(world)]
     res, w = _rows((rows, n), dtype, 2), _rows((n,), dtype, 3)
+    bits, value = sentinel(dtype)
     slot = rows * n + 7  # a slot holds the call's rows (and some to spare)
-    data = [torch.zeros(2 * world * slot, dtype=dtype) for _ in range(world)]
-    flags = [torch.zeros(programs * world, dtype=torch.int64) for _ in range(world)]
+    data = [torch.full((2 * world * slot,), value, dtype=bits).view(dtype) for _ in range(world)]
     epochs = torch.zeros(programs, dtype=torch.int64)
     half = 1 * world * slot  # epoch 1: the odd half
     for r in range(world):
         if r != rank:
             data[rank][half + r * slot : half + r * slot + rows * n] = inputs[r].flatten()
-            flags[rank].view(programs, world)[:, r] = 1
     x = inputs[rank].clone()
     out, total = torch.empty_like(x), torch.empty_like(x)
     grid = min(rows, programs)
     _one_shot_add_rms_norm_kernel[(grid,)](
-        x, res, w, out, total, rows, EPS, torch.tensor([d.data_ptr() for d in data]),
-        torch.tensor([f.data_ptr() for f in flags]), epochs, torch.zeros(1, dtype=torch.int32), rank, slot,
-        WORLD=world, COUNTERS=programs, N=n, N_PAD=triton.next_power_of_2(n), POLL=1 << 14)
+        x, res, w, out, total, rows, EPS, torch.tensor([d.data_ptr() for d in data]), epochs,
+        torch.zeros(1, dtype=torch.int32), rank, slot, WORLD=world, COUNTERS=programs, N=n,
+        N_PAD=triton.next_power_of_2(n), BITS=TL_INT[bits], SENTINEL=value, POLL=1 << 14)
     summed = torch.zeros(rows, n)
     for t in inputs:
         summed += t.float()
@@ -71,10 +72,10 @@ def one_shot_case(world: int, rank: int, rows: int, n: int, dtype: torch.dtype, 
     want_out, want_total = torch.empty_like(x), torch.empty_like(x)
     _add_rms_norm_kernel[(rows,)](summed, res, w, want_out, want_total, EPS, N=n, N_PAD=triton.next_power_of_2(n))
     pushed = [torch.equal(data[r][half + rank * slot : half + rank * slot + rows * n], inputs[rank].flatten())
-              for r in range(world)]
-    signals = [flags[r].view(programs, world)[:, rank].tolist() for r in range(world)]
+              for r in range(world) if r != rank]
+    cleared = bool((data[rank].view(bits) == value).all())  # read slots put back, its own never written
     return dict(out_equal=torch.equal(out, want_out), total_equal=torch.equal(total, want_total), pushed=pushed,
-                signals=signals, epochs=epochs.tolist(), grid=grid)
+                cleared=cleared, epochs=epochs.tolist(), grid=grid)
 
 
 CASES = {  # name: (world, rank, rows, hidden, dtype, most programs)
@@ -113,10 +114,9 @@ def test_one_shot_add_rms_norm_equals_the_plain_kernel_over_the_sum(results, nam
     got = results[name]
     assert "error" not in got, got
     assert got["out_equal"] and got["total_equal"]
-    assert got["pushed"] == [True] * world  # its rows into its slot of every rank's buffer
-    grid = min(rows, programs)
-    assert got["grid"] == grid
-    assert got["signals"] == [[1] * grid + [0] * (programs - grid)] * world  # each program signals every rank
+    assert got["pushed"] == [True] * (world - 1)  # its rows into its slot of every other rank's buffer
+    assert got["cleared"]
+    assert got["grid"] == min(rows, programs)
     assert got["epochs"] == [1] * programs  # every counter counts the call
 
 
