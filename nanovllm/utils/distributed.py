@@ -25,9 +25,9 @@ _set_up_before = False  # whether this process has set one up (torch allows it o
 
 def enable_custom_all_reduce(device: torch.device, dtype: torch.dtype) -> bool:
     """Set up the one-shot all-reduce of ``dtype`` tensors for this rank's group on CUDA ``device``
-    (every rank calls this together). The ranks first agree that each of them can: its GPU reaches every other GPU of the
-    group directly, and its process has not set the kernel up before (see custom_all_reduce).
-    Returns whether it is enabled; if not, NCCL sums everything and rank 0 warns why."""
+    (every rank calls this together). The ranks first agree that each of them can: its GPU reaches
+    every other GPU of the group directly, and its process has not set the kernel up before (see
+    custom_all_reduce). Returns whether it is enabled; if not, NCCL sums everything and rank 0 warns why."""
     global _custom_all_reduce, _set_up_before
     world = dist.get_world_size()
     able = torch.tensor([int(_reaches_peers(device, world)), int(not _set_up_before)], device=device)

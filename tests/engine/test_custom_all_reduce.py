@@ -46,8 +46,8 @@ def simulate(world: int, rank: int, inputs: list[list[torch.Tensor]], dtype=torc
         out["pushed"].append([torch.equal(data[r][slot_of(rank)].view(bits), canonical(call[rank]).view(bits))
                               for r in range(world) if r != rank])
         out["cleared"].append([bool((data[rank][slot_of(r)].view(bits) == value).all()) for r in range(world)])
-        out["own_slot_untouched"].append(bool((data[rank].view(bits)[rank * slot:(rank + 1) * slot] == value).all()
-                                              and (data[rank].view(bits)[(world + rank) * slot:(world + rank + 1) * slot] == value).all()))
+        own = data[rank].view(bits).view(2, world, slot)[:, rank]  # its own slot, both halves
+        out["own_slot_untouched"].append(bool((own == value).all()))
         out["epochs"].append(epochs.tolist())
     return out
 
