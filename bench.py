@@ -104,8 +104,8 @@ def main() -> None:
     parser.add_argument("--quantization", choices=("fp8",), default=None,
                         help="with --random: the checkpoint in Qwen's FP8 format (128x128 blocks, W8A8)")
     parser.add_argument("--no-async-scheduling", action="store_true", help="LLM(async_scheduling=False)")
-    parser.add_argument("--custom-all-reduce", action="store_true",
-                        help="LLM(disable_custom_all_reduce=False): the one-shot kernel for the small all-reduces of --tp")
+    parser.add_argument("--nccl-all-reduce", action="store_true",
+                        help="LLM(disable_custom_all_reduce=True): NCCL for every all-reduce of --tp")
     parser.add_argument("--profile", action="store_true",
                         help="print GPU time per kernel category and the GPU idle share of the timed run")
     parser.add_argument("--profile-trace", metavar="PATH", default=None,
@@ -138,8 +138,8 @@ def main() -> None:
         llm_kwargs |= dict(data_parallel_size=args.dp, data_parallel_backend=args.dp_backend)
     if args.random and dummy:
         llm_kwargs["load_format"] = "dummy"
-    if args.custom_all_reduce:  # only then, so this script also runs on engines without the keyword
-        llm_kwargs["disable_custom_all_reduce"] = False
+    if args.nccl_all_reduce:  # only then, so this script also runs on engines without the keyword
+        llm_kwargs["disable_custom_all_reduce"] = True
     if args.kv_cache_dtype != "auto":  # only then, so this script also runs on engines without the keyword
         llm_kwargs["kv_cache_dtype"] = args.kv_cache_dtype
     if args.no_async_scheduling:

@@ -52,9 +52,8 @@ class Config:
     quantization: str | None = None  # "fp8": quantize a float checkpoint's linear layers at load (FP8 checkpoints need not ask)
     enable_sleep_mode: bool = False  # allow llm.sleep(level) / llm.wake_up() (engine/sleep.py)
     # False: tensor parallelism's CUDA graphs sum tensors up to 8 MiB with the one-shot kernel
-    # (utils/custom_all_reduce.py);
-    # True (the default until the whole GPU suite has run with the kernel on): NCCL sums every all-reduce
-    disable_custom_all_reduce: bool = True
+    # (utils/custom_all_reduce.py); True: NCCL sums every all-reduce
+    disable_custom_all_reduce: bool = False
     hf_config: object = field(default=None, init=False, repr=False)
     # what the weights run as: an FP8 checkpoint's "fp8" whatever ``quantization`` says, else ``quantization``
     weight_quantization: str | None = field(default=None, init=False)

@@ -37,9 +37,8 @@ kernel up once: a later engine in the same process (whose other ranks are new pr
 NCCL (``distributed.enable_custom_all_reduce``).
 
 Only CUDA graphs launch it (``distributed.all_reduce``): eagerly, a spinning call would sit between
-host work that may wait for the device. It is off by default (``Config.disable_custom_all_reduce``):
-on 2 × H200 it sums 8 KiB-2 MiB in a third to a half of NCCL's time (BENCHMARKS.md); its own GPU
-tests pass, the killed worker's included, but the rest of the GPU suite has not run with it on."""
+host work that may wait for the device. ``Config.disable_custom_all_reduce=True`` turns it off; on
+2 × H200 it sums 8 KiB-2 MiB in a third to a half of NCCL's time (BENCHMARKS.md)."""
 import os
 
 import torch
