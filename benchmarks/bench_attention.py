@@ -15,9 +15,10 @@ K/V bytes the step must read (and the scales of an FP8 cache) over the median ti
 
 ``--run`` replays the decode steps of ``bench.py``'s workload (its seed, prompt and output lengths;
 sequence i has context prompt_len + j at its j-th decode step and leaves after its last) and sums
-the median time of every ``--stride``-th step times the stride and 28 layers: the decode attention of
-the whole run, for each candidate; "as is" keeps the workload's order of sequences, "sorted" orders
-each step longest context first (as the scheduler does).
+the median time of every ``--stride``-th step times the stride and ``--layers`` (default 28, the
+Qwen3-0.6B's; 36 for the Qwen3-8B shape): the decode attention of the whole run, for each
+candidate; "as is" keeps the workload's order of sequences, "sorted" orders each step longest
+context first (as the scheduler does).
 
 Run it from the repository root as ``python benchmarks/bench_attention.py ...``. It imports ``bench``
 (``bench.py``'s workload) through the repository root, which the first lines below put on
@@ -119,7 +120,7 @@ def run_steps(stride: int) -> list[list[int]]:
 
 def time_run(args, candidates: list, dtype: torch.dtype) -> None:
     """Decode attention over the whole run: per candidate and order, the sum of every stride-th
-    step's median time times the stride and 28 layers, by batch size."""
+    step's median time times the stride and ``args.layers``, by batch size."""
     steps = run_steps(args.stride)
     backends = {}
     for name, fp8, tile, rule in candidates:
@@ -154,9 +155,9 @@ def time_run(args, candidates: list, dtype: torch.dtype) -> None:
                 ms = median_ms(lambda: backend.decode(q, kc, vc, context, 1.0, ks, vs), args.iters)
                 row_bytes = args.head_dim * 2 * kc.element_size() + (2 * ks.element_size() if fp8 else 0)
                 acc = totals.setdefault((name, fp8, tile, rule, order), {}).setdefault(bucket, [0.0, 0])
-                acc[0] += ms * 1e-3 * args.stride * 28
-                acc[1] += sum(lens) * args.kv_heads * row_bytes * args.stride * 28
-    print(f"{len(steps)} steps (every {args.stride}th), x{args.stride} x 28 layers; seconds (TB/s) by batch size")
+                acc[0] += ms * 1e-3 * args.stride * args.layers
+                acc[1] += sum(lens) * args.kv_heads * row_bytes * args.stride * args.layers
+    print(f"{len(steps)} steps (every {args.stride}th), x{args.stride} x {args.layers} layers; seconds (TB/s) by batch size")
     print(f"{'candidate':<44} {'order':<7} {'total':>14} " + " ".join(f"{f'{lo}-{hi - 1}':>14}" for lo, hi in RUN_BUCKETS))
     for (name, fp8, tile, rule, order), by in totals.items():
         label = f"{name} {'fp8' if fp8 else 'bf16'} {tuple(tile) if tile else 'default'}" + (f" split {rule}" if rule else "")
@@ -200,6 +201,7 @@ def main() -> None:
                         help="FP8: store the scales token-major (contiguous [blocks, block_size, kv_heads])")
     parser.add_argument("--run", action="store_true", help="time the decode steps of bench.py's whole run")
     parser.add_argument("--stride", type=int, default=16, help="with --run: time every stride-th step")
+    parser.add_argument("--layers", type=int, default=28, help="with --run: layers a step's time is multiplied by")
     args = parser.parse_args()
     dtype, scale = torch.bfloat16, args.head_dim**-0.5
 
