@@ -25,17 +25,20 @@ _set_up_before = False  # whether this process has set one up (torch allows it o
 
 def enable_custom_all_reduce(device: torch.device, dtype: torch.dtype) -> bool:
     """Set up the one-shot all-reduce of ``dtype`` tensors for this rank's group on CUDA ``device``
-    (every rank calls this together). The ranks first agree that each of them can: its GPU reaches
-    every other GPU of the group directly, and its process has not set the kernel up before (see
-    custom_all_reduce). Returns whether it is enabled; if not, NCCL sums everything and rank 0 warns why."""
+    (every rank calls this together). The ranks first agree that each of them can: its torch has
+    symmetric memory, its GPU reaches every other GPU of the group directly, and its process has not
+    set the kernel up before (see custom_all_reduce). Returns whether it is enabled; if not, NCCL
+    sums everything and rank 0 warns why."""
     global _custom_all_reduce, _set_up_before
     world = dist.get_world_size()
-    able = torch.tensor([int(_reaches_peers(device, world)), int(not _set_up_before)], device=device)
+    able = torch.tensor([int(has_symmetric_memory()), int(_reaches_peers(device, world)), int(not _set_up_before)],
+                        device=device)
     dist.all_reduce(able, op=dist.ReduceOp.MIN)
-    reaches, fresh = able.tolist()
-    if not (reaches and fresh):
+    symmetric, reaches, fresh = able.tolist()
+    if not (symmetric and reaches and fresh):
         if dist.get_rank() == 0:
-            why = ("a GPU of the group does not reach every other directly" if not reaches else
+            why = (f"torch {torch.__version__} has no symmetric memory" if not symmetric else
+                   "a GPU of the group does not reach every other directly" if not reaches else
                    "this process set it up for an earlier engine, and torch sets it up once per process")
             warnings.warn(f"disable_custom_all_reduce=False: the one-shot all-reduce is not used ({why}); "
                           "NCCL sums everything", stacklevel=2)
@@ -49,6 +52,15 @@ def enable_custom_all_reduce(device: torch.device, dtype: torch.dtype) -> bool:
         raise RuntimeError(f"the one-shot all-reduce could not be set up ({type(e).__name__}: {e}); "
                            "LLM(..., disable_custom_all_reduce=True) leaves every all-reduce to NCCL") from e
     return True
+
+
+def has_symmetric_memory() -> bool:
+    """Whether this torch has the symmetric memory the one-shot all-reduce maps its buffers with."""
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+    except ImportError:
+        return False
+    return hasattr(symm_mem, "empty") and hasattr(symm_mem, "rendezvous")
 
 
 def _reaches_peers(device: torch.device, world: int) -> bool:

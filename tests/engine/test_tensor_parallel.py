@@ -261,3 +261,14 @@ def test_leaving_an_aborted_group_drops_the_one_shot_all_reduce():
         distributed._custom_all_reduce = None
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def test_symmetric_memory_is_seen(monkeypatch):
+    """The one-shot all-reduce, on by default, maps its buffers with torch's symmetric memory: a
+    torch that has it (this one) says so, and one without it (the module cannot be imported) makes
+    the ranks agree on NCCL instead of failing at set-up."""
+    from nanovllm.utils import distributed
+
+    assert distributed.has_symmetric_memory()
+    monkeypatch.setitem(sys.modules, "torch.distributed._symmetric_memory", None)  # its import now fails
+    assert not distributed.has_symmetric_memory()
