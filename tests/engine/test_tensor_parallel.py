@@ -272,3 +272,20 @@ def test_symmetric_memory_is_seen(monkeypatch):
     assert distributed.has_symmetric_memory()
     monkeypatch.setitem(sys.modules, "torch.distributed._symmetric_memory", None)  # its import now fails
     assert not distributed.has_symmetric_memory()
+
+
+def test_without_symmetric_memory_the_ranks_agree_on_nccl(monkeypatch):
+    """``enable_custom_all_reduce`` on a group (one gloo rank here; the GPUs' peer check stubbed):
+    without symmetric memory it sets nothing up, returns False and warns why."""
+    from nanovllm.engine.executor import _free_port
+    from nanovllm.utils import distributed
+
+    monkeypatch.setattr(distributed, "_reaches_peers", lambda device, world: True)
+    monkeypatch.setattr(distributed, "has_symmetric_memory", lambda: False)
+    try:
+        distributed.init_process_group(torch.device("cpu"), 0, 1, _free_port())
+        with pytest.warns(UserWarning, match=r"torch .* has no symmetric memory\); NCCL sums everything"):
+            assert distributed.enable_custom_all_reduce(torch.device("cpu"), torch.bfloat16) is False
+        assert distributed._custom_all_reduce is None and not distributed._set_up_before
+    finally:
+        distributed.leave_group()
