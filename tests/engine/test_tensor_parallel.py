@@ -265,8 +265,7 @@ def test_leaving_an_aborted_group_drops_the_one_shot_all_reduce():
 
 def test_symmetric_memory_is_seen(monkeypatch):
     """The one-shot all-reduce, on by default, maps its buffers with torch's symmetric memory: a
-    torch that has it (this one) says so, and one without it (the module cannot be imported) makes
-    the ranks agree on NCCL instead of failing at set-up."""
+    torch that has it (this one) says so, one without it (the module cannot be imported) says not."""
     from nanovllm.utils import distributed
 
     assert distributed.has_symmetric_memory()
