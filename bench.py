@@ -9,7 +9,7 @@ ignore_eos. One short warm-up generate comes first. 133,966 output tokens in all
     python bench.py --random qwen3-4b --tp 2 --backend triton --enforce-eager
     python bench.py --random qwen3-0.6b --top-p 0.95 --top-k 20     # Qwen3's recommended sampling
     python bench.py --sampler --top-p 0.95 --top-k 20               # the sampler alone, GPU time per step
-    python bench.py --random qwen3-0.6b --profile   # GPU time per kernel category and GPU idle share
+    python bench.py --random qwen3-0.6b --profile   # GPU time per kernel category and kernel, GPU idle share
     python bench.py --random qwen3-8b --dp 2 --num-seqs 1024   # two replicas, one GPU each
     python bench.py --random qwen3-8b --quantization fp8       # FP8 weights in Qwen's block format
 
@@ -107,7 +107,7 @@ def main() -> None:
     parser.add_argument("--nccl-all-reduce", action="store_true",
                         help="LLM(disable_custom_all_reduce=True): NCCL for every all-reduce of --tp")
     parser.add_argument("--profile", action="store_true",
-                        help="print GPU time per kernel category and the GPU idle share of the timed run")
+                        help="print GPU time per kernel category and per kernel and the GPU idle share of the timed run")
     parser.add_argument("--profile-trace", metavar="PATH", default=None,
                         help="with --profile (implied): also save the profiler's Chrome trace (JSON) here")
     args = parser.parse_args()

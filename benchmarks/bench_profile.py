@@ -1,4 +1,4 @@
-"""GPU time of a benchmark run by kernel category, and the share of the run the GPU sat idle.
+"""GPU time of a benchmark run by kernel category and by kernel, and the share of the run the GPU sat idle.
 
 ``bench.py --profile`` runs its timed ``generate`` under ``torch.profiler`` with CUDA activity only
 (no CPU ops, shapes or stacks, so the run is barely slowed), turns the device's kernel, memcpy and
@@ -118,6 +118,7 @@ class GpuProfile:
     times: dict[str, float]  # category -> summed kernel durations (seconds), in CATEGORIES order, OTHER last
     counts: dict[str, int]  # category -> number of kernels
     top_other: list[tuple[str, float]] = field(default_factory=list)  # the largest OTHER kernels by time
+    top_kernels: list[tuple[str, float, int]] = field(default_factory=list)  # the largest kernels: (name, s, calls)
     first: float = 0.0  # the first event's start and the last one's end (the events' clock)
     last: float = 0.0
     gaps_by_length: list[tuple[int, float]] = field(default_factory=list)  # per GAP_BINS bin: (count, seconds)
@@ -132,13 +133,16 @@ class GpuProfile:
         return self.last - self.first
 
 
-def summarize(events: Iterable[tuple[str, float, float]], wall: float, num_other: int = 5) -> GpuProfile:
-    """Sum the durations of the ``(name, start, end)`` device events (seconds) per category.
+def summarize(events: Iterable[tuple[str, float, float]], wall: float, num_other: int = 5,
+              num_top: int = 12) -> GpuProfile:
+    """Sum the durations of the ``(name, start, end)`` device events (seconds) per category, and
+    per name for the ``num_top`` largest.
     GPU idle is ``wall`` minus the union of all the events' intervals; since kernels on different
     streams may overlap, the category times can add up to more than the busy time."""
     times = {label: 0.0 for label, _ in CATEGORIES} | {OTHER: 0.0}
     counts = dict.fromkeys(times, 0)
     other: dict[str, float] = defaultdict(float)
+    per_name: dict[str, list] = defaultdict(lambda: [0.0, 0])
     intervals = []
     for name, start, end in events:
         if name in NOT_WORK:
@@ -150,12 +154,15 @@ def summarize(events: Iterable[tuple[str, float, float]], wall: float, num_other
         counts[label] += 1
         if label == OTHER:
             other[name] += end - start
+        per_name[name][0] += end - start
+        per_name[name][1] += 1
         intervals.append((start, end))
     top = sorted(other.items(), key=lambda kv: (-kv[1], kv[0]))[:num_other]
+    kernels = sorted(((name, t, n) for name, (t, n) in per_name.items()), key=lambda k: (-k[1], k[0]))[:num_top]
     busy = merged(intervals)
     first, last = (busy[0][0], busy[-1][1]) if busy else (0.0, 0.0)
     by_length, by_part = idle_gaps(busy)
-    return GpuProfile(wall, sum(e - s for s, e in busy), times, counts, top, first, last, by_length, by_part)
+    return GpuProfile(wall, sum(e - s for s, e in busy), times, counts, top, kernels, first, last, by_length, by_part)
 
 
 def format_table(profile: GpuProfile) -> str:
@@ -172,16 +179,23 @@ def format_table(profile: GpuProfile) -> str:
 
 
 def format_notes(profile: GpuProfile, window: tuple[float, float] | None = None, width: int = 100) -> str:
-    """The largest uncategorised kernels (to extend CATEGORIES with) and a coverage check: how much
-    of the run the events span, and, given the profiled ``window`` (start, end) on the events'
-    clock, how far the first and last events lie from its ends (events that stop well before the
-    end were dropped, and the idle share is then too high)."""
+    """The largest kernels (time, calls and mean), the largest uncategorised ones (to extend
+    CATEGORIES with) and a coverage check: how much of the run the events span, and, given the
+    profiled ``window`` (start, end) on the events' clock, how far the first and last events lie
+    from its ends (events that stop well before the end were dropped, and the idle share is then
+    too high). Names longer than ``width`` are cut."""
+    def short(name: str) -> str:
+        return name if len(name) <= width else name[: width - 3] + "..."
+
     lines = []
+    if profile.top_kernels:
+        lines.append("largest kernels:")
+        for name, seconds, calls in profile.top_kernels:
+            lines.append(f"  {seconds:8.3f} s {calls:9,} x {seconds / calls * 1e6:9.2f} us  {short(name)}")
     if profile.top_other:
         lines.append(f"largest '{OTHER}' kernels:")
         for name, seconds in profile.top_other:
-            short = name if len(name) <= width else name[: width - 3] + "..."
-            lines.append(f"  {seconds * 1e3:9.1f} ms  {short}")
+            lines.append(f"  {seconds * 1e3:9.1f} ms  {short(name)}")
     lines.append(f"kernels span {profile.span:.2f} s of the {profile.wall:.2f} s wall; "
                  f"busy (union) {profile.busy:.2f} s")
     if profile.gaps_by_length:
