@@ -118,7 +118,9 @@ class GpuProfile:
     times: dict[str, float]  # category -> summed kernel durations (seconds), in CATEGORIES order, OTHER last
     counts: dict[str, int]  # category -> number of kernels
     top_other: list[tuple[str, float]] = field(default_factory=list)  # the largest OTHER kernels by time
-    top_kernels: list[tuple[str, float, int]] = field(default_factory=list)  # the largest kernels: (name, s, calls)
+    # the largest kernels: (name, seconds, calls, shortest call, longest call); a wide spread says the
+    # calls are not alike (one kernel name serves prefill and decode shapes, say), so the mean misleads
+    top_kernels: list[tuple[str, float, int, float, float]] = field(default_factory=list)
     first: float = 0.0  # the first event's start and the last one's end (the events' clock)
     last: float = 0.0
     gaps_by_length: list[tuple[int, float]] = field(default_factory=list)  # per GAP_BINS bin: (count, seconds)
@@ -142,7 +144,7 @@ def summarize(events: Iterable[tuple[str, float, float]], wall: float, num_other
     times = {label: 0.0 for label, _ in CATEGORIES} | {OTHER: 0.0}
     counts = dict.fromkeys(times, 0)
     other: dict[str, float] = defaultdict(float)
-    per_name: dict[str, list] = defaultdict(lambda: [0.0, 0])
+    per_name: dict[str, list] = defaultdict(lambda: [0.0, 0, float("inf"), 0.0])  # seconds, calls, min, max
     intervals = []
     for name, start, end in events:
         if name in NOT_WORK:
@@ -154,11 +156,14 @@ def summarize(events: Iterable[tuple[str, float, float]], wall: float, num_other
         counts[label] += 1
         if label == OTHER:
             other[name] += end - start
-        per_name[name][0] += end - start
-        per_name[name][1] += 1
+        stats = per_name[name]
+        stats[0] += end - start
+        stats[1] += 1
+        stats[2] = min(stats[2], end - start)
+        stats[3] = max(stats[3], end - start)
         intervals.append((start, end))
     top = sorted(other.items(), key=lambda kv: (-kv[1], kv[0]))[:num_other]
-    kernels = sorted(((name, t, n) for name, (t, n) in per_name.items()), key=lambda k: (-k[1], k[0]))[:num_top]
+    kernels = sorted(((name, *stats) for name, stats in per_name.items()), key=lambda k: (-k[1], k[0]))[:num_top]
     busy = merged(intervals)
     first, last = (busy[0][0], busy[-1][1]) if busy else (0.0, 0.0)
     by_length, by_part = idle_gaps(busy)
@@ -179,19 +184,20 @@ def format_table(profile: GpuProfile) -> str:
 
 
 def format_notes(profile: GpuProfile, window: tuple[float, float] | None = None, width: int = 100) -> str:
-    """The largest kernels (time, calls and mean), the largest uncategorised ones (to extend
-    CATEGORIES with) and a coverage check: how much of the run the events span, and, given the
-    profiled ``window`` (start, end) on the events' clock, how far the first and last events lie
-    from its ends (events that stop well before the end were dropped, and the idle share is then
-    too high). Names longer than ``width`` are cut."""
+    """The largest kernels (time, calls, mean, and in brackets the shortest and longest call in µs),
+    the largest uncategorised ones (to extend CATEGORIES with) and a coverage check: how much of
+    the run the events span, and, given the profiled ``window`` (start, end) on the events' clock,
+    how far the first and last events lie from its ends (events that stop well before the end were
+    dropped, and the idle share is then too high). Names longer than ``width`` are cut."""
     def short(name: str) -> str:
         return name if len(name) <= width else name[: width - 3] + "..."
 
     lines = []
     if profile.top_kernels:
         lines.append("largest kernels:")
-        for name, seconds, calls in profile.top_kernels:
-            lines.append(f"  {seconds:8.3f} s {calls:9,} x {seconds / calls * 1e6:9.2f} us  {short(name)}")
+        for name, seconds, calls, shortest, longest in profile.top_kernels:
+            spread = f"({shortest * 1e6:.1f}-{longest * 1e6:.1f})"
+            lines.append(f"  {seconds:8.3f} s {calls:9,} x {seconds / calls * 1e6:9.2f} us {spread:>19}  {short(name)}")
     if profile.top_other:
         lines.append(f"largest '{OTHER}' kernels:")
         for name, seconds in profile.top_other:

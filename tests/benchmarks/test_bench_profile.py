@@ -114,12 +114,14 @@ def test_summarize_overlaps_gaps_and_unknown_names():
     assert p.idle == 5.0 - 2.75
     assert (p.first, p.last, p.span) == (10.0, 14.0, 4.0)
     assert p.top_other == [("mystery_kernel", 0.375), ("other_kernel", 0.375)]  # equal times: by name
-    assert p.top_kernels[:3] == [("nvjet_tst_128x64", 0.75, 1), ("_decode_kernel", 0.5, 1), ("_prefill_kernel", 0.5, 1)]
-    assert ("mystery_kernel", 0.375, 2) in p.top_kernels and len(p.top_kernels) == 7  # every name but the sync
+    assert p.top_kernels[:3] == [("nvjet_tst_128x64", 0.75, 1, 0.75, 0.75), ("_decode_kernel", 0.5, 1, 0.5, 0.5),
+                                 ("_prefill_kernel", 0.5, 1, 0.5, 0.5)]
+    # calls of one name: the total, the count and the shortest and longest call
+    assert ("mystery_kernel", 0.375, 2, 0.125, 0.25) in p.top_kernels and len(p.top_kernels) == 7  # all but the sync
     events.append(("other_kernel", 14.0, 14.25))
     p = summarize(events, wall=5.0, num_other=1, num_top=2)
     assert p.top_other == [("other_kernel", 0.625)]
-    assert p.top_kernels == [("nvjet_tst_128x64", 0.75, 1), ("other_kernel", 0.625, 2)]
+    assert p.top_kernels == [("nvjet_tst_128x64", 0.75, 1, 0.75, 0.75), ("other_kernel", 0.625, 2, 0.25, 0.375)]
 
 
 def test_summarize_empty_and_clamped():
@@ -171,8 +173,11 @@ def test_format_notes_lists_other_kernels_and_warns_on_sparse_coverage():
     notes = format_notes(summarize([("gemm", 0.0, 0.25), ("gemm", 0.5, 0.75), ("y" * 300, 1.0, 1.5)], wall=2.0),
                          width=40)
     lines = notes.splitlines()
-    assert lines[:3] == ["largest kernels:", "     0.500 s         2 x 250000.00 us  gemm",
-                         "     0.500 s         1 x 500000.00 us  " + "y" * 37 + "..."]
+    assert lines[:3] == ["largest kernels:",
+                         "     0.500 s         2 x 250000.00 us (250000.0-250000.0)  gemm",
+                         "     0.500 s         1 x 500000.00 us (500000.0-500000.0)  " + "y" * 37 + "..."]
+    notes = format_notes(summarize([("gemm", 0.0, 0.000025), ("gemm", 0.5, 0.5025)], wall=2.0))
+    assert "     0.003 s         2 x   1262.50 us       (25.0-2500.0)  gemm" in notes  # unlike calls show
     notes = format_notes(summarize([("a", 0.0, 1.0), ("b", 1.00002, 2.0)], wall=2.0))
     assert "idle gaps between kernels by length: < 10 us: 0 (0.000 s), 10-100 us: 1 (0.000 s)," in notes
     notes = format_notes(summarize([("gemm", 10.25, 10.5), ("gemm", 11.5, 12.0)], wall=2.0), window=(10.0, 12.125))
