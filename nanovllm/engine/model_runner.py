@@ -176,7 +176,8 @@ class ModelRunner:
         expected = expected_shapes(self.config.model, self.config.hf_config, fp8)
         where = " given to update_weights"
         entries = plan_weights(self.model, [(name, tensor.shape) for name, tensor in weights], expected, where)
-        return check_fp8_tensors(self.model, entries, [weights[e.index][1] for e in entries], where)
+        fp8_names = {e.name for e in entries if weights[e.index][1].dtype == torch.float8_e4m3fn}
+        return check_fp8_tensors(self.model, entries, fp8_names, where)
 
     @torch.no_grad()
     def load_weights(self, entries: list[WeightEntry], tensors: list[torch.Tensor] | None = None) -> None:

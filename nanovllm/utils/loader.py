@@ -79,7 +79,8 @@ def load_model(model: nn.Module, path: str, hf_config=None) -> None:
     Every file's header is read first, and before any weight loads, an unreadable or truncated
     file, an unknown tensor, a tensor whose shape is not the one ``config.json`` implies
     (``hf_config``, read from ``path`` when not given) or a parameter no tensor fills is a
-    ValueError naming the file, the tensor and both shapes. An expert left unloaded is an error
+    ValueError naming the file, the tensor and both shapes, and so is an FP8 weight that does not
+    come with its scales as a pair (``check_fp8_tensors``). An expert left unloaded is an error
     after loading."""
     files = sorted(glob(os.path.join(path, "*.safetensors")))
     if not files:
@@ -87,10 +88,15 @@ def load_model(model: nn.Module, path: str, hf_config=None) -> None:
     expected = expected_shapes(path, hf_config, fp8=is_fp8_model(model))
     params = dict(model.named_parameters(remove_duplicate=False))
     plan: list[tuple[str, list[WeightEntry]]] = []
+    fp8: set[str] = set()  # the float8_e4m3fn tensors, by name
     for file in files:
         with _open(file) as f:
-            shapes = [(name, tuple(f.get_slice(name).get_shape())) for name in f.keys()]
+            slices = {name: f.get_slice(name) for name in f.keys()}
+            shapes = [(name, tuple(s.get_shape())) for name, s in slices.items()]
+            fp8 |= {name for name, s in slices.items() if s.get_dtype() == "F8_E4M3"}
         plan.append((file, plan_weights(model, shapes, expected, f" in {file}")))
+    # a weight and its scales may lie in different files
+    check_fp8_tensors(model, [entry for _, entries in plan for entry in entries], fp8, f" in {path}")
     # a tied weight loads under either name
     loaded_ids = {id(params[e.target]) for _, entries in plan for e in entries}
     # an FP8 layer's scales may come from the file or from quantizing a float weight: its ``missing()`` says
@@ -151,14 +157,13 @@ def is_fp8_model(model: nn.Module) -> bool:
     return any(param.dtype == torch.float8_e4m3fn for param in model.parameters())
 
 
-def check_fp8_tensors(model: nn.Module, entries: list[WeightEntry], tensors: list[torch.Tensor],
-                      where: str = "") -> list[WeightEntry]:
-    """``entries`` with their ``fp8`` flag set from ``tensors`` (one each), checked for an FP8 model:
-    a float weight is quantized on load, a float8_e4m3fn one needs its ``weight_scale_inv`` among
-    the entries and a scale needs its float8 weight (the two belong together). A float8 tensor for
-    a parameter that is not FP8 is a TypeError; a broken pair a ValueError."""
+def check_fp8_tensors(model: nn.Module, entries: list[WeightEntry], fp8: set[str], where: str = "") -> list[WeightEntry]:
+    """``entries`` with their ``fp8`` flag set (``fp8``: the names of those whose tensors are
+    float8_e4m3fn), checked: in an FP8 model a float weight is quantized on load, a float8_e4m3fn
+    one needs its ``weight_scale_inv`` among the entries and a scale needs its float8 weight (the
+    two belong together). A float8 tensor for a parameter that is not FP8 is a TypeError; a broken
+    pair a ValueError."""
     params = dict(model.named_parameters(remove_duplicate=False))
-    fp8 = {entry.name for entry, tensor in zip(entries, tensors) if tensor.dtype == torch.float8_e4m3fn}
     names = {entry.name for entry in entries}
     for entry in entries:
         is_scale = entry.name.endswith("_scale_inv")

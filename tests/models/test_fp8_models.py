@@ -224,15 +224,33 @@ def test_llama_and_qwen2_quantized_at_load_match_the_reference(tmp_path, shape):
     assert len(errors) >= 20 and statistics.median(errors) < 1e-4, errors  # see MEDIAN_ONLY
 
 
-def test_a_float8_weight_without_its_scales_is_an_error(fp8_folder, tmp_path):
+def test_a_float8_weight_and_its_scales_come_as_a_pair(fp8_folder, tmp_path):
+    """Checked over the headers of every file before any weight loads: a float8 weight without its
+    scales, or scales beside a float weight (which would be quantized with scales of its own, and
+    one of the two would be silently lost), are errors naming both tensors; a weight and its scales
+    in two different files load."""
     from safetensors.torch import save_file
 
     tensors = load_file(os.path.join(fp8_folder, "model.safetensors"))
-    del tensors["model.layers.1.self_attn.v_proj.weight_scale_inv"]
-    folder = with_config(fp8_folder, tmp_path / "no-scale")
-    save_file(tensors, os.path.join(folder, "model.safetensors"))
-    with pytest.raises(ValueError, match=r"lacks weights for: model.layers.1.self_attn.qkv_proj.weight_scale_inv \(v\)"):
-        LLM(folder, **CPU)
+    name = "model.layers.1.self_attn.v_proj.weight"
+    cases = {
+        "no-scale": ({k: v for k, v in tensors.items() if k != name + "_scale_inv"},
+                     rf"weight '{name}' in .*no-scale is float8_e4m3fn without its scales '{name}_scale_inv'"),
+        "float-weight": (tensors | {name: tensors[name].float()},
+                         rf"scale '{name}_scale_inv' in .*float-weight comes without its float8_e4m3fn weight '{name}'"),
+    }
+    for case, (changed, message) in cases.items():
+        folder = with_config(fp8_folder, tmp_path / case)
+        save_file(changed, os.path.join(folder, "model.safetensors"))
+        with pytest.raises(ValueError, match=message):
+            LLM(folder, **CPU)
+    folder = with_config(fp8_folder, tmp_path / "two-files")
+    save_file({k: v for k, v in tensors.items() if k != name + "_scale_inv"}, os.path.join(folder, "a.safetensors"))
+    save_file({name + "_scale_inv": tensors[name + "_scale_inv"]}, os.path.join(folder, "b.safetensors"))
+    with LLM(folder, **CPU) as split:
+        got = generate(split)
+    with LLM(fp8_folder, **CPU) as whole:
+        assert got == generate(whole)
 
 
 @pytest.mark.parametrize("quantization, changes, want", [
