@@ -157,7 +157,8 @@ def is_fp8_model(model: nn.Module) -> bool:
     return any(param.dtype == torch.float8_e4m3fn for param in model.parameters())
 
 
-def check_fp8_tensors(model: nn.Module, entries: list[WeightEntry], fp8: set[str], where: str = "") -> list[WeightEntry]:
+def check_fp8_tensors(model: nn.Module, entries: list[WeightEntry], fp8: set[str],
+                      where: str = "") -> list[WeightEntry]:
     """``entries`` with their ``fp8`` flag set (``fp8``: the names of those whose tensors are
     float8_e4m3fn), checked: in an FP8 model a float weight is quantized on load, a float8_e4m3fn
     one needs its ``weight_scale_inv`` among the entries and a scale needs its float8 weight (the

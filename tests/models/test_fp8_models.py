@@ -237,7 +237,8 @@ def test_a_float8_weight_and_its_scales_come_as_a_pair(fp8_folder, tmp_path):
         "no-scale": ({k: v for k, v in tensors.items() if k != name + "_scale_inv"},
                      rf"weight '{name}' in .*no-scale is float8_e4m3fn without its scales '{name}_scale_inv'"),
         "float-weight": (tensors | {name: tensors[name].float()},
-                         rf"scale '{name}_scale_inv' in .*float-weight comes without its float8_e4m3fn weight '{name}'"),
+                         rf"scale '{name}_scale_inv' in .*float-weight comes without its float8_e4m3fn "
+                         rf"weight '{name}'"),
     }
     for case, (changed, message) in cases.items():
         folder = with_config(fp8_folder, tmp_path / case)
