@@ -1,5 +1,5 @@
 """The all-reduce of tensor parallelism alone: NCCL against the one-shot kernel
-(``nanovllm/utils/custom_all_reduce.py``) over the GPUs of this host, one process each, at the sizes
+(``nanovllm/parallel/custom_all_reduce.py``) over the GPUs of this host, one process each, at the sizes
 of a decode step (a bf16 row of hidden size 4096 is 8 KiB; 256 rows are 2 MiB) and above.
 
 Each size is first checked (the one-shot sum equals NCCL's, bit for bit, with two ranks), then
@@ -20,8 +20,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: nanovllm
 
-from nanovllm.utils import custom_all_reduce, distributed  # noqa: E402
-from nanovllm.utils.custom_all_reduce import MAX_BYTES  # noqa: E402
+from nanovllm.parallel import custom_all_reduce, distributed  # noqa: E402
+from nanovllm.parallel.custom_all_reduce import MAX_BYTES  # noqa: E402
 
 SIZES_KIB = [8, 32, 128, 512, 1024, 2048, 4096, 8192, 32768]
 
@@ -95,7 +95,7 @@ def main() -> None:
     parser.add_argument("--programs", type=int, default=custom_all_reduce.PROGRAMS, help="the most programs of a call")
     parser.add_argument("--warps", type=int, default=custom_all_reduce.NUM_WARPS, help="warps per program")
     args = parser.parse_args()
-    from nanovllm.engine.executor import _free_port
+    from nanovllm.runner.executor import _free_port
 
     mp.spawn(_worker, args=(args.world, _free_port(), args), nprocs=args.world)
 

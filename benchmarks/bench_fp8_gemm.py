@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench_cudagraph
 
-from nanovllm.layers.quantization import fp8_cublas
-from nanovllm.layers.quantization.fp8 import FP8_DTYPE, fp8_linear, quantize_weight_blocks
-from nanovllm.layers.quantization.fp8_triton import fp8_linear_triton
+from nanovllm.quantization import fp8_cublas
+from nanovllm.quantization.fp8 import FP8_DTYPE, fp8_linear, quantize_weight_blocks
+from nanovllm.quantization.fp8_triton import fp8_linear_triton
 
 HIDDEN, INTER, Q_HEADS, KV_HEADS, HEAD_DIM = 4096, 12288, 32, 8, 128
 LAYERS = {"qkv": ((Q_HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN), "o": (HIDDEN, Q_HEADS * HEAD_DIM),

@@ -50,7 +50,7 @@ class Config:
     load_format: str = "auto"
     async_scheduling: bool = True
     quantization: str | None = None  # "fp8": quantize a float checkpoint's linear layers at load (FP8 checkpoints need not ask)
-    enable_sleep_mode: bool = False  # allow llm.sleep(level) / llm.wake_up() (engine/sleep.py)
+    enable_sleep_mode: bool = False  # allow llm.sleep(level) / llm.wake_up() (features/sleep.py)
     # False: tensor parallelism's CUDA graphs sum tensors up to 8 MiB with the one-shot kernel
     # (utils/custom_all_reduce.py); True: NCCL sums every all-reduce
     disable_custom_all_reduce: bool = False
@@ -122,7 +122,7 @@ class Config:
             self.attention_backend, device, self.kvcache_block_size, self.resolved_dtype(device), self.kv_cache_dtype
         )
         self._check_parallel(device)
-        from nanovllm.layers.quantization import resolve_quantization
+        from nanovllm.quantization import resolve_quantization
 
         self.weight_quantization = resolve_quantization(self.quantization, self.hf_config, self.tensor_parallel_size,
                                                         device)
@@ -151,7 +151,7 @@ class Config:
         any weights load. The cache alone is counted, so this is the most that could ever fit."""
         import torch
 
-        from nanovllm.engine.kv_cache import block_bytes
+        from nanovllm.runner.kv_cache import block_bytes
         from nanovllm.models.llama import head_dim
 
         hf, tp = self.hf_config, self.tensor_parallel_size

@@ -3,7 +3,7 @@ by the engine core). Every field is checked here; a bad value is a TypeError or 
 the field, the value and what is allowed."""
 from dataclasses import dataclass, fields, replace
 
-from nanovllm.structured_outputs.params import StructuredOutputsParams
+from nanovllm.features.structured_outputs.params import StructuredOutputsParams
 
 __all__ = ["SamplingParams", "StructuredOutputsParams"]
 

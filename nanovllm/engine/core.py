@@ -96,7 +96,7 @@ class EngineCore:
 
     def _grammar_compiler(self):
         if self.grammars is None:
-            from nanovllm.structured_outputs.grammar import GrammarCompiler  # xgrammar: only when used
+            from nanovllm.features.structured_outputs.grammar import GrammarCompiler  # xgrammar: only when used
             from nanovllm.utils.model_folder import load_tokenizer
 
             tokenizer = self.tokenizer if self.tokenizer is not None else load_tokenizer(self.config.model)

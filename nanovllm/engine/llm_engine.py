@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 
 from nanovllm.config import Config
 from nanovllm.engine.core import ASLEEP, EngineCore
-from nanovllm.engine.executor import Executor
+from nanovllm.runner.executor import Executor
 from nanovllm.engine.input_processor import InputProcessor
 from nanovllm.engine.output_processor import OutputProcessor
 from nanovllm.sampling_params import SamplingParams
@@ -40,7 +40,7 @@ class LLMEngine:
         self.vocab_size = config.hf_config.vocab_size
         self._exited = True  # until the core has started
         if config.data_parallel_size > 1 or config.data_parallel_backend == "ray":
-            from nanovllm.engine.data_parallel import DataParallelCore
+            from nanovllm.parallel.data_parallel import DataParallelCore
 
             self.core = DataParallelCore(config, self.eos_token_ids)
         else:
@@ -194,7 +194,7 @@ class LLMEngine:
         self._process(self.core.settle())  # with replicas: no call in flight, so each takes this one
         return self.core.reset_prefix_cache()
 
-    # ---- sleep mode (engine/sleep.py) ----------------------------------------------------------
+    # ---- sleep mode (features/sleep.py) ----------------------------------------------------------
 
     def sleep(self, level: int = 1) -> None:
         """Free the device memory the engine holds, for a trainer that shares the GPUs: the KV
@@ -202,7 +202,7 @@ class LLMEngine:
         weights in host memory for ``wake_up``; level 2 drops them (load new ones with
         ``update_weights`` after ``wake_up``). The prefix cache is dropped. Needs
         ``enable_sleep_mode=True``, an awake engine and no request queued (else a RuntimeError)."""
-        from nanovllm.engine.sleep import check_level
+        from nanovllm.features.sleep import check_level
 
         self._check_running(asleep_ok=True)
         if not self.config.enable_sleep_mode:

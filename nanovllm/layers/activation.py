@@ -21,7 +21,7 @@ class SiluAndMul(nn.Module):
 
     def forward(self, x: torch.Tensor):
         if self.quantize:
-            from nanovllm.layers.quantization.fp8_fused import silu_and_mul_quantized
+            from nanovllm.quantization.fp8_fused import silu_and_mul_quantized
 
             return silu_and_mul_quantized(x)
         return silu_and_mul(x)

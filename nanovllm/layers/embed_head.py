@@ -4,7 +4,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.utils.context import get_context
-from nanovllm.utils.distributed import all_reduce, get_tp_rank, get_tp_size
+from nanovllm.parallel.distributed import all_reduce, get_tp_rank, get_tp_size
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -2,7 +2,7 @@ import torch
 from torch import nn
 
 from nanovllm.utils.compile import compile_on_gpu
-from nanovllm.utils.distributed import all_reduce
+from nanovllm.parallel.distributed import all_reduce
 
 
 @compile_on_gpu
@@ -37,12 +37,12 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is not None and self.reduces_input:
             if not self.quantize:
-                from nanovllm.layers.reduce_norm import reduce_add_rms_norm
+                from nanovllm.parallel.reduce_norm import reduce_add_rms_norm
 
                 return reduce_add_rms_norm(x, residual, self.weight, self.eps)
             all_reduce(x)
         if self.quantize:
-            from nanovllm.layers.quantization.fp8_fused import rms_norm_quantized
+            from nanovllm.quantization.fp8_fused import rms_norm_quantized
 
             return rms_norm_quantized(x, residual, self.weight, self.eps)
         if residual is None:

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.layers.quantization import get_quantization
-from nanovllm.layers.quantization.fp8 import BLOCK, FP8_DTYPE, fp8_linear, quantize_weight_blocks
-from nanovllm.utils.distributed import all_reduce, get_tp_rank, get_tp_size
+from nanovllm.quantization import get_quantization
+from nanovllm.quantization.fp8 import BLOCK, FP8_DTYPE, fp8_linear, quantize_weight_blocks
+from nanovllm.parallel.distributed import all_reduce, get_tp_rank, get_tp_size
 
 
 def _divide(numerator: int, denominator: int) -> int:

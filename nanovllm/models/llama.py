@@ -9,9 +9,9 @@ from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from nanovllm.layers.quantization.fp8 import BLOCK, QuantizedRows
+from nanovllm.quantization.fp8 import BLOCK, QuantizedRows
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, apply_qk_norm_rotary_emb, rope_parameters
-from nanovllm.utils.distributed import get_tp_size
+from nanovllm.parallel.distributed import get_tp_size
 
 
 def head_dim(config) -> int:

@@ -179,7 +179,7 @@ def random_weights(config: dict, dtype: torch.dtype, seed: int = 0, std: float =
 def quantize_checkpoint(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Qwen's FP8 format: each quantized weight (``is_quantized_weight``) as float8_e4m3fn and its
     float32 ``weight_scale_inv`` (one per 128x128 block); the other tensors as they are."""
-    from nanovllm.layers.quantization.fp8 import quantize_weight_blocks
+    from nanovllm.quantization.fp8 import quantize_weight_blocks
 
     out = {}
     for name, tensor in weights.items():

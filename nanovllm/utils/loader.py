@@ -206,7 +206,7 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> No
     on the parameters' device from one seed, so every rank draws the same (a replicated router
     agrees across ranks). An FP8 weight is drawn in float32 and quantized, its scales with it.
     For benchmarks of shapes too large to write to disk."""
-    from nanovllm.layers.quantization.fp8 import FP8_DTYPE, quantize_weight_blocks
+    from nanovllm.quantization.fp8 import FP8_DTYPE, quantize_weight_blocks
 
     generators = {}
     params = dict(model.named_parameters())

@@ -1,4 +1,4 @@
-"""The one-shot all-reduce kernel (nanovllm/utils/custom_all_reduce.py) under the Triton interpreter,
+"""The one-shot all-reduce kernel (nanovllm/parallel/custom_all_reduce.py) under the Triton interpreter,
 as one rank of a group whose peers are simulated: their inputs stand in their slots of this rank's
 buffer, in the half that the call's epoch selects; every other element holds the sentinel (-0.0's
 bits). The kernel must write its input (-0.0 as +0.0) into its slot of every other rank's buffer,
@@ -22,7 +22,7 @@ def simulate(world: int, rank: int, inputs: list[list[torch.Tensor]], dtype=torc
     """Run ``len(inputs)`` calls (each of one program per block, at most ``PROGRAMS``);
     ``inputs[k][r]`` is rank r's tensor in call k; ``poll``: spins between reads of the abort flag
     (default the library's). Returns what the tests check, as lists."""
-    from nanovllm.utils.custom_all_reduce import BLOCK, POLL_ABORT_EVERY, launch, sentinel
+    from nanovllm.parallel.custom_all_reduce import BLOCK, POLL_ABORT_EVERY, launch, sentinel
 
     bits, value = sentinel(dtype)
     slot = BLOCKS * BLOCK

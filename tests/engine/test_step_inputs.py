@@ -11,7 +11,7 @@ from random import Random
 
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step import build_step
-from nanovllm.engine.step_inputs import (
+from nanovllm.runner.step_inputs import (
     DECODE_FIELDS, DecodeBuffer, DecodeLayout, decode_inputs, fill_decode, prefill_inputs,
 )
 from nanovllm.sampling_params import SamplingParams

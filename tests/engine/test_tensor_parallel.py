@@ -244,8 +244,8 @@ def test_leaving_an_aborted_group_drops_the_one_shot_all_reduce():
     """After a rank died, ``abort_nccl`` has ended the default group before rank 0 leaves it; the
     one-shot all-reduce must go all the same, or the process's next engine would capture it into its
     decode graphs (``distributed.all_reduce``) while its new workers sum through NCCL."""
-    from nanovllm.engine.executor import _free_port
-    from nanovllm.utils import distributed
+    from nanovllm.runner.executor import _free_port
+    from nanovllm.parallel import distributed
 
     try:
         distributed.init_process_group(torch.device("cpu"), 0, 1, _free_port())
@@ -266,7 +266,7 @@ def test_leaving_an_aborted_group_drops_the_one_shot_all_reduce():
 def test_symmetric_memory_is_seen(monkeypatch):
     """The one-shot all-reduce, on by default, maps its buffers with torch's symmetric memory: a
     torch that has it (this one) says so, one without it (the module cannot be imported) says not."""
-    from nanovllm.utils import distributed
+    from nanovllm.parallel import distributed
 
     assert distributed.has_symmetric_memory()
     monkeypatch.setitem(sys.modules, "torch.distributed._symmetric_memory", None)  # its import now fails
@@ -276,8 +276,8 @@ def test_symmetric_memory_is_seen(monkeypatch):
 def test_without_symmetric_memory_the_ranks_agree_on_nccl(monkeypatch):
     """``enable_custom_all_reduce`` on a group (one gloo rank here; the GPUs' peer check stubbed):
     without symmetric memory it sets nothing up, returns False and warns why."""
-    from nanovllm.engine.executor import _free_port
-    from nanovllm.utils import distributed
+    from nanovllm.runner.executor import _free_port
+    from nanovllm.parallel import distributed
 
     monkeypatch.setattr(distributed, "_reaches_peers", lambda device, world: True)
     monkeypatch.setattr(distributed, "has_symmetric_memory", lambda: False)

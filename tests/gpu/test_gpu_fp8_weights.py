@@ -12,8 +12,8 @@ import torch
 import triton
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.layers.quantization import fp8_triton
-from nanovllm.layers.quantization.fp8 import fp8_linear, quantize_activation_groups, quantize_weight_blocks
+from nanovllm.quantization import fp8_triton
+from nanovllm.quantization.fp8 import fp8_linear, quantize_activation_groups, quantize_weight_blocks
 from nanovllm.utils import dependent_launch
 from nanovllm.utils.checkpoint import make_random_checkpoint
 
@@ -67,7 +67,7 @@ def test_gpu_cublas_gemm_equals_cpu(m):
     cores' k-block accumulation (1e-3 of the largest output) and one bf16 rounding (2^-7 of a value
     at most); a bias added after the cast. The default picks it from ``MIN_ROWS`` rows on (where it
     exists), in a CUDA graph too."""
-    from nanovllm.layers.quantization import fp8_cublas
+    from nanovllm.quantization import fp8_cublas
 
     if not fp8_cublas.available(torch.device("cuda")):
         pytest.skip("no block-scaled cuBLAS GEMM on this GPU / torch")
@@ -107,7 +107,7 @@ def _same_rows(got, want) -> None:
 @pytest.mark.parametrize("m", [5, 300])
 def test_gpu_fused_quantization_equals_cpu(m):
     """RMSNorm (with the residual) and SiLU-and-mul quantizing their output for the next FP8 linear."""
-    from nanovllm.layers.quantization.fp8_fused import rms_norm_quantized, silu_and_mul_quantized
+    from nanovllm.quantization.fp8_fused import rms_norm_quantized, silu_and_mul_quantized
 
     g = torch.Generator().manual_seed(m)
     x, r = (torch.randn(m, 1024, generator=g).bfloat16() for _ in range(2))

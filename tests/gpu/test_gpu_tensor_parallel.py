@@ -1,4 +1,4 @@
-"""The one-shot all-reduce (nanovllm/utils/custom_all_reduce.py) on two GPUs, one process each
+"""The one-shot all-reduce (nanovllm/parallel/custom_all_reduce.py) on two GPUs, one process each
 (skipped with fewer): exactly the float32 sum of the ranks' tensors in rank order, rounded once to
 the dtype, on every rank alike; in each dtype, over sizes that end inside a block, calls in a row
 (the epochs and the two halves of the buffer), -0.0 among the inputs, every buffer back to the
@@ -47,7 +47,7 @@ def expected(numel: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
 
 def _all_sentinel(custom) -> bool:
     """Whether every element of the rank's buffer is back to the sentinel (no call in flight)."""
-    from nanovllm.utils.custom_all_reduce import sentinel
+    from nanovllm.parallel.custom_all_reduce import sentinel
 
     bits, value = sentinel(custom.dtype)
     torch.distributed.barrier()
@@ -56,8 +56,8 @@ def _all_sentinel(custom) -> bool:
 
 
 def _checks(rank: int) -> None:
-    from nanovllm.utils import distributed
-    from nanovllm.utils.custom_all_reduce import CustomAllReduce
+    from nanovllm.parallel import distributed
+    from nanovllm.parallel.custom_all_reduce import CustomAllReduce
 
     group = torch.distributed.group.WORLD.group_name
     seed = 0
@@ -136,7 +136,7 @@ def _worker(rank: int, port: int, errors) -> None:
     faulthandler.dump_traceback_later(240, exit=True)  # a rank that hangs shows where, and ends
     try:
         torch.cuda.set_device(rank)
-        from nanovllm.utils.distributed import init_process_group
+        from nanovllm.parallel.distributed import init_process_group
 
         init_process_group(torch.device("cuda", rank), rank, WORLD, port)
         _checks(rank)
@@ -147,7 +147,7 @@ def _worker(rank: int, port: int, errors) -> None:
 
 
 def test_gpu_custom_all_reduce_two_ranks():
-    from nanovllm.engine.executor import _free_port as free_port
+    from nanovllm.runner.executor import _free_port as free_port
 
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()
@@ -225,7 +225,7 @@ def in_fresh_process(fn, *args):
 
 
 def _tp2_outputs(model_dir, enforce_eager: bool, nccl_only: bool) -> list:
-    from nanovllm.utils import distributed
+    from nanovllm.parallel import distributed
 
     prompts = make_prompts()
     params = SamplingParams(temperature=0, max_tokens=24, logprobs=2)

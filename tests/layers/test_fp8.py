@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm.layers.moe.fused_fp8 import fused_moe_torch_fp8
-from nanovllm.layers.quantization.fp8 import (dequantize_weight_blocks, fp8_linear, quantize_activation_groups,
+from nanovllm.quantization.fp8 import (dequantize_weight_blocks, fp8_linear, quantize_activation_groups,
                                               quantize_weight_blocks)
 
 E4M3 = torch.float8_e4m3fn

@@ -38,8 +38,8 @@ def compare(rows, want, total=None, want_total=None) -> dict:
 
 def check_norm(m: int, n: int, dtype, residual: bool, zero_row: bool = False) -> dict:
     from nanovllm.layers.layernorm import add_rms_norm, rms_norm
-    from nanovllm.layers.quantization.fp8 import quantize_to_rows
-    from nanovllm.layers.quantization.fp8_fused import rms_norm_quantized_triton
+    from nanovllm.quantization.fp8 import quantize_to_rows
+    from nanovllm.quantization.fp8_fused import rms_norm_quantized_triton
 
     g = torch.Generator().manual_seed(m * 7 + n)
     x = (torch.randn(m, n, generator=g) * 3).to(dtype)
@@ -58,8 +58,8 @@ def check_norm(m: int, n: int, dtype, residual: bool, zero_row: bool = False) ->
 
 def check_silu(m: int, n: int, dtype) -> dict:
     from nanovllm.layers.activation import silu_and_mul
-    from nanovllm.layers.quantization.fp8 import quantize_to_rows
-    from nanovllm.layers.quantization.fp8_fused import silu_and_mul_quantized_triton
+    from nanovllm.quantization.fp8 import quantize_to_rows
+    from nanovllm.quantization.fp8_fused import silu_and_mul_quantized_triton
 
     x = (torch.randn(m, 2 * n, generator=torch.Generator().manual_seed(m + n)) * 4).to(dtype)
     return compare(silu_and_mul_quantized_triton(x), quantize_to_rows(silu_and_mul(x)))
@@ -106,7 +106,7 @@ def test_cpu_path_is_the_composition():
     FP8 linear takes the rows as it would take the unquantized activations."""
     from nanovllm.layers.activation import SiluAndMul
     from nanovllm.layers.layernorm import RMSNorm
-    from nanovllm.layers.quantization.fp8 import fp8_linear, quantize_weight_blocks
+    from nanovllm.quantization.fp8 import fp8_linear, quantize_weight_blocks
 
     g = torch.Generator().manual_seed(0)
     x, r = torch.randn(6, 256, generator=g).to(BF16), torch.randn(6, 256, generator=g).to(BF16)

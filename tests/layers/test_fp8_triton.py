@@ -23,8 +23,8 @@ F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 
 def check(m: int, n: int, k: int, dtype=F32, bias: bool = False, out_dtype=None, strided: bool = False,
           zero_group: bool = False, splits: int | None = None) -> dict:
-    from nanovllm.layers.quantization.fp8 import fp8_linear, quantize_weight_blocks
-    from nanovllm.layers.quantization.fp8_triton import fp8_linear_triton
+    from nanovllm.quantization.fp8 import fp8_linear, quantize_weight_blocks
+    from nanovllm.quantization.fp8_triton import fp8_linear_triton
 
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(m, 2 * k if strided else k, generator=g).to(dtype)
@@ -45,7 +45,7 @@ def check(m: int, n: int, k: int, dtype=F32, bias: bool = False, out_dtype=None,
 def check_moe(num_tokens: int, num_experts: int, top_k: int, hidden: int, inter: int, dtype=F32) -> dict:
     from nanovllm.layers.moe.fused_fp8 import fused_moe_fp8, fused_moe_torch_fp8
     from nanovllm.layers.moe.layer import select_experts
-    from nanovllm.layers.quantization.fp8 import quantize_weight_blocks
+    from nanovllm.quantization.fp8 import quantize_weight_blocks
 
     g = torch.Generator().manual_seed(num_tokens * 100 + num_experts)
     x = torch.randn(num_tokens, hidden, generator=g).to(dtype)
@@ -65,8 +65,8 @@ def check_moe(num_tokens: int, num_experts: int, top_k: int, hidden: int, inter:
 def check_padded_quantization(m: int, k: int, row_multiple: int) -> dict:
     """``quantize_rows`` with rows padded (cuBLAS's GEMM wants multiples of 16): the first m rows as
     ``quantize_activation_groups``, the padding zeros with scale 1."""
-    from nanovllm.layers.quantization.fp8 import quantize_activation_groups
-    from nanovllm.layers.quantization.fp8_triton import quantize_rows
+    from nanovllm.quantization.fp8 import quantize_activation_groups
+    from nanovllm.quantization.fp8_triton import quantize_rows
 
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(BF16)
     q, scales = quantize_rows(x, row_multiple)
@@ -148,7 +148,7 @@ def test_moe_kernels_match_the_torch_path(results, case):
 
 
 def test_tiles_cover_decode_and_prefill():
-    from nanovllm.layers.quantization.fp8_triton import tile
+    from nanovllm.quantization.fp8_triton import tile
 
     tiles = {m: tile(m) for m in (1, 16, 17, 32, 33, 64, 65, 256, 257, 512, 513, 8192)}
     assert {m: t[:2] for m, t in tiles.items()} == {
@@ -162,7 +162,7 @@ def test_split_k_at_the_qwen3_8b_shapes_on_132_sms():
     1 µs of it but at two points): qkv, o and down cut into ranges at decode sizes, gate_up (many
     tiles) never, fewer ranges as the rows grow."""
     import triton
-    from nanovllm.layers.quantization.fp8_triton import split_k, tile
+    from nanovllm.quantization.fp8_triton import split_k, tile
 
     layers = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 

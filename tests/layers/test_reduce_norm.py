@@ -1,4 +1,4 @@
-"""The norm that sums a row-parallel layer's partial outputs (nanovllm/layers/reduce_norm.py) under
+"""The norm that sums a row-parallel layer's partial outputs (nanovllm/parallel/reduce_norm.py) under
 the Triton interpreter. The plain kernel (after the process group's sum) against
 ``layernorm.add_rms_norm``; the one-shot kernel, as one rank of a group whose peers are simulated
 (their rows in their slots of this rank's buffer, the rest of it the sentinel), against the plain
@@ -26,7 +26,7 @@ def plain_case(rows: int, n: int, dtype: torch.dtype) -> dict:
     sum of squares is added in another order; the reciprocal root's last bit goes through two
     products)."""
     from nanovllm.layers.layernorm import add_rms_norm
-    from nanovllm.layers.reduce_norm import _add_rms_norm_kernel
+    from nanovllm.parallel.reduce_norm import _add_rms_norm_kernel
     import triton
 
     x, res, w = _rows((rows, n), dtype, 1, 3.0), _rows((rows, n), dtype, 2), _rows((n,), dtype, 3)
@@ -45,8 +45,8 @@ def one_shot_case(world: int, rank: int, rows: int, n: int, dtype: torch.dtype, 
     equal to the plain kernel's over the float32 rank-order sum."""
     import triton
 
-    from nanovllm.layers.reduce_norm import _add_rms_norm_kernel, _one_shot_add_rms_norm_kernel
-    from nanovllm.utils.custom_all_reduce import TL_INT, sentinel
+    from nanovllm.parallel.reduce_norm import _add_rms_norm_kernel, _one_shot_add_rms_norm_kernel
+    from nanovllm.parallel.custom_all_reduce import TL_INT, sentinel
 
     inputs = [_rows((rows, n), dtype, 10 + r, 3.0) for r in range(world)]
     res, w = _rows((rows, n), dtype, 2), _rows((n,), dtype, 3)

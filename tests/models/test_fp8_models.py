@@ -203,7 +203,7 @@ def test_tp_shard_inside_a_block_and_bad_quantization_values(fp8_folder, tmp_pat
 def test_old_gpus_are_refused(fp8_folder, monkeypatch):
     from transformers import AutoConfig
 
-    from nanovllm.layers.quantization import resolve_quantization
+    from nanovllm.quantization import resolve_quantization
 
     hf_config = AutoConfig.from_pretrained(fp8_folder)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
@@ -267,7 +267,7 @@ def test_which_ops_hand_the_next_fp8_linear_its_input_quantized(quantization, ch
     a MoE block, and never in a float model."""
     import transformers
 
-    from nanovllm.layers.quantization import building_quantized
+    from nanovllm.quantization import building_quantized
     from nanovllm.models.registry import model_class
 
     arch, config_class = (("Qwen3MoeForCausalLM", transformers.Qwen3MoeConfig) if "num_experts" in changes

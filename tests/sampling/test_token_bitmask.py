@@ -90,7 +90,7 @@ def test_the_sampler_draws_allowed_tokens_and_other_rows_as_without_a_grammar(mo
 
 @pytest.fixture(scope="module")
 def compiler():
-    from nanovllm.structured_outputs.grammar import GrammarCompiler
+    from nanovllm.features.structured_outputs.grammar import GrammarCompiler
     from nanovllm.utils.model_folder import load_tokenizer
 
     tokenizer = load_tokenizer(TOKENIZER_DIR)

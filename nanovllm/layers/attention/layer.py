@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from nanovllm.layers.attention.interface import AttentionBackend
-from nanovllm.layers.quantization.fp8 import QuantizedRows
+from nanovllm.quantization.fp8 import QuantizedRows
 from nanovllm.utils.context import Context, get_context
 
 

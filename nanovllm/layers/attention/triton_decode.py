@@ -6,7 +6,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.layers.attention.triton_kernels import MASKED, _dot, _fp8_query, _fp8_scores, _online_softmax_step
-from nanovllm.layers.quantization.fp8_triton import quantize_store
+from nanovllm.quantization.fp8_triton import quantize_store
 from nanovllm.utils.dependent_launch import wait_for_inputs
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm.layers.moe.fused import group_by_expert, moe_tile, pairs_by_expert
-from nanovllm.layers.quantization.fp8 import BLOCK, FP8_DTYPE, fp8_linear
+from nanovllm.quantization.fp8 import BLOCK, FP8_DTYPE, fp8_linear
 
 
 def check_fp8_experts(w13: torch.Tensor, w2: torch.Tensor) -> None:
@@ -45,7 +45,7 @@ def fused_moe_fp8(hidden_states, w13, w13_scale, w2, w2_scale, topk_weights, top
     from nanovllm.layers.moe.routing import MAX_ROUTED_EXPERTS, group_by_expert_triton
     from nanovllm.layers.moe.triton_fp8 import launch_down_fp8, launch_gate_up_fp8
     from nanovllm.layers.moe.triton_kernels import sum_pairs
-    from nanovllm.layers.quantization import fp8_triton
+    from nanovllm.quantization import fp8_triton
 
     check_fp8_experts(w13, w2)
     num_tokens, hidden = hidden_states.shape

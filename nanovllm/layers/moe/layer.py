@@ -10,9 +10,9 @@ from torch import nn
 from nanovllm.layers.linear import ReplicatedLinear
 from nanovllm.layers.moe.fused import fused_moe, fused_moe_torch
 from nanovllm.layers.moe.fused_fp8 import fused_moe_fp8, fused_moe_torch_fp8
-from nanovllm.layers.quantization import get_quantization
-from nanovllm.layers.quantization.fp8 import BLOCK, FP8_DTYPE, quantize_weight_blocks
-from nanovllm.utils.distributed import all_reduce, get_tp_rank, get_tp_size
+from nanovllm.quantization import get_quantization
+from nanovllm.quantization.fp8 import BLOCK, FP8_DTYPE, quantize_weight_blocks
+from nanovllm.parallel.distributed import all_reduce, get_tp_rank, get_tp_size
 
 # one expert's tensor in a Hugging Face checkpoint: "...experts.<id>.<gate_proj|up_proj|down_proj>.weight"
 EXPERT_TENSOR = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight(_scale_inv)?$")

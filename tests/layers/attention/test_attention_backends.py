@@ -176,7 +176,7 @@ def check_decode_quantized(backend, context_lens, *, device, dtype, head_dim, bl
     """Decode with ``quantize=True`` (the input of an FP8 o_proj, one 128-channel group per head)
     against ``quantize_activation_groups`` of the plain decode output in the model's dtype: the same
     e4m3 bytes and scales; the rows padded to 16 with zeros of scale 1."""
-    from nanovllm.layers.quantization.fp8 import quantize_activation_groups
+    from nanovllm.quantization.fp8 import quantize_activation_groups
 
     q, k_cache, v_cache, context = decode_inputs(
         context_lens, device=device, dtype=dtype, head_dim=head_dim, block_size=block_size,

@@ -460,7 +460,7 @@ def test_llm_fp8_cache_matches_round_trip_reference(ckpt_tied):
 def test_block_bytes_count_the_scales():
     """A bf16 Qwen3-0.6B-shaped cache (28 layers, 8 KV heads, head_dim 128): e4m3 plus a float32
     scale per row takes 132 bytes a row instead of 256, so the same memory holds 1.94x the blocks."""
-    from nanovllm.engine import kv_cache
+    from nanovllm.runner import kv_cache
 
     def block_bytes(kv_cache_dtype):
         config = SimpleNamespace(hf_config=SimpleNamespace(num_hidden_layers=28), kv_cache_dtype=kv_cache_dtype,
@@ -481,7 +481,7 @@ def test_allocated_cache_matches_block_bytes(ckpt_tied, kv_cache_dtype):
 
     with LLM(ckpt_tied.path, kvcache_block_size=BLOCK_SIZE, num_kvcache_blocks=5, max_model_len=64,
              kv_cache_dtype=kv_cache_dtype) as llm:
-        from nanovllm.engine import kv_cache
+        from nanovllm.runner import kv_cache
 
         runner = llm.core.executor.runner
         scale_bytes = sum(m.k_scale.nbytes + m.v_scale.nbytes for m in attention_modules(llm) if m.k_scale is not None)

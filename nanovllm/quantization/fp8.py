@@ -85,7 +85,7 @@ def fp8_linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weight_sca
     ``bias``), W8A8 as the module docstring says; the result in ``out_dtype`` (default: x's dtype;
     the bias added after the cast)."""
     if (x.q if isinstance(x, QuantizedRows) else x).is_cuda:  # Triton/cuBLAS kernels, the same arithmetic
-        from nanovllm.layers.quantization.fp8_triton import fp8_linear_triton
+        from nanovllm.quantization.fp8_triton import fp8_linear_triton
 
         return fp8_linear_triton(x, weight, weight_scale, bias, out_dtype)
     if isinstance(x, QuantizedRows):

@@ -15,9 +15,9 @@ import triton.language as tl
 
 from nanovllm.layers.activation import silu_and_mul
 from nanovllm.layers.layernorm import add_rms_norm, rms_norm
-from nanovllm.layers.quantization.fp8 import BLOCK, QuantizedRows, quantize_to_rows
-from nanovllm.layers.quantization.fp8_cublas import ROW_MULTIPLE
-from nanovllm.layers.quantization.fp8_triton import empty_quantized, quantize_store
+from nanovllm.quantization.fp8 import BLOCK, QuantizedRows, quantize_to_rows
+from nanovllm.quantization.fp8_cublas import ROW_MULTIPLE
+from nanovllm.quantization.fp8_triton import empty_quantized, quantize_store
 from nanovllm.utils.dependent_launch import launch_options, pdl, wait_for_inputs
 
 _BLOCK = tl.constexpr(BLOCK)

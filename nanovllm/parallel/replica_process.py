@@ -8,7 +8,7 @@ import pickle
 import signal
 from multiprocessing.connection import wait as wait_handles
 
-from nanovllm.engine.replica import ReplicaCall, ReplicaControl, ReplicaDied, ReplicaReply, ReplicaServer
+from nanovllm.parallel.replica import ReplicaCall, ReplicaControl, ReplicaDied, ReplicaReply, ReplicaServer
 
 
 def _picklable(error: BaseException) -> BaseException:

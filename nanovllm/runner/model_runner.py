@@ -8,20 +8,21 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
-from nanovllm.engine import kv_cache, sleep
-from nanovllm.engine.cuda_graphs import DecodeGraphs
+from nanovllm.features import sleep
+from nanovllm.runner import kv_cache
+from nanovllm.runner.cuda_graphs import DecodeGraphs
 from nanovllm.engine.step import PromptScoring, SamplingRows, Step
-from nanovllm.engine.step_inputs import DecodeBuffer, decode_inputs, prefill_inputs
-from nanovllm.engine.step_output import StepOutput
+from nanovllm.runner.step_inputs import DecodeBuffer, decode_inputs, prefill_inputs
+from nanovllm.runner.step_output import StepOutput
 from nanovllm.layers.attention import Attention, get_attention_backend, resolve_backend_name
-from nanovllm.layers.quantization import building_quantized
+from nanovllm.quantization import building_quantized
 from nanovllm.models.llama import head_dim
 from nanovllm.models.registry import model_class
 from nanovllm.sampling import Sampler, SamplerOutput
 from nanovllm.sampling.batch import make_sampling_batch
-from nanovllm.sampling.prompt_logprobs import score_prompt
+from nanovllm.features.prompt_logprobs import score_prompt
 from nanovllm.utils.context import Context, step_context
-from nanovllm.utils.distributed import (abort_nccl, enable_custom_all_reduce, init_process_group, leave_group,
+from nanovllm.parallel.distributed import (abort_nccl, enable_custom_all_reduce, init_process_group, leave_group,
                                         wait_device)
 from nanovllm.utils.loader import (WeightEntry, check_fp8_tensors, copy_weight, expected_shapes, init_dummy_weights,
                                    is_fp8_model, load_model, plan_weights)
@@ -203,7 +204,7 @@ class ModelRunner:
             copy_weight(param, entry, tensor, " given to update_weights")
         self.sync()
 
-    # ---- sleep mode (engine/sleep.py) -----------------------------------------------------------
+    # ---- sleep mode (features/sleep.py) -----------------------------------------------------------
 
     def sleep(self, level: int) -> None:
         """Free the CUDA graphs, the KV cache (the layers' views with it), the step buffers and the

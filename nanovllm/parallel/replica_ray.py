@@ -7,7 +7,7 @@ from ray.exceptions import RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from nanovllm.engine.replica import ReplicaCall, ReplicaControl, ReplicaDied, ReplicaReply, ReplicaServer
+from nanovllm.parallel.replica import ReplicaCall, ReplicaControl, ReplicaDied, ReplicaReply, ReplicaServer
 
 PLACEMENT_TIMEOUT = 300.0  # seconds to wait for a replica's GPUs to be free on the cluster
 

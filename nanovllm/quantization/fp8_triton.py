@@ -40,8 +40,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from nanovllm.layers.quantization import fp8_cublas
-from nanovllm.layers.quantization.fp8 import BLOCK, FP8_DTYPE, FP8_MAX, QuantizedRows
+from nanovllm.quantization import fp8_cublas
+from nanovllm.quantization.fp8 import BLOCK, FP8_DTYPE, FP8_MAX, QuantizedRows
 from nanovllm.utils.dependent_launch import launch_options, pdl, prefetch_l2, wait_for_inputs
 
 _FP8_MAX = tl.constexpr(FP8_MAX)

@@ -42,7 +42,7 @@ class StructuredOutputsParams:
             raise TypeError(f"StructuredOutputsParams.disable_any_whitespace must be a bool, "
                             f"got {self.disable_any_whitespace!r}")
         object.__setattr__(self, "_key", (kind, _spec_text(kind, getattr(self, kind)), self.disable_any_whitespace))
-        from nanovllm.structured_outputs.grammar import build_grammar  # xgrammar: only for structured outputs
+        from nanovllm.features.structured_outputs.grammar import build_grammar  # xgrammar: only for structured outputs
 
         build_grammar(self)
 

@@ -12,7 +12,7 @@ import copy
 from dataclasses import dataclass
 
 from nanovllm.engine.core import SeqOutput
-from nanovllm.engine.replica import ReplicaCall, ReplicaControl, ReplicaDied, ReplicaReply
+from nanovllm.parallel.replica import ReplicaCall, ReplicaControl, ReplicaDied, ReplicaReply
 from nanovllm.sampling_params import SamplingParams
 
 SUMMED_STATS = ("num_requests_running", "num_requests_waiting", "num_preemptions", "prompt_tokens",
@@ -28,10 +28,10 @@ class Routed:
 
 def replica_class(backend: str):
     if backend == "ray":
-        from nanovllm.engine.replica_ray import RayReplica
+        from nanovllm.parallel.replica_ray import RayReplica
 
         return RayReplica
-    from nanovllm.engine.replica_process import ProcessReplica
+    from nanovllm.parallel.replica_process import ProcessReplica
 
     return ProcessReplica
 

@@ -7,10 +7,10 @@ import traceback
 import uuid
 
 from nanovllm.config import Config
-from nanovllm.engine.control_channel import ControlChannel, channel_bytes
-from nanovllm.engine.model_runner import ModelRunner
+from nanovllm.parallel.control_channel import ControlChannel, channel_bytes
+from nanovllm.runner.model_runner import ModelRunner
 from nanovllm.engine.step import Step
-from nanovllm.engine.workers import WorkerGroup
+from nanovllm.parallel.workers import WorkerGroup
 
 UPDATE_BATCH = 256  # weight-update entries per control message: a few tens of KB, well inside the channel
 

@@ -43,7 +43,7 @@ def enable_custom_all_reduce(device: torch.device, dtype: torch.dtype) -> bool:
             warnings.warn(f"disable_custom_all_reduce=False: the one-shot all-reduce is not used ({why}); "
                           "NCCL sums everything", stacklevel=2)
         return False
-    from nanovllm.utils.custom_all_reduce import CustomAllReduce
+    from nanovllm.parallel.custom_all_reduce import CustomAllReduce
 
     _set_up_before = True
     try:

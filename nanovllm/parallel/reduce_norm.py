@@ -19,8 +19,8 @@ import triton
 import triton.language as tl
 
 from nanovllm.layers.layernorm import add_rms_norm
-from nanovllm.utils import distributed
-from nanovllm.utils.custom_all_reduce import POLL_ABORT_EVERY, TL_INT, buffer, next_epoch, push, sentinel, sum_ranks
+from nanovllm.parallel import distributed
+from nanovllm.parallel.custom_all_reduce import POLL_ABORT_EVERY, TL_INT, buffer, next_epoch, push, sentinel, sum_ranks
 
 
 @triton.jit

@@ -56,7 +56,7 @@ class ReplicaServer:
     """A replica's engine core, driven one call at a time."""
 
     def __init__(self, config, eos_token_ids: list[int]):
-        from nanovllm.engine.executor import Executor  # torch: only where a replica runs
+        from nanovllm.runner.executor import Executor  # torch: only where a replica runs
 
         self.core = EngineCore(config, eos_token_ids, Executor(config))
 

@@ -9,9 +9,9 @@ from multiprocessing.connection import wait
 import torch.multiprocessing as mp
 
 from nanovllm.config import Config
-from nanovllm.engine.control_channel import ControlChannel
-from nanovllm.engine.model_runner import ModelRunner
-from nanovllm.utils.distributed import abort_custom_all_reduce
+from nanovllm.parallel.control_channel import ControlChannel
+from nanovllm.runner.model_runner import ModelRunner
+from nanovllm.parallel.distributed import abort_custom_all_reduce
 
 
 def _worker_main(config: Config, rank: int, dist_port: int, channel_name: str, event) -> None:

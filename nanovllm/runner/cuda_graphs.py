@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from nanovllm.engine.step_inputs import DecodeBuffer, decode_inputs
+from nanovllm.runner.step_inputs import DecodeBuffer, decode_inputs
 from nanovllm.utils.context import step_context
 
 
