@@ -10,6 +10,7 @@ after warm-up, timed with CUDA events on rank 0; the figure is the time per all-
     python benchmarks/bench_all_reduce.py --world 4
     python benchmarks/bench_all_reduce.py --block 2048 --programs 128 --warps 8   # another shape of the kernel
 """
+
 import argparse
 import sys
 from pathlib import Path
@@ -54,7 +55,9 @@ def _worker(rank: int, world: int, port: int, args) -> None:
     distributed.init_process_group(device, rank, world, port)
     custom_all_reduce.BLOCK, custom_all_reduce.PROGRAMS = args.block, args.programs
     custom_all_reduce.NUM_WARPS = args.warps
-    assert distributed.enable_custom_all_reduce(device, torch.bfloat16), "the GPUs do not reach each other directly"
+    assert distributed.enable_custom_all_reduce(device, torch.bfloat16), (
+        "the GPUs do not reach each other directly"
+    )
     custom = distributed._custom_all_reduce
     rows = []
     for kib in args.sizes:
@@ -71,9 +74,11 @@ def _worker(rank: int, world: int, port: int, args) -> None:
             one_shot_us = time_graph(custom, x, args.calls, args.iters)
         rows.append((kib, nccl_us, one_shot_us))
     if rank == 0:
-        print(f"{world} GPUs ({torch.cuda.get_device_name(device)}), bf16, µs per all-reduce "
-              f"(CUDA graph of {args.calls} calls, {args.iters} replays); one-shot kernel: blocks of "
-              f"{args.block} elements, at most {args.programs} programs of {args.warps} warps:")
+        print(
+            f"{world} GPUs ({torch.cuda.get_device_name(device)}), bf16, µs per all-reduce "
+            f"(CUDA graph of {args.calls} calls, {args.iters} replays); one-shot kernel: blocks of "
+            f"{args.block} elements, at most {args.programs} programs of {args.warps} warps:"
+        )
         print("| size | NCCL | one-shot | NCCL / one-shot |\n|---:|---:|---:|---:|")
         for kib, nccl_us, one_us in rows:
             size = f"{kib} KiB" if kib < 1024 else f"{kib // 1024} MiB"
@@ -86,14 +91,28 @@ def _worker(rank: int, world: int, port: int, args) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--sizes", type=int, nargs="+", default=SIZES_KIB, help="KiB of bf16 each")
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--iters", type=int, default=50)
-    parser.add_argument("--block", type=int, default=custom_all_reduce.BLOCK, help="elements a program sums at a time")
-    parser.add_argument("--programs", type=int, default=custom_all_reduce.PROGRAMS, help="the most programs of a call")
-    parser.add_argument("--warps", type=int, default=custom_all_reduce.NUM_WARPS, help="warps per program")
+    parser.add_argument(
+        "--block",
+        type=int,
+        default=custom_all_reduce.BLOCK,
+        help="elements a program sums at a time",
+    )
+    parser.add_argument(
+        "--programs",
+        type=int,
+        default=custom_all_reduce.PROGRAMS,
+        help="the most programs of a call",
+    )
+    parser.add_argument(
+        "--warps", type=int, default=custom_all_reduce.NUM_WARPS, help="warps per program"
+    )
     args = parser.parse_args()
     from nanovllm.runner.executor import _free_port
 

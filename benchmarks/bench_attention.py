@@ -25,6 +25,7 @@ Run it from the repository root as ``python benchmarks/bench_attention.py ...``.
 ``sys.path``; tools of this folder import each other by their plain names (a script's own
 folder is on ``sys.path``).
 """
+
 import argparse
 import itertools
 import statistics
@@ -36,8 +37,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: bench.py
 
 from bench import workload  # noqa: E402
-
-from nanovllm.layers.attention import FP8_DTYPE, KV_SCALE_DTYPE, empty_kv_scales, get_attention_backend  # noqa: E402
+from nanovllm.layers.attention import (
+    FP8_DTYPE,
+    KV_SCALE_DTYPE,
+    empty_kv_scales,
+    get_attention_backend,
+)  # noqa: E402
 from nanovllm.layers.attention.reference import TorchAttentionBackend  # noqa: E402
 from nanovllm.layers.attention.triton_backend import DecodeTile, TritonAttentionBackend  # noqa: E402
 from nanovllm.utils.context import Context  # noqa: E402
@@ -56,7 +61,7 @@ def decode_step(args, dtype: torch.dtype, fp8: bool):
     tables = torch.zeros(args.num_seqs, width, dtype=torch.int32)
     start = 0
     for i, n in enumerate(blocks_per_seq.tolist()):
-        tables[i, :n] = ids[start:start + n]
+        tables[i, :n] = ids[start : start + n]
         start += n
     shape = (num_blocks, args.block_size, args.kv_heads, args.head_dim)
     k = torch.randn(shape, generator=gen).to("cuda", dtype)
@@ -66,7 +71,10 @@ def decode_step(args, dtype: torch.dtype, fp8: bool):
     rows = int(lens.sum()) * args.kv_heads
     if not fp8:
         return q, (k, v, None, None), context, rows * args.head_dim * 2 * dtype.itemsize
-    k8, v8 = torch.empty(shape, dtype=FP8_DTYPE, device="cuda"), torch.empty(shape, dtype=FP8_DTYPE, device="cuda")
+    k8, v8 = (
+        torch.empty(shape, dtype=FP8_DTYPE, device="cuda"),
+        torch.empty(shape, dtype=FP8_DTYPE, device="cuda"),
+    )
     ks, vs = (fp8_scales(shape[:3], args.token_major_scales) for _ in range(2))
     slots = torch.arange(num_blocks * args.block_size, dtype=torch.int32, device="cuda")
     TorchAttentionBackend().store_kvcache(k.flatten(0, 1), v.flatten(0, 1), k8, v8, slots, ks, vs)
@@ -88,7 +96,10 @@ def median_ms(fn, iters: int) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    events = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        for _ in range(iters)
+    ]
     for start, end in events:
         start.record()
         graph.replay()
@@ -107,7 +118,9 @@ def make_backend(name: str, tile: DecodeTile | None, rule: tuple[int, int] | Non
     return backend
 
 
-GRAPH_BATCHES = (1, 2, 4, 8) + tuple(range(16, 257, 16))  # the engine's decode graphs for 256 sequences
+GRAPH_BATCHES = (1, 2, 4, 8) + tuple(
+    range(16, 257, 16)
+)  # the engine's decode graphs for 256 sequences
 RUN_BUCKETS = ((192, 257), (128, 192), (64, 128), (32, 64), (0, 32))  # --run's batch sizes [lo, hi)
 
 
@@ -115,7 +128,9 @@ def run_steps(stride: int) -> list[list[int]]:
     """The context lengths of every ``stride``-th decode step of bench.py's 256-request workload."""
     prompts, params = workload(256)
     lens = [(len(p), sp.max_tokens) for p, sp in zip(prompts, params)]
-    return [[n + j for n, out in lens if j < out] for j in range(1, max(out for _, out in lens), stride)]
+    return [
+        [n + j for n, out in lens if j < out] for j in range(1, max(out for _, out in lens), stride)
+    ]
 
 
 def time_run(args, candidates: list, dtype: torch.dtype) -> None:
@@ -138,33 +153,64 @@ def time_run(args, candidates: list, dtype: torch.dtype) -> None:
         k8, v8 = (torch.empty(shape, dtype=FP8_DTYPE, device="cuda") for _ in range(2))
         ks, vs = (fp8_scales(shape[:3], args.token_major_scales) for _ in range(2))
         slots = torch.arange(blocks * args.block_size, dtype=torch.int32, device="cuda")
-        TorchAttentionBackend().store_kvcache(k.flatten(0, 1), v.flatten(0, 1), k8, v8, slots, ks, vs)
+        TorchAttentionBackend().store_kvcache(
+            k.flatten(0, 1), v.flatten(0, 1), k8, v8, slots, ks, vs
+        )
         caches[True] = (k8, v8, ks, vs)
     read = median_ms(lambda: torch.sum(k, dtype=torch.float32), args.iters)
-    print(f"reference: torch.sum over the bf16 K cache ({k.nbytes / 1e9:.2f} GB) reads at {k.nbytes / read / 1e9:.2f} TB/s")
+    print(
+        f"reference: torch.sum over the bf16 K cache ({k.nbytes / 1e9:.2f} GB) reads at {k.nbytes / read / 1e9:.2f} TB/s"
+    )
     width = -(-4096 // args.block_size)  # the graphs' block tables span max_model_len
     totals = {}  # (name, fp8, tile, rule, order) -> {bucket: [seconds, bytes]}
     for lens in steps:
         bucket = next(b for b in RUN_BUCKETS if b[0] <= len(lens) < b[1])
         for order in ("as is", "sorted"):
-            context = run_context(sorted(lens, reverse=True) if order == "sorted" else lens, blocks, width, args.block_size)
-            q = torch.randn(context.block_tables.shape[0], args.heads, args.head_dim, generator=gen, device="cuda", dtype=dtype)
+            context = run_context(
+                sorted(lens, reverse=True) if order == "sorted" else lens,
+                blocks,
+                width,
+                args.block_size,
+            )
+            q = torch.randn(
+                context.block_tables.shape[0],
+                args.heads,
+                args.head_dim,
+                generator=gen,
+                device="cuda",
+                dtype=dtype,
+            )
             for name, fp8, tile, rule in candidates:
                 kc, vc, ks, vs = caches[fp8]
                 backend = backends[name, tile, rule]
                 ms = median_ms(lambda: backend.decode(q, kc, vc, context, 1.0, ks, vs), args.iters)
-                row_bytes = args.head_dim * 2 * kc.element_size() + (2 * ks.element_size() if fp8 else 0)
-                acc = totals.setdefault((name, fp8, tile, rule, order), {}).setdefault(bucket, [0.0, 0])
+                row_bytes = args.head_dim * 2 * kc.element_size() + (
+                    2 * ks.element_size() if fp8 else 0
+                )
+                acc = totals.setdefault((name, fp8, tile, rule, order), {}).setdefault(
+                    bucket, [0.0, 0]
+                )
                 acc[0] += ms * 1e-3 * args.stride * args.layers
                 acc[1] += sum(lens) * args.kv_heads * row_bytes * args.stride * args.layers
-    print(f"{len(steps)} steps (every {args.stride}th), x{args.stride} x {args.layers} layers; seconds (TB/s) by batch size")
-    print(f"{'candidate':<44} {'order':<7} {'total':>14} " + " ".join(f"{f'{lo}-{hi - 1}':>14}" for lo, hi in RUN_BUCKETS))
+    print(
+        f"{len(steps)} steps (every {args.stride}th), x{args.stride} x {args.layers} layers; seconds (TB/s) by batch size"
+    )
+    print(
+        f"{'candidate':<44} {'order':<7} {'total':>14} "
+        + " ".join(f"{f'{lo}-{hi - 1}':>14}" for lo, hi in RUN_BUCKETS)
+    )
     for (name, fp8, tile, rule, order), by in totals.items():
-        label = f"{name} {'fp8' if fp8 else 'bf16'} {tuple(tile) if tile else 'default'}" + (f" split {rule}" if rule else "")
+        label = f"{name} {'fp8' if fp8 else 'bf16'} {tuple(tile) if tile else 'default'}" + (
+            f" split {rule}" if rule else ""
+        )
         cells = [by.get(b, [0.0, 0]) for b in RUN_BUCKETS]
         secs, nbytes = sum(c[0] for c in cells), sum(c[1] for c in cells)
         fmt = lambda s, n: f"{s:6.3f} ({n / s / 1e12 if s else 0:4.2f})"
-        print(f"{label:<44} {order:<7} {fmt(secs, nbytes):>14} " + " ".join(f"{fmt(*c):>14}" for c in cells), flush=True)
+        print(
+            f"{label:<44} {order:<7} {fmt(secs, nbytes):>14} "
+            + " ".join(f"{fmt(*c):>14}" for c in cells),
+            flush=True,
+        )
 
 
 def run_context(lens: list[int], blocks: int, width: int, block_size: int) -> Context:
@@ -175,14 +221,16 @@ def run_context(lens: list[int], blocks: int, width: int, block_size: int) -> Co
     tables = torch.zeros(batch, width, dtype=torch.int32)
     start = 0
     for i, n in enumerate(-(-n // block_size) for n in lens):
-        tables[i, :n] = ids[start:start + n]
+        tables[i, :n] = ids[start : start + n]
         start += n
     context_lens = torch.tensor(lens + [0] * (batch - len(lens)), dtype=torch.int32)
     return Context(context_lens=context_lens.cuda(), block_tables=tables.cuda())
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--min-len", type=int, default=100)
     parser.add_argument("--max-len", type=int, default=1600)
@@ -192,16 +240,37 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=256)
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--sweep", action="store_true", help="also time every Triton tile of SWEEP")
-    parser.add_argument("--cache", choices=("bf16", "fp8", "both"), default="both", help="which caches to time")
-    parser.add_argument("--tile", action="append", default=[], metavar="BLOCK_N,STAGES,WARPS",
-                        help="also time this Triton tile (repeatable)")
-    parser.add_argument("--split-rule", action="append", default=[], metavar="PROGRAMS_PER_SM,MIN_TILES",
-                        help="also time the default tile with this split-K rule (repeatable)")
-    parser.add_argument("--token-major-scales", action="store_true",
-                        help="FP8: store the scales token-major (contiguous [blocks, block_size, kv_heads])")
-    parser.add_argument("--run", action="store_true", help="time the decode steps of bench.py's whole run")
-    parser.add_argument("--stride", type=int, default=16, help="with --run: time every stride-th step")
-    parser.add_argument("--layers", type=int, default=28, help="with --run: layers a step's time is multiplied by")
+    parser.add_argument(
+        "--cache", choices=("bf16", "fp8", "both"), default="both", help="which caches to time"
+    )
+    parser.add_argument(
+        "--tile",
+        action="append",
+        default=[],
+        metavar="BLOCK_N,STAGES,WARPS",
+        help="also time this Triton tile (repeatable)",
+    )
+    parser.add_argument(
+        "--split-rule",
+        action="append",
+        default=[],
+        metavar="PROGRAMS_PER_SM,MIN_TILES",
+        help="also time the default tile with this split-K rule (repeatable)",
+    )
+    parser.add_argument(
+        "--token-major-scales",
+        action="store_true",
+        help="FP8: store the scales token-major (contiguous [blocks, block_size, kv_heads])",
+    )
+    parser.add_argument(
+        "--run", action="store_true", help="time the decode steps of bench.py's whole run"
+    )
+    parser.add_argument(
+        "--stride", type=int, default=16, help="with --run: time every stride-th step"
+    )
+    parser.add_argument(
+        "--layers", type=int, default=28, help="with --run: layers a step's time is multiplied by"
+    )
     args = parser.parse_args()
     dtype, scale = torch.bfloat16, args.head_dim**-0.5
 
@@ -217,25 +286,34 @@ def main() -> None:
     candidates += [("triton", fp8, None, rule) for fp8 in caches for rule in rules]
     if args.run:
         return time_run(args, candidates, dtype)
-    print(f"{args.num_seqs} seqs, contexts {args.min_len}-{args.max_len}, {args.heads} heads / {args.kv_heads} KV heads,"
-          f" head_dim {args.head_dim}, block size {args.block_size}, {torch.cuda.get_device_name()}")
-    print(f"{'backend':<10} {'cache':<5} {'tile (block_n, stages, warps)':<36} {'us':>8} {'GB/s':>7} {'rel err':>8}")
+    print(
+        f"{args.num_seqs} seqs, contexts {args.min_len}-{args.max_len}, {args.heads} heads / {args.kv_heads} KV heads,"
+        f" head_dim {args.head_dim}, block size {args.block_size}, {torch.cuda.get_device_name()}"
+    )
+    print(
+        f"{'backend':<10} {'cache':<5} {'tile (block_n, stages, warps)':<36} {'us':>8} {'GB/s':>7} {'rel err':>8}"
+    )
     steps = {fp8: decode_step(args, dtype, fp8) for fp8 in caches}
     for name, fp8, tile, rule in candidates:
         q, (k, v, ks, vs), context, nbytes = steps[fp8]
         try:
             backend = make_backend(name, tile, rule)
-            ref = TorchAttentionBackend().decode(q.float(), k if fp8 else k.float(), v if fp8 else v.float(),
-                                                 context, scale, ks, vs)
+            ref = TorchAttentionBackend().decode(
+                q.float(), k if fp8 else k.float(), v if fp8 else v.float(), context, scale, ks, vs
+            )
             out = backend.decode(q, k, v, context, scale, ks, vs)
             err = ((out.float() - ref).norm() / ref.norm()).item()
             ms = median_ms(lambda: backend.decode(q, k, v, context, scale, ks, vs), args.iters)
         except Exception as e:  # a tile that does not fit, or flash-attn missing: report and go on
-            print(f"{name:<10} {'fp8' if fp8 else 'bf16':<5} {str(tuple(tile or ())):<36} {type(e).__name__}: {str(e)[:60]}")
+            print(
+                f"{name:<10} {'fp8' if fp8 else 'bf16':<5} {str(tuple(tile or ())):<36} {type(e).__name__}: {str(e)[:60]}"
+            )
             continue
         label = (str(tuple(tile)) if tile else "default") + (f" split {rule}" if rule else "")
-        print(f"{name:<10} {'fp8' if fp8 else 'bf16':<5} {label:<36} {ms * 1e3:8.1f} {nbytes / ms / 1e6:7.0f} {err:8.1e}",
-              flush=True)
+        print(
+            f"{name:<10} {'fp8' if fp8 else 'bf16':<5} {label:<36} {ms * 1e3:8.1f} {nbytes / ms / 1e6:7.0f} {err:8.1e}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

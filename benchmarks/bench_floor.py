@@ -20,6 +20,7 @@ Run it from the repository root as ``python benchmarks/bench_floor.py ...``. It 
 ``sys.path``; tools of this folder import each other by their plain names (a script's own
 folder is on ``sys.path``).
 """
+
 import argparse
 import re
 import sys
@@ -31,7 +32,9 @@ from bench import workload  # noqa: E402
 from nanovllm.utils.checkpoint import model_config, tensor_bytes  # noqa: E402
 
 
-def weight_bytes_by_kind(config: dict, itemsize: int = 2, quantization: str | None = None) -> tuple[int, int]:
+def weight_bytes_by_kind(
+    config: dict, itemsize: int = 2, quantization: str | None = None
+) -> tuple[int, int]:
     """(bytes of all experts of all MoE layers, bytes every decode step reads whatever its batch:
     all other weights, the LM head included, an untied input embedding not). With
     ``quantization="fp8"`` a quantized weight counts 1 byte a value plus its float32 block scales."""
@@ -44,8 +47,12 @@ def weight_bytes_by_kind(config: dict, itemsize: int = 2, quantization: str | No
     return expert, dense
 
 
-def step_bytes(config: dict, contexts: list[int], kv_bytes_per_token_head: float,
-               by_kind: tuple[int, int] | None = None) -> tuple[float, float]:
+def step_bytes(
+    config: dict,
+    contexts: list[int],
+    kv_bytes_per_token_head: float,
+    by_kind: tuple[int, int] | None = None,
+) -> tuple[float, float]:
     """(weight bytes, KV bytes) one decode step reads for a batch of these context lengths.
     ``kv_bytes_per_token_head``: what the cache stores of one token and KV head, K and V together
     (bf16: 4 * head_dim; FP8: 2 * head_dim plus two 4-byte scales). ``by_kind``: the config's
@@ -54,19 +61,29 @@ def step_bytes(config: dict, contexts: list[int], kv_bytes_per_token_head: float
     if expert:  # every MoE layer reads the same expected share of its experts
         experts, k = config["num_experts"], config["num_experts_per_tok"]
         dense += expert * (1 - (1 - k / experts) ** len(contexts))
-    kv = sum(contexts) * config["num_hidden_layers"] * config["num_key_value_heads"] * kv_bytes_per_token_head
+    kv = (
+        sum(contexts)
+        * config["num_hidden_layers"]
+        * config["num_key_value_heads"]
+        * kv_bytes_per_token_head
+    )
     return dense, kv
 
 
-def workload_floor(config: dict, num_seqs: int, kv_bytes_per_token_head: float,
-                   quantization: str | None = None) -> tuple[float, float, int]:
+def workload_floor(
+    config: dict, num_seqs: int, kv_bytes_per_token_head: float, quantization: str | None = None
+) -> tuple[float, float, int]:
     """(weight bytes, KV bytes) over all decode steps of the workload, and the number of steps."""
     prompts, params = workload(num_seqs)
     by_kind = weight_bytes_by_kind(config, quantization=quantization)
     weights = kv = 0.0
-    steps = max(p.max_tokens for p in params) - 1  # the first token of each request comes from its prefill
+    steps = (
+        max(p.max_tokens for p in params) - 1
+    )  # the first token of each request comes from its prefill
     for t in range(steps):
-        contexts = [len(prompt) + t + 1 for prompt, p in zip(prompts, params) if p.max_tokens > t + 1]
+        contexts = [
+            len(prompt) + t + 1 for prompt, p in zip(prompts, params) if p.max_tokens > t + 1
+        ]
         w, c = step_bytes(config, contexts, kv_bytes_per_token_head, by_kind)
         weights, kv = weights + w, kv + c
     return weights, kv, steps
@@ -92,21 +109,40 @@ def measured_bandwidth() -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--shape", default="qwen3-0.6b")
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--bandwidth", type=float, default=None, help="TB/s")
-    parser.add_argument("--measure", action="store_true", help="measure the bandwidth with a device copy")
-    parser.add_argument("--kv-bytes", type=float, default=0,
-                        help="K+V bytes per token and KV head (default bf16: 4 * head_dim; FP8: 2 * head_dim + 8)")
-    parser.add_argument("--quantization", choices=("fp8",), default=None,
-                        help="FP8 weights: 1 byte a weight plus a float32 scale per 128x128 block")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override one config.json field of the shape (an integer), repeatable")
+    parser.add_argument(
+        "--measure", action="store_true", help="measure the bandwidth with a device copy"
+    )
+    parser.add_argument(
+        "--kv-bytes",
+        type=float,
+        default=0,
+        help="K+V bytes per token and KV head (default bf16: 4 * head_dim; FP8: 2 * head_dim + 8)",
+    )
+    parser.add_argument(
+        "--quantization",
+        choices=("fp8",),
+        default=None,
+        help="FP8 weights: 1 byte a weight plus a float32 scale per 128x128 block",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one config.json field of the shape (an integer), repeatable",
+    )
     args = parser.parse_args()
     if any(not re.fullmatch(r"\w+=\d+", item) for item in args.set):
         parser.error(f"--set takes KEY=INTEGER, got {args.set}")
-    config = model_config(args.shape, **{k: int(v) for k, v in (item.split("=") for item in args.set)})
+    config = model_config(
+        args.shape, **{k: int(v) for k, v in (item.split("=") for item in args.set)}
+    )
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     per_head = args.kv_bytes or 4 * head_dim
     prompts, params = workload(args.num_seqs)
@@ -116,12 +152,18 @@ def main() -> None:
     weights, kv, steps = workload_floor(config, args.num_seqs, per_head, args.quantization)
     tokens = sum(p.max_tokens for p in params)
     shape = " ".join([args.shape] + args.set + ([args.quantization] if args.quantization else []))
-    print(f"{shape}: first decode step ({len(full)} sequences): weights {w1 / 1e9:.2f} GB, KV {kv1 / 1e9:.2f} GB")
-    print(f"{steps} decode steps: weights {weights / 1e12:.2f} TB, KV {kv / 1e12:.2f} TB, {tokens} output tokens")
+    print(
+        f"{shape}: first decode step ({len(full)} sequences): weights {w1 / 1e9:.2f} GB, KV {kv1 / 1e9:.2f} GB"
+    )
+    print(
+        f"{steps} decode steps: weights {weights / 1e12:.2f} TB, KV {kv / 1e12:.2f} TB, {tokens} output tokens"
+    )
     bandwidth = measured_bandwidth() if args.measure else (args.bandwidth or 0) * 1e12
     if bandwidth:
         floor = (weights + kv) / bandwidth
-        print(f"at {bandwidth / 1e12:.2f} TB/s: decode floor {floor:.2f} s, {tokens / floor:,.0f} tok/s")
+        print(
+            f"at {bandwidth / 1e12:.2f} TB/s: decode floor {floor:.2f} s, {tokens / floor:,.0f} tok/s"
+        )
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ Run it from the repository root as ``python benchmarks/bench_hf.py ...``. It imp
 ``sys.path``; tools of this folder import each other by their plain names (a script's own
 folder is on ``sys.path``).
 """
+
 import argparse
 import sys
 import time
@@ -27,10 +28,14 @@ from nanovllm.utils.checkpoint import model_config  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--random", metavar="SHAPE", default="qwen3-0.6b")
     parser.add_argument("--num-seqs", type=int, default=256)
-    parser.add_argument("--max-time", type=float, default=None, help="seconds; stop generate after this")
+    parser.add_argument(
+        "--max-time", type=float, default=None, help="seconds; stop generate after this"
+    )
     args = parser.parse_args()
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -44,14 +49,25 @@ def main() -> None:
     input_ids = torch.zeros(len(prompts), longest, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)
     for i, prompt in enumerate(prompts):  # left padding
-        input_ids[i, longest - len(prompt):] = torch.tensor(prompt)
-        attention_mask[i, longest - len(prompt):] = 1
+        input_ids[i, longest - len(prompt) :] = torch.tensor(prompt)
+        attention_mask[i, longest - len(prompt) :] = 1
     max_new = max(p.max_tokens for p in params)
-    kwargs = dict(do_sample=True, temperature=0.6, top_p=1.0, top_k=0, max_new_tokens=max_new,
-                  eos_token_id=None, pad_token_id=0, max_time=args.max_time)
+    kwargs = dict(
+        do_sample=True,
+        temperature=0.6,
+        top_p=1.0,
+        top_k=0,
+        max_new_tokens=max_new,
+        eos_token_id=None,
+        pad_token_id=0,
+        max_time=args.max_time,
+    )
     with torch.no_grad():
-        model.generate(input_ids[:2, -16:].cuda(), attention_mask=attention_mask[:2, -16:].cuda(),
-                       **(kwargs | dict(max_new_tokens=4, max_time=None)))  # warm-up
+        model.generate(
+            input_ids[:2, -16:].cuda(),
+            attention_mask=attention_mask[:2, -16:].cuda(),
+            **(kwargs | dict(max_new_tokens=4, max_time=None)),
+        )  # warm-up
         torch.cuda.synchronize()
         t = time.perf_counter()
         out = model.generate(input_ids.cuda(), attention_mask=attention_mask.cuda(), **kwargs)
@@ -60,8 +76,10 @@ def main() -> None:
     steps = out.shape[1] - longest
     done = sum(min(p.max_tokens, steps) for p in params)
     total = sum(p.max_tokens for p in params)
-    print(f"transformers {transformers.__version__} attn={model.config._attn_implementation} model=random:{args.random} "
-          f"experts={getattr(model.config, '_experts_implementation', None)} requests={len(prompts)} steps={steps} of {max_new}")
+    print(
+        f"transformers {transformers.__version__} attn={model.config._attn_implementation} model=random:{args.random} "
+        f"experts={getattr(model.config, '_experts_implementation', None)} requests={len(prompts)} steps={steps} of {max_new}"
+    )
     print(f"Total: {done}tok of {total}, Time: {t:.2f}s, Throughput: {done / t:.2f}tok/s")
     print(f"memory peak allocated {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
 

@@ -25,6 +25,7 @@ Run it from the repository root as ``python benchmarks/bench_host.py ...``. It i
 ``sys.path``; tools of this folder import each other by their plain names (a script's own
 folder is on ``sys.path``).
 """
+
 import argparse
 import cProfile
 import pstats
@@ -81,7 +82,9 @@ class PhaseRecorder:
 @dataclass
 class HostReport:
     wall: float  # seconds from generate's call to its return
-    own: dict[str, float]  # phase -> seconds of its own (nested phases taken out); UNLABELLED included
+    own: dict[
+        str, float
+    ]  # phase -> seconds of its own (nested phases taken out); UNLABELLED included
     counts: dict[str, int]  # phase -> times entered
     lead: float | None  # the call to the first STEP (None: no step recorded)
     tail: float | None  # the end of the last device phase to the return
@@ -102,7 +105,7 @@ def own_times(spans: list[Span]) -> list[tuple[Span, float]]:
     own = [s.end - s.start for s in ordered]
     open_: list[int] = []  # open_[d]: index of the latest span of depth d
     for i, span in enumerate(ordered):
-        del open_[span.depth:]
+        del open_[span.depth :]
         if span.depth:
             own[open_[span.depth - 1]] -= span.end - span.start
         open_.append(i)
@@ -135,33 +138,52 @@ def format_report(report: HostReport) -> str:
     """The phases' own times (host's work, then device work), lead, tail and steps by quarter."""
     wall = report.wall or float("nan")
     lines = ["| phase | kind | own time | share of wall | entered |", "|---|---|---|---|---|"]
-    host = [n for n in (*HOST_PHASES, *sorted(set(report.own) - {*HOST_PHASES, *DEVICE_PHASES, UNLABELLED}),
-                        UNLABELLED) if n in report.own]
+    host = [
+        n
+        for n in (
+            *HOST_PHASES,
+            *sorted(set(report.own) - {*HOST_PHASES, *DEVICE_PHASES, UNLABELLED}),
+            UNLABELLED,
+        )
+        if n in report.own
+    ]
     for name in host + [n for n in DEVICE_PHASES if n in report.own]:
         kind = "device" if name in DEVICE_PHASES else "host"
         seconds = report.own[name]
-        lines.append(f"| {name} | {kind} | {seconds:.3f} s | {seconds / wall:.1%} | {report.counts.get(name) or ''} |")
+        lines.append(
+            f"| {name} | {kind} | {seconds:.3f} s | {seconds / wall:.1%} | {report.counts.get(name) or ''} |"
+        )
     lines.append(f"| host's own work | | {report.host:.3f} s | {report.host / wall:.1%} | |")
     lines.append(f"| device work | | {report.device:.3f} s | {report.device / wall:.1%} | |")
     lines.append(f"| wall | | {report.wall:.3f} s | | |")
     if report.lead is None:
-        lines.append("no forward phase recorded: does the engine call nanovllm.utils.profiling.phase?")
+        lines.append(
+            "no forward phase recorded: does the engine call nanovllm.utils.profiling.phase?"
+        )
         return "\n".join(lines)
-    lines.append(f"lead {report.lead:.4f} s (call to the first forward), tail {report.tail:.4f} s "
-                 f"(end of the last device phase to the return), {len(report.steps) + 1} steps")
+    lines.append(
+        f"lead {report.lead:.4f} s (call to the first forward), tail {report.tail:.4f} s "
+        f"(end of the last device phase to the return), {len(report.steps) + 1} steps"
+    )
     steps, parts = report.steps, min(4, len(report.steps))
     for i in range(parts):  # by quarter of the run (fewer parts when there are fewer steps)
         lo, hi = i * len(steps) // parts, (i + 1) * len(steps) // parts
         part = steps[lo:hi]
-        lines.append(f"steps {lo + 1}-{hi}: host time per step median {statistics.median(part) * 1e3:.2f} ms, "
-                     f"max {max(part) * 1e3:.2f} ms")
+        lines.append(
+            f"steps {lo + 1}-{hi}: host time per step median {statistics.median(part) * 1e3:.2f} ms, "
+            f"max {max(part) * 1e3:.2f} ms"
+        )
     return "\n".join(lines)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--num-seqs", type=int, default=256, help="requests of bench.py's workload")
-    parser.add_argument("--profile", action="store_true", help="print the cProfile of the timed generate")
+    parser.add_argument(
+        "--profile", action="store_true", help="print the cProfile of the timed generate"
+    )
     args = parser.parse_args()
     import torch
 
@@ -186,8 +208,10 @@ def main() -> None:
                 if profile:
                     profile.disable()
     tokens = sum(p.max_tokens for p in params)
-    print(f"{args.num_seqs} requests, {tokens} output tokens; tiny random model, CPU, eager; "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(
+        f"{args.num_seqs} requests, {tokens} output tokens; tiny random model, CPU, eager; "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
     print(format_report(host_report(recorder.spans, start, end)))
     if profile:
         pstats.Stats(profile).sort_stats("cumulative").print_stats(25)

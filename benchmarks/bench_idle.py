@@ -19,6 +19,7 @@ Run it from the repository root as ``python benchmarks/bench_idle.py ...``. It i
 ``sys.path``; tools of this folder import each other by their plain names (a script's own
 folder is on ``sys.path``).
 """
+
 import argparse
 import gc
 import sys
@@ -35,8 +36,12 @@ from bench_profile import NOT_WORK, format_table, summarize  # noqa: E402
 MIN_GAP = 100e-6  # seconds: shorter gaps are kernel boundaries inside graphs and launch queues
 
 
-def host_late_idle(gpu: list[tuple[float, float, int]], launches: dict[int, float],
-                   labels: list[tuple[float, float, str]], min_gap: float = MIN_GAP):
+def host_late_idle(
+    gpu: list[tuple[float, float, int]],
+    launches: dict[int, float],
+    labels: list[tuple[float, float, str]],
+    min_gap: float = MIN_GAP,
+):
     """``gpu``: device work as (start, end, correlation id); ``launches``: correlation id -> start of
     the CUDA call that queued it; ``labels``: host ranges (start, end, name). Returns the number of
     host-late gaps of at least ``min_gap``, their seconds (until the queuing call) by the stack of
@@ -62,19 +67,28 @@ def host_late_idle(gpu: list[tuple[float, float, int]], launches: dict[int, floa
             continue
         late += 1
         a, b = gap_start, min(queued, gap_end)
-        open_ = [(s, e, n) for s, e, n in labels[bisect_left(starts, a - longest):bisect_left(starts, b)]
-                 if e > a and s < b]
+        open_ = [
+            (s, e, n)
+            for s, e, n in labels[bisect_left(starts, a - longest) : bisect_left(starts, b)]
+            if e > a and s < b
+        ]
         cuts = sorted({a, b} | {max(a, s) for s, _, _ in open_} | {min(b, e) for _, e, _ in open_})
         for x, y in zip(cuts, cuts[1:]):
-            inner = [n for s, e, n in open_ if s <= x and e >= y]  # outermost first: labels sort by start
+            inner = [
+                n for s, e, n in open_ if s <= x and e >= y
+            ]  # outermost first: labels sort by start
             by_stack[" > ".join(inner) or "(unlabelled)"] += y - x
     return late, dict(by_stack), in_time
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default=None)
-    parser.add_argument("--random", metavar="SHAPE", default=None, help="a random checkpoint of this shape")
+    parser.add_argument(
+        "--random", metavar="SHAPE", default=None, help="a random checkpoint of this shape"
+    )
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--top", type=int, default=15, help="label stacks to print")
@@ -90,7 +104,9 @@ def main() -> None:
     from nanovllm.utils.profiling import phase_hook
 
     tmp = tempfile.TemporaryDirectory(prefix="nanovllm-idle-")
-    path = args.model or make_random_checkpoint(tmp.name, args.random or "qwen3-0.6b", dtype=torch.bfloat16)
+    path = args.model or make_random_checkpoint(
+        tmp.name, args.random or "qwen3-0.6b", dtype=torch.bfloat16
+    )
     open_gc = []
 
     def on_gc(phase, info):  # collections as labels too
@@ -106,8 +122,10 @@ def main() -> None:
         torch.cuda.synchronize()
         gc.callbacks.append(on_gc)
         try:
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, \
-                    phase_hook(lambda name: record_function("@" + name)):
+            with (
+                profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof,
+                phase_hook(lambda name: record_function("@" + name)),
+            ):
                 wall = time.perf_counter()
                 llm.generate(prompts, params, use_tqdm=False)
                 torch.cuda.synchronize()
@@ -129,11 +147,15 @@ def main() -> None:
     print(f"profiled run (CPU and CUDA activity): {wall:.2f} s, {total / wall:,.0f} tok/s")
     print(format_table(summarize(names, wall)))
     if all(name.startswith("@gc") for _, _, name in labels):
-        print("note: the engine named no phases in this run (nanovllm.utils.profiling.phase): "
-              "idle is charged to garbage collection or left unlabelled")
+        print(
+            "note: the engine named no phases in this run (nanovllm.utils.profiling.phase): "
+            "idle is charged to garbage collection or left unlabelled"
+        )
     late, by_stack, in_time = host_late_idle(gpu, launches, labels)
-    print(f"gaps >= {MIN_GAP * 1e6:.0f} us: {late} host-late ({sum(by_stack.values()):.3f} s until the host queued "
-          f"the next work); {in_time:.3f} s in gaps whose next work was queued in time")
+    print(
+        f"gaps >= {MIN_GAP * 1e6:.0f} us: {late} host-late ({sum(by_stack.values()):.3f} s until the host queued "
+        f"the next work); {in_time:.3f} s in gaps whose next work was queued in time"
+    )
     print("host-late idle by what the host was doing (innermost label last):")
     for stack, seconds in sorted(by_stack.items(), key=lambda kv: -kv[1])[: args.top]:
         print(f"  {seconds * 1e3:8.1f} ms  {stack}")

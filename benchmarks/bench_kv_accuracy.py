@@ -31,6 +31,7 @@ bf16 checkpoint, alone and with the FP8 cache, against the bf16 weights, and has
 Run it from the repository root as ``python benchmarks/bench_kv_accuracy.py ...``; it needs nothing
 from ``bench.py`` (the tools that do put the repository root on ``sys.path`` in their first lines).
 """
+
 import argparse
 import os
 import random
@@ -42,7 +43,11 @@ import torch
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.layers.attention import (
-    FP8_DTYPE, KV_SCALE_DTYPE, Attention, get_attention_backend, resolve_backend_name,
+    FP8_DTYPE,
+    KV_SCALE_DTYPE,
+    Attention,
+    get_attention_backend,
+    resolve_backend_name,
 )
 from nanovllm.layers.attention.reference import TorchAttentionBackend
 from nanovllm.utils.checkpoint import make_random_checkpoint
@@ -55,7 +60,9 @@ BLOCK_SIZE = 256
 # ---- 1. attention-output error ---------------------------------------------------------------------
 
 
-def paged_tables(num_seqs: int, context_len: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def paged_tables(
+    num_seqs: int, context_len: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Random block ids -> block tables [num_seqs, blocks_per_seq], slots [num_seqs * context_len] (int32)"""
     per_seq = -(-context_len // BLOCK_SIZE)
     tables = torch.randperm(num_seqs * per_seq, generator=generator).view(num_seqs, per_seq)
@@ -64,53 +71,91 @@ def paged_tables(num_seqs: int, context_len: int, generator: torch.Generator) ->
     return tables.to(torch.int32), slots.flatten().to(torch.int32)
 
 
-def reference_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def reference_decode(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
     """float64 attention of one query over all keys. q: [num_heads, head_dim], k/v: [n, num_kv_heads, head_dim]."""
     group = NUM_HEADS // NUM_KV_HEADS
-    k, v = (x.double().repeat_interleave(group, dim=1).transpose(0, 1) for x in (k, v))  # [num_heads, n, head_dim]
-    probs = torch.softmax((k @ q.double().unsqueeze(-1)).squeeze(-1) * scale, dim=-1)  # [num_heads, n]
+    k, v = (
+        x.double().repeat_interleave(group, dim=1).transpose(0, 1) for x in (k, v)
+    )  # [num_heads, n, head_dim]
+    probs = torch.softmax(
+        (k @ q.double().unsqueeze(-1)).squeeze(-1) * scale, dim=-1
+    )  # [num_heads, n]
     return (probs.unsqueeze(1) @ v).squeeze(1)  # [num_heads, head_dim]
 
 
-def decode_over_cache(backend_name: str, kv_cache_dtype: str, q, k, v, tables, slots, context_lens, device):
+def decode_over_cache(
+    backend_name: str, kv_cache_dtype: str, q, k, v, tables, slots, context_lens, device
+):
     """Store k/v ([num_tokens, num_kv_heads, head_dim] float32) into a fresh paged cache of this dtype
     (the torch store: the Triton one, ``rope_and_store``, writes the same bytes), then decode q
     ([num_seqs, num_heads, head_dim]) over it with the backend."""
     backend, fp8 = get_attention_backend(backend_name), kv_cache_dtype == "fp8"
     shape = (tables.numel(), BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    caches = [torch.zeros(shape, dtype=torch.uint8 if fp8 else torch.bfloat16, device=device) for _ in range(2)]
+    caches = [
+        torch.zeros(shape, dtype=torch.uint8 if fp8 else torch.bfloat16, device=device)
+        for _ in range(2)
+    ]
     caches = [c.view(FP8_DTYPE) for c in caches] if fp8 else caches
-    scales = [torch.zeros(shape[:3], dtype=KV_SCALE_DTYPE, device=device) if fp8 else None for _ in range(2)]
+    scales = [
+        torch.zeros(shape[:3], dtype=KV_SCALE_DTYPE, device=device) if fp8 else None
+        for _ in range(2)
+    ]
     TorchAttentionBackend().store_kvcache(k, v, *caches, slots, *scales)
     context = Context(context_lens=context_lens, block_tables=tables, slot_mapping=slots)
     return backend.decode(q, *caches, context, HEAD_DIM**-0.5, *scales)
 
 
-def attention_error_table(device: str, context_lens: list[int], num_seqs: int, sigma: float, seed: int) -> None:
+def attention_error_table(
+    device: str, context_lens: list[int], num_seqs: int, sigma: float, seed: int
+) -> None:
     g = torch.Generator().manual_seed(seed)
-    names = {kv: resolve_backend_name("auto", device, BLOCK_SIZE, torch.bfloat16, kv) for kv in ("auto", "fp8")}
-    print(f"\n### Attention-output error (decode; {NUM_HEADS} q heads, {NUM_KV_HEADS} KV heads, head_dim {HEAD_DIM}, "
-          f"block {BLOCK_SIZE}; {num_seqs} sequences per length; K channel scales exp(N(0, {sigma})); "
-          f"backends: bf16 cache {names['auto']}, fp8 cache {names['fp8']})\n")
-    print("| context | rms(ref) | bf16 output floor rel L2 | bf16 cache rel L2 | fp8 cache rel L2 | "
-          "bf16 cache max abs | fp8 cache max abs | fp8 / bf16 rel L2 |")
+    names = {
+        kv: resolve_backend_name("auto", device, BLOCK_SIZE, torch.bfloat16, kv)
+        for kv in ("auto", "fp8")
+    }
+    print(
+        f"\n### Attention-output error (decode; {NUM_HEADS} q heads, {NUM_KV_HEADS} KV heads, head_dim {HEAD_DIM}, "
+        f"block {BLOCK_SIZE}; {num_seqs} sequences per length; K channel scales exp(N(0, {sigma})); "
+        f"backends: bf16 cache {names['auto']}, fp8 cache {names['fp8']})\n"
+    )
+    print(
+        "| context | rms(ref) | bf16 output floor rel L2 | bf16 cache rel L2 | fp8 cache rel L2 | "
+        "bf16 cache max abs | fp8 cache max abs | fp8 / bf16 rel L2 |"
+    )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for n in context_lens:
-        channel_scale = torch.exp(torch.randn(num_seqs, 1, NUM_KV_HEADS, HEAD_DIM, generator=g) * sigma)
-        k = (torch.randn(num_seqs, n, NUM_KV_HEADS, HEAD_DIM, generator=g) * channel_scale).flatten(0, 1)
+        channel_scale = torch.exp(
+            torch.randn(num_seqs, 1, NUM_KV_HEADS, HEAD_DIM, generator=g) * sigma
+        )
+        k = (torch.randn(num_seqs, n, NUM_KV_HEADS, HEAD_DIM, generator=g) * channel_scale).flatten(
+            0, 1
+        )
         v = torch.randn(num_seqs * n, NUM_KV_HEADS, HEAD_DIM, generator=g)
         q = torch.randn(num_seqs, NUM_HEADS, HEAD_DIM, generator=g).to(torch.bfloat16)
         tables, slots = paged_tables(num_seqs, n, g)
-        ref = torch.stack([reference_decode(q[i], k[i * n : (i + 1) * n], v[i * n : (i + 1) * n], HEAD_DIM**-0.5)
-                           for i in range(num_seqs)])
+        ref = torch.stack(
+            [
+                reference_decode(
+                    q[i], k[i * n : (i + 1) * n], v[i * n : (i + 1) * n], HEAD_DIM**-0.5
+                )
+                for i in range(num_seqs)
+            ]
+        )
         lens = torch.full((num_seqs,), n, dtype=torch.int32)
         args = [x.to(device) for x in (q, k, v, tables, slots, lens)]
-        out = {kv: decode_over_cache(names[kv], kv, *args, device).double().cpu() for kv in ("auto", "fp8")}
+        out = {
+            kv: decode_over_cache(names[kv], kv, *args, device).double().cpu()
+            for kv in ("auto", "fp8")
+        }
         rel = {kv: ((o - ref).norm() / ref.norm()).item() for kv, o in out.items()}
         floor = ((ref.to(torch.bfloat16).double() - ref).norm() / ref.norm()).item()
         abs_err = {kv: (o - ref).abs().max().item() for kv, o in out.items()}
-        print(f"| {n} | {ref.pow(2).mean().sqrt().item():.3f} | {floor:.2e} | {rel['auto']:.2e} | {rel['fp8']:.2e} | "
-              f"{abs_err['auto']:.2e} | {abs_err['fp8']:.2e} | {rel['fp8'] / rel['auto']:.1f}x |")
+        print(
+            f"| {n} | {ref.pow(2).mean().sqrt().item():.3f} | {floor:.2e} | {rel['auto']:.2e} | {rel['fp8']:.2e} | "
+            f"{abs_err['auto']:.2e} | {abs_err['fp8']:.2e} | {rel['fp8'] / rel['auto']:.1f}x |"
+        )
 
 
 # ---- 2. greedy agreement and next-token KL ---------------------------------------------------------
@@ -138,7 +183,9 @@ class RecordDistributions:
                 computed = seq.num_cached_tokens + seq.num_scheduled_tokens
                 if computed < len(seq):  # part-way through a chunked prefill: its token is dropped
                     continue
-                self.logprobs[(tuple(seq.prompt_token_ids), computed - seq.num_prompt_tokens)] = logprobs[row].clone()
+                self.logprobs[(tuple(seq.prompt_token_ids), computed - seq.num_prompt_tokens)] = (
+                    logprobs[row].clone()
+                )
             return advance(seqs)
 
         runner.sample, scheduler.advance = record_sample, record_advance
@@ -159,15 +206,31 @@ class NoisyStore:
         return getattr(self.backend, name)
 
 
-def run_greedy(path: str, kv_cache_dtype: str, prompts: list[list[int]], max_tokens: int, device: str,
-               store_noise: float = 0.0, quantization: str | None = None):
+def run_greedy(
+    path: str,
+    kv_cache_dtype: str,
+    prompts: list[list[int]],
+    max_tokens: int,
+    device: str,
+    store_noise: float = 0.0,
+    quantization: str | None = None,
+):
     """-> completion token ids, next-token log-probs [max_tokens, vocab] (per prompt), throughput"""
     max_len = max(map(len, prompts)) + max_tokens
     blocks = len(prompts) * -(-max_len // BLOCK_SIZE)
     # with noise: eager, as CUDA graphs would keep the backend they captured
-    with LLM(path, device=device, dtype="bfloat16", kv_cache_dtype=kv_cache_dtype, kvcache_block_size=BLOCK_SIZE,
-             num_kvcache_blocks=blocks, max_model_len=max_len, max_num_seqs=len(prompts),
-             enforce_eager=store_noise > 0, quantization=quantization) as llm:
+    with LLM(
+        path,
+        device=device,
+        dtype="bfloat16",
+        kv_cache_dtype=kv_cache_dtype,
+        kvcache_block_size=BLOCK_SIZE,
+        num_kvcache_blocks=blocks,
+        max_model_len=max_len,
+        max_num_seqs=len(prompts),
+        enforce_eager=store_noise > 0,
+        quantization=quantization,
+    ) as llm:
         if store_noise:
             torch.manual_seed(0)
             for module in llm.core.executor.runner.model.modules():
@@ -178,7 +241,9 @@ def run_greedy(path: str, kv_cache_dtype: str, prompts: list[list[int]], max_tok
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
         outputs = llm.generate(prompts, params, use_tqdm=False)
         throughput = llm.last_throughput
-    logprobs = [torch.stack([recorder.logprobs[(tuple(p), j)] for j in range(max_tokens)]) for p in prompts]
+    logprobs = [
+        torch.stack([recorder.logprobs[(tuple(p), j)] for j in range(max_tokens)]) for p in prompts
+    ]
     return [o["token_ids"] for o in outputs], logprobs, throughput
 
 
@@ -206,7 +271,8 @@ def compare(base, other, n: int) -> tuple[list[str], list[tuple[int, float, floa
         f"{max(kl_first):.2e}",
         f"{len(kl_decode)}",
         f"{statistics.mean(kl_decode):.2e} / {statistics.median(kl_decode):.2e} / {max(kl_decode):.2e}"
-        if kl_decode else "-",
+        if kl_decode
+        else "-",
     ], gaps
 
 
@@ -216,24 +282,42 @@ def agreement_table(args, device: str) -> None:
     prompts = [[rng.randrange(10000) for _ in range(length)] for length in lengths]
     n = args.new_tokens
     if args.weights:  # FP8 weights (quantized at load) against the bf16 weights they come from
-        variants = {"bf16": ("auto", 0.0, None), "fp8 weights": ("auto", 0.0, "fp8"),
-                    "fp8 weights + fp8 cache": ("fp8", 0.0, "fp8")}
+        variants = {
+            "bf16": ("auto", 0.0, None),
+            "fp8 weights": ("auto", 0.0, "fp8"),
+            "fp8 weights + fp8 cache": ("fp8", 0.0, "fp8"),
+        }
     else:
-        variants = {"bf16 cache": ("auto", 0.0, None), "fp8 cache": ("fp8", 0.0, None),
-                    "bf16 cache + noise": ("auto", 2**-9, None)}
+        variants = {
+            "bf16 cache": ("auto", 0.0, None),
+            "fp8 cache": ("fp8", 0.0, None),
+            "bf16 cache + noise": ("auto", 2**-9, None),
+        }
     runs = {}
     with tempfile.TemporaryDirectory() as path:
-        make_random_checkpoint(path, "qwen3-0.6b", torch.bfloat16, seed=args.seed, std=args.std,
-                               num_hidden_layers=args.layers)
+        make_random_checkpoint(
+            path,
+            "qwen3-0.6b",
+            torch.bfloat16,
+            seed=args.seed,
+            std=args.std,
+            num_hidden_layers=args.layers,
+        )
         for name, (kv, noise, quantization) in variants.items():
             start = time.perf_counter()
             tokens, logprobs, speed = run_greedy(path, kv, prompts, n, device, noise, quantization)
             runs[name] = tokens, logprobs
-            print(f"[{name}: {time.perf_counter() - start:.0f} s; prefill {speed['prefill']:.0f} tok/s, "
-                  f"decode {speed['decode']:.0f} tok/s]")
+            print(
+                f"[{name}: {time.perf_counter() - start:.0f} s; prefill {speed['prefill']:.0f} tok/s, "
+                f"decode {speed['decode']:.0f} tok/s]"
+            )
     # the recorded rows must be the ones the sampler chose from: greedy picks their argmax
-    consistent = sum(lp[j].argmax().item() == toks[j]
-                     for run in runs.values() for toks, lp in zip(*run) for j in range(n))
+    consistent = sum(
+        lp[j].argmax().item() == toks[j]
+        for run in runs.values()
+        for toks, lp in zip(*run)
+        for j in range(n)
+    )
     base_name, *others = variants
     base = runs[base_name]
     cells = {name: compare(base, runs[name], n) for name in others}
@@ -241,48 +325,77 @@ def agreement_table(args, device: str) -> None:
     top = [lp[j].topk(2).values for lp in base[1] for j in range(n)]
     top1, top_gaps = [t[0].exp().item() for t in top], [(t[0] - t[1]).item() for t in top]
     what = "bf16 weights" if args.weights else "the bf16 cache"
-    control = "" if args.weights else "; control: bf16 cache with K/V times (1 + 2^-9 N(0, 1)) before storing"
-    print(f"\n### Greedy agreement and next-token KL against {what} ({device}; random Qwen3 weights, "
-          f"N(0, {args.std}) in bf16: {args.layers} layers, hidden 1024, intermediate 3072, {NUM_HEADS} heads, "
-          f"{NUM_KV_HEADS} KV heads, head_dim {HEAD_DIM}, vocab 151936, tied embeddings; {args.prompts} prompts of "
-          f"{args.min_len}-{args.max_len} random token ids, {n} greedy tokens each, ignore_eos{control})\n")
-    print(f"recorded distributions whose argmax is the emitted token: {consistent} / {len(runs) * n * len(prompts)}; "
-          f"{base_name} run, all positions: top-1 probability median {statistics.median(top1):.3f} "
-          f"(min {min(top1):.3f}, max {max(top1):.3f}), top-1 minus top-2 log-prob median "
-          f"{statistics.median(top_gaps):.3f} (10th percentile {statistics.quantiles(top_gaps, n=10)[0]:.3f})\n")
+    control = (
+        ""
+        if args.weights
+        else "; control: bf16 cache with K/V times (1 + 2^-9 N(0, 1)) before storing"
+    )
+    print(
+        f"\n### Greedy agreement and next-token KL against {what} ({device}; random Qwen3 weights, "
+        f"N(0, {args.std}) in bf16: {args.layers} layers, hidden 1024, intermediate 3072, {NUM_HEADS} heads, "
+        f"{NUM_KV_HEADS} KV heads, head_dim {HEAD_DIM}, vocab 151936, tied embeddings; {args.prompts} prompts of "
+        f"{args.min_len}-{args.max_len} random token ids, {n} greedy tokens each, ignore_eos{control})\n"
+    )
+    print(
+        f"recorded distributions whose argmax is the emitted token: {consistent} / {len(runs) * n * len(prompts)}; "
+        f"{base_name} run, all positions: top-1 probability median {statistics.median(top1):.3f} "
+        f"(min {min(top1):.3f}, max {max(top1):.3f}), top-1 minus top-2 log-prob median "
+        f"{statistics.median(top_gaps):.3f} (10th percentile {statistics.quantiles(top_gaps, n=10)[0]:.3f})\n"
+    )
     print(f"| metric | {' | '.join(others)} |\n|---|{'---:|' * len(others)}")
-    names = ["prompts whose completions are identical", f"first divergence position d, mean ({n} when none)",
-             "d per prompt (sorted)", "token agreement over positions 0..d", "KL at position 0 (prefill), max",
-             "KL at decode positions 1..d: count", "KL at decode positions 1..d: mean / median / max (nats)"]
+    names = [
+        "prompts whose completions are identical",
+        f"first divergence position d, mean ({n} when none)",
+        "d per prompt (sorted)",
+        "token agreement over positions 0..d",
+        "KL at position 0 (prefill), max",
+        "KL at decode positions 1..d: count",
+        "KL at decode positions 1..d: mean / median / max (nats)",
+    ]
     for i, name in enumerate(names):
         print(f"| {name} | {' | '.join(cells[o][0][i] for o in others)} |")
     if gaps:
-        print(f"\n| {others[0]}: divergence at position | log p gap in {base_name} run (its token - the other's) "
-              "| log p gap in the other run (its token - the first's) |")
+        print(
+            f"\n| {others[0]}: divergence at position | log p gap in {base_name} run (its token - the other's) "
+            "| log p gap in the other run (its token - the first's) |"
+        )
         print("|---:|---:|---:|")
         for d, gap_a, gap_b in sorted(gaps):
             print(f"| {d} | {gap_a:.4f} | {gap_b:.4f} |")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--context-lens", type=int, nargs="+", default=[128, 1024, 4096])
-    parser.add_argument("--seqs", type=int, default=8, help="sequences per context length in part 1")
-    parser.add_argument("--sigma", type=float, default=1.0, help="log-normal sigma of the key channel scales")
+    parser.add_argument(
+        "--seqs", type=int, default=8, help="sequences per context length in part 1"
+    )
+    parser.add_argument(
+        "--sigma", type=float, default=1.0, help="log-normal sigma of the key channel scales"
+    )
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--std", type=float, default=0.1, help="standard deviation of the random weights")
+    parser.add_argument(
+        "--std", type=float, default=0.1, help="standard deviation of the random weights"
+    )
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--min-len", type=int, default=200)
     parser.add_argument("--max-len", type=int, default=500)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--part", choices=["1", "2", "both"], default="both")
-    parser.add_argument("--weights", action="store_true",
-                        help="part 2 compares FP8 weights (quantization='fp8'), alone and with the FP8 cache, "
-                             "with the bf16 weights")
+    parser.add_argument(
+        "--weights",
+        action="store_true",
+        help="part 2 compares FP8 weights (quantization='fp8'), alone and with the FP8 cache, "
+        "with the bf16 weights",
+    )
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    device_name = torch.cuda.get_device_name() if device == "cuda" else f"CPU, {os.cpu_count()} cores"
+    device_name = (
+        torch.cuda.get_device_name() if device == "cuda" else f"CPU, {os.cpu_count()} cores"
+    )
     print(f"device: {device_name}; torch {torch.__version__}")
     start = time.perf_counter()
     if args.part in ("1", "both"):

@@ -15,6 +15,7 @@ Qwen3-30B-A3B step runs 48 of them.
 
 Results: ``bench_moe_routing.md`` beside this file.
 """
+
 import argparse
 import statistics
 import sys
@@ -69,12 +70,16 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=128)
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--iters", type=int, default=200)
-    parser.add_argument("--eager", action="store_true", help="also time plain calls, outside a CUDA graph")
+    parser.add_argument(
+        "--eager", action="store_true", help="also time plain calls, outside a CUDA graph"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_moe_routing.py needs a CUDA GPU")
-    print(f"# {torch.cuda.get_device_name()}, {args.experts} experts, top-{args.top_k}, bf16 logits; "
-          f"microseconds per layer, median of {args.iters}")
+    print(
+        f"# {torch.cuda.get_device_name()}, {args.experts} experts, top-{args.top_k}, bf16 logits; "
+        f"microseconds per layer, median of {args.iters}"
+    )
     modes = ["graph", "eager"] if args.eager else ["graph"]
     print("tokens  block_m  " + "  ".join(f"torch_{m:<5}  triton_{m:<5}  speedup" for m in modes))
     gen = torch.Generator(device="cuda").manual_seed(0)

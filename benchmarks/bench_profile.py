@@ -9,6 +9,7 @@ A module, not a script: ``bench.py`` imports it as ``benchmarks.bench_profile`` 
 folder, the repository root, is on ``sys.path``), ``benchmarks/bench_idle.py`` as ``bench_profile``
 (a script's own folder is on ``sys.path``). It patches nothing: it reads the profiler's records.
 """
+
 import time
 from collections import defaultdict
 from collections.abc import Iterable
@@ -41,12 +42,36 @@ CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
     # that also quantize for the next linear); the fused QK-norm, RoPE and KV-cache store of the new
     # tokens (attention.kv_store.rope_and_store: the only KV store on the GPU, so there is no category
     # of its own)
-    ("norms / rotary / activation", ("triton_poi_fused", "triton_red_fused", "triton_per_fused", "_rope_store",
-                                     "_rms_norm_quant_kernel", "_silu_mul_quant_kernel", "_add_rms_norm_kernel")),
+    (
+        "norms / rotary / activation",
+        (
+            "triton_poi_fused",
+            "triton_red_fused",
+            "triton_per_fused",
+            "_rope_store",
+            "_rms_norm_quant_kernel",
+            "_silu_mul_quant_kernel",
+            "_add_rms_norm_kernel",
+        ),
+    ),
     # the fused Gumbel-max draw (its chunks, then the best of them); greedy argmax; top-k/top-p/min-p
     # (topk, sort, cumsum, logsumexp); log-probabilities (log_softmax)
-    ("sampler", ("gumbel", "best_of_", "argmax", "topk", "kthvalue", "radix", "sort", "softmax", "logsumexp",
-                 "devicescan", "exponential")),
+    (
+        "sampler",
+        (
+            "gumbel",
+            "best_of_",
+            "argmax",
+            "topk",
+            "kthvalue",
+            "radix",
+            "sort",
+            "softmax",
+            "logsumexp",
+            "devicescan",
+            "exponential",
+        ),
+    ),
     # CUPTI names these "Memcpy HtoD (Pinned -> Device)", "Memset (Device)", ...
     ("copies", ("memcpy", "memset")),
 ]
@@ -87,7 +112,9 @@ def busy_time(intervals: Iterable[tuple[float, float]]) -> float:
 GAP_BINS = (10e-6, 100e-6, 1e-3)
 
 
-def idle_gaps(busy: list[tuple[float, float]], parts: int = 10) -> tuple[list[tuple[int, float]], list[float]]:
+def idle_gaps(
+    busy: list[tuple[float, float]], parts: int = 10
+) -> tuple[list[tuple[int, float]], list[float]]:
     """The idle gaps between the ``merged`` busy intervals: (count, seconds) per length bin of
     GAP_BINS (the last bin open-ended), and the idle seconds in each of ``parts`` equal parts of
     the span from the first start to the last end (a gap across a border is split there)."""
@@ -115,15 +142,21 @@ def idle_gaps(busy: list[tuple[float, float]], parts: int = 10) -> tuple[list[tu
 class GpuProfile:
     wall: float  # seconds of the timed region
     busy: float  # seconds during which at least one kernel, memcpy or memset ran
-    times: dict[str, float]  # category -> summed kernel durations (seconds), in CATEGORIES order, OTHER last
+    times: dict[
+        str, float
+    ]  # category -> summed kernel durations (seconds), in CATEGORIES order, OTHER last
     counts: dict[str, int]  # category -> number of kernels
-    top_other: list[tuple[str, float]] = field(default_factory=list)  # the largest OTHER kernels by time
+    top_other: list[tuple[str, float]] = field(
+        default_factory=list
+    )  # the largest OTHER kernels by time
     # the largest kernels: (name, seconds, calls, shortest call, longest call); a wide spread says the
     # calls are not alike (one kernel name serves prefill and decode shapes, say), so the mean misleads
     top_kernels: list[tuple[str, float, int, float, float]] = field(default_factory=list)
     first: float = 0.0  # the first event's start and the last one's end (the events' clock)
     last: float = 0.0
-    gaps_by_length: list[tuple[int, float]] = field(default_factory=list)  # per GAP_BINS bin: (count, seconds)
+    gaps_by_length: list[tuple[int, float]] = field(
+        default_factory=list
+    )  # per GAP_BINS bin: (count, seconds)
     gaps_by_part: list[float] = field(default_factory=list)  # idle seconds per tenth of the span
 
     @property
@@ -135,8 +168,9 @@ class GpuProfile:
         return self.last - self.first
 
 
-def summarize(events: Iterable[tuple[str, float, float]], wall: float, num_other: int = 5,
-              num_top: int = 12) -> GpuProfile:
+def summarize(
+    events: Iterable[tuple[str, float, float]], wall: float, num_other: int = 5, num_top: int = 12
+) -> GpuProfile:
     """Sum the durations of the ``(name, start, end)`` device events (seconds) per category, and
     per name for the ``num_top`` largest.
     GPU idle is ``wall`` minus the union of all the events' intervals; since kernels on different
@@ -144,7 +178,9 @@ def summarize(events: Iterable[tuple[str, float, float]], wall: float, num_other
     times = {label: 0.0 for label, _ in CATEGORIES} | {OTHER: 0.0}
     counts = dict.fromkeys(times, 0)
     other: dict[str, float] = defaultdict(float)
-    per_name: dict[str, list] = defaultdict(lambda: [0.0, 0, float("inf"), 0.0])  # seconds, calls, min, max
+    per_name: dict[str, list] = defaultdict(
+        lambda: [0.0, 0, float("inf"), 0.0]
+    )  # seconds, calls, min, max
     intervals = []
     for name, start, end in events:
         if name in NOT_WORK:
@@ -163,11 +199,24 @@ def summarize(events: Iterable[tuple[str, float, float]], wall: float, num_other
         stats[3] = max(stats[3], end - start)
         intervals.append((start, end))
     top = sorted(other.items(), key=lambda kv: (-kv[1], kv[0]))[:num_other]
-    kernels = sorted(((name, *stats) for name, stats in per_name.items()), key=lambda k: (-k[1], k[0]))[:num_top]
+    kernels = sorted(
+        ((name, *stats) for name, stats in per_name.items()), key=lambda k: (-k[1], k[0])
+    )[:num_top]
     busy = merged(intervals)
     first, last = (busy[0][0], busy[-1][1]) if busy else (0.0, 0.0)
     by_length, by_part = idle_gaps(busy)
-    return GpuProfile(wall, sum(e - s for s, e in busy), times, counts, top, kernels, first, last, by_length, by_part)
+    return GpuProfile(
+        wall,
+        sum(e - s for s, e in busy),
+        times,
+        counts,
+        top,
+        kernels,
+        first,
+        last,
+        by_length,
+        by_part,
+    )
 
 
 def format_table(profile: GpuProfile) -> str:
@@ -177,18 +226,23 @@ def format_table(profile: GpuProfile) -> str:
     wall = profile.wall or float("nan")
     for label, seconds in profile.times.items():
         if profile.counts[label]:
-            lines.append(f"| {label} | {seconds:.2f} s | {seconds / wall:.1%} | {profile.counts[label]:,} |")
+            lines.append(
+                f"| {label} | {seconds:.2f} s | {seconds / wall:.1%} | {profile.counts[label]:,} |"
+            )
     lines.append(f"| {IDLE} | {profile.idle:.2f} s | {profile.idle / wall:.1%} | |")
     lines.append(f"| wall (profiled) | {profile.wall:.2f} s | | |")
     return "\n".join(lines)
 
 
-def format_notes(profile: GpuProfile, window: tuple[float, float] | None = None, width: int = 100) -> str:
+def format_notes(
+    profile: GpuProfile, window: tuple[float, float] | None = None, width: int = 100
+) -> str:
     """The largest kernels (time, calls, mean, and in brackets the shortest and longest call in µs),
     the largest uncategorised ones (to extend CATEGORIES with) and a coverage check: how much of
     the run the events span, and, given the profiled ``window`` (start, end) on the events' clock,
     how far the first and last events lie from its ends (events that stop well before the end were
     dropped, and the idle share is then too high). Names longer than ``width`` are cut."""
+
     def short(name: str) -> str:
         return name if len(name) <= width else name[: width - 3] + "..."
 
@@ -197,24 +251,41 @@ def format_notes(profile: GpuProfile, window: tuple[float, float] | None = None,
         lines.append("largest kernels:")
         for name, seconds, calls, shortest, longest in profile.top_kernels:
             spread = f"({shortest * 1e6:.1f}-{longest * 1e6:.1f})"
-            lines.append(f"  {seconds:8.3f} s {calls:9,} x {seconds / calls * 1e6:9.2f} us {spread:>19}  {short(name)}")
+            lines.append(
+                f"  {seconds:8.3f} s {calls:9,} x {seconds / calls * 1e6:9.2f} us {spread:>19}  {short(name)}"
+            )
     if profile.top_other:
         lines.append(f"largest '{OTHER}' kernels:")
         for name, seconds in profile.top_other:
             lines.append(f"  {seconds * 1e3:9.1f} ms  {short(name)}")
-    lines.append(f"kernels span {profile.span:.2f} s of the {profile.wall:.2f} s wall; "
-                 f"busy (union) {profile.busy:.2f} s")
+    lines.append(
+        f"kernels span {profile.span:.2f} s of the {profile.wall:.2f} s wall; "
+        f"busy (union) {profile.busy:.2f} s"
+    )
     if profile.gaps_by_length:
         edges = [f"{edge * 1e6:g}" for edge in GAP_BINS]
-        labels = [f"< {edges[0]} us"] + [f"{lo}-{hi} us" for lo, hi in zip(edges, edges[1:])] + [f">= {edges[-1]} us"]
-        cells = [f"{label}: {n:,} ({t:.3f} s)" for label, (n, t) in zip(labels, profile.gaps_by_length)]
+        labels = (
+            [f"< {edges[0]} us"]
+            + [f"{lo}-{hi} us" for lo, hi in zip(edges, edges[1:])]
+            + [f">= {edges[-1]} us"]
+        )
+        cells = [
+            f"{label}: {n:,} ({t:.3f} s)" for label, (n, t) in zip(labels, profile.gaps_by_length)
+        ]
         lines.append("idle gaps between kernels by length: " + ", ".join(cells))
-        lines.append("idle seconds per tenth of the span: " + " ".join(f"{t:.3f}" for t in profile.gaps_by_part))
+        lines.append(
+            "idle seconds per tenth of the span: "
+            + " ".join(f"{t:.3f}" for t in profile.gaps_by_part)
+        )
     if window is not None and profile.span:
-        lines.append(f"first event {profile.first - window[0]:+.3f} s after the profiled window opened, "
-                     f"last event {window[1] - profile.last:+.3f} s before it closed")
+        lines.append(
+            f"first event {profile.first - window[0]:+.3f} s after the profiled window opened, "
+            f"last event {window[1] - profile.last:+.3f} s before it closed"
+        )
     if profile.wall and profile.span < 0.5 * profile.wall:
-        lines.append("warning: device events cover under half the run; the profiler may have dropped records")
+        lines.append(
+            "warning: device events cover under half the run; the profiler may have dropped records"
+        )
     return "\n".join(lines)
 
 
@@ -227,7 +298,10 @@ def device_events(kineto_events, device_index: int) -> list[tuple[str, float, fl
 
     by_device = defaultdict(list)
     for e in kineto_events:
-        if e.device_type() == DeviceType.CUDA and not getattr(e, "is_user_annotation", lambda: False)():
+        if (
+            e.device_type() == DeviceType.CUDA
+            and not getattr(e, "is_user_annotation", lambda: False)()
+        ):
             by_device[e.device_index()].append((e.name(), e.start_ns() * 1e-9, e.end_ns() * 1e-9))
     if device_index in by_device:
         return by_device[device_index]
@@ -250,8 +324,12 @@ class GpuProfiler:
         from torch.profiler import ProfilerActivity, profile
 
         torch.cuda.synchronize()
-        self._prof = profile(activities=[ProfilerActivity.CUDA], record_shapes=False,
-                             profile_memory=False, with_stack=False)
+        self._prof = profile(
+            activities=[ProfilerActivity.CUDA],
+            record_shapes=False,
+            profile_memory=False,
+            with_stack=False,
+        )
         self._prof.__enter__()
         self._opened = time.time_ns() * 1e-9  # kineto stamps events in ns since the epoch
         return self

@@ -14,6 +14,7 @@ Run it from the repository root as ``python benchmarks/plot_benchmarks.py``; it 
 from ``bench.py``. Needs matplotlib (``pip install matplotlib``, or the ``bench`` extra); the
 library itself does not.
 """
+
 import argparse
 import csv
 import sys
@@ -69,7 +70,9 @@ def plot(rows: list[dict], out: str | Path) -> None:
     try:
         import matplotlib
     except ImportError:
-        sys.exit("plot_benchmarks.py needs matplotlib: pip install matplotlib (or pip install -e '.[bench]')")
+        sys.exit(
+            "plot_benchmarks.py needs matplotlib: pip install matplotlib (or pip install -e '.[bench]')"
+        )
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
@@ -83,24 +86,48 @@ def plot(rows: list[dict], out: str | Path) -> None:
         for name, style in ((FLOOR_BF16, "--"), (FLOOR_FP8, ":")):
             if name in figures:
                 top = max(top, figures[name]["tok_s"])
-        for x, system in enumerate(SYSTEMS):  # a fixed slot per system, empty where none was measured
+        for x, system in enumerate(
+            SYSTEMS
+        ):  # a fixed slot per system, empty where none was measured
             if system not in figures:
                 ax.text(x, top * 0.02, "n/a", ha="center", va="bottom", fontsize=8, color="#8c8c8c")
                 continue
             value = figures[system]["tok_s"]
             ax.bar(x, value, width=0.75, color=SYSTEMS[system])
-            ax.annotate(f"{value / 1000:.1f}k", (x, value), xytext=(0, 2), textcoords="offset points",
-                        ha="center", va="bottom", fontsize=9)
+            ax.annotate(
+                f"{value / 1000:.1f}k",
+                (x, value),
+                xytext=(0, 2),
+                textcoords="offset points",
+                ha="center",
+                va="bottom",
+                fontsize=9,
+            )
             floor = floor_of(system, figures)
             if floor:
-                ax.text(x, value / 2, f"{value / floor:.0%}", ha="center", va="center", fontsize=8,
-                        color="white", rotation=90)
+                ax.text(
+                    x,
+                    value / 2,
+                    f"{value / floor:.0%}",
+                    ha="center",
+                    va="center",
+                    fontsize=8,
+                    color="white",
+                    rotation=90,
+                )
         for name, style in ((FLOOR_BF16, "--"), (FLOOR_FP8, ":")):
             if name in figures:
                 floor = figures[name]["tok_s"]
                 ax.axhline(floor, color="black", linestyle=style, linewidth=1.2)
-                ax.annotate(f"{floor / 1000:.1f}k", (-0.55, floor), xytext=(0, 2), textcoords="offset points",
-                            ha="left", va="bottom", fontsize=8)
+                ax.annotate(
+                    f"{floor / 1000:.1f}k",
+                    (-0.55, floor),
+                    xytext=(0, 2),
+                    textcoords="offset points",
+                    ha="left",
+                    va="bottom",
+                    fontsize=8,
+                )
         ax.set_ylim(0, top * 1.12)
         ax.set_xlim(-0.6, len(SYSTEMS) - 0.4)
         ax.set_xticks([])
@@ -111,19 +138,33 @@ def plot(rows: list[dict], out: str | Path) -> None:
         ax.set_axisbelow(True)
     axes[0][0].set_ylabel("output tokens / s")
     handles = [Patch(color=c, label=s) for s, c in SYSTEMS.items()]
-    handles += [Line2D([], [], color="black", linestyle="--", label="memory floor, bf16 KV (decode)"),
-                Line2D([], [], color="black", linestyle=":", label="memory floor, FP8 KV (decode)")]
-    fig.legend(handles=handles, loc="upper center", ncol=len(handles), fontsize=9, frameon=False,
-               bbox_to_anchor=(0.5, 0.995))
-    fig.suptitle("bench.py workload (256 requests, 133,966 output tokens), latest recorded figures; "
-                 "in the bars: share of the memory floor for the bar's KV-cache dtype", fontsize=10, y=0.93)
+    handles += [
+        Line2D([], [], color="black", linestyle="--", label="memory floor, bf16 KV (decode)"),
+        Line2D([], [], color="black", linestyle=":", label="memory floor, FP8 KV (decode)"),
+    ]
+    fig.legend(
+        handles=handles,
+        loc="upper center",
+        ncol=len(handles),
+        fontsize=9,
+        frameon=False,
+        bbox_to_anchor=(0.5, 0.995),
+    )
+    fig.suptitle(
+        "bench.py workload (256 requests, 133,966 output tokens), latest recorded figures; "
+        "in the bars: share of the memory floor for the bar's KV-cache dtype",
+        fontsize=10,
+        y=0.93,
+    )
     fig.tight_layout(rect=(0, 0, 1, 0.91))
     fig.savefig(out, dpi=100)
     plt.close(fig)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--csv", default=str(HERE / "benchmarks.csv"))
     parser.add_argument("--out", default=str(HERE / "benchmarks.png"))
     args = parser.parse_args()

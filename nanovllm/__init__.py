@@ -2,6 +2,7 @@
 
 ``LLM`` is imported lazily so that ``import nanovllm`` (and the engine core) stays free of torch.
 """
+
 from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams"]

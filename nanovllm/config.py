@@ -1,4 +1,5 @@
 """Engine configuration: what the user set, checked once; derived values live on the engine."""
+
 import os
 from dataclasses import dataclass, field, fields
 
@@ -6,13 +7,28 @@ DEVICES = ("auto", "cuda", "cpu")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "flash-attn", "triton", "torch")
 LOAD_FORMATS = ("auto", "dummy")  # "dummy": no weight files; random weights drawn on the device
-DATA_PARALLEL_BACKENDS = ("mp", "ray")  # replicas in processes of this host, or in Ray actors of a cluster
+DATA_PARALLEL_BACKENDS = (
+    "mp",
+    "ray",
+)  # replicas in processes of this host, or in Ray actors of a cluster
 QUANTIZATIONS = (None, "fp8")  # weights: None (as the checkpoint is), "fp8" (128x128 blocks, W8A8)
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # "auto": the model's dtype; "fp8" (= "fp8_e4m3"): e4m3 with per-row scales
+KV_CACHE_DTYPES = (
+    "auto",
+    "fp8",
+    "fp8_e4m3",
+)  # "auto": the model's dtype; "fp8" (= "fp8_e4m3"): e4m3 with per-row scales
 # config.json keys every supported model reads (transformers would fill in its own defaults, which
 # then disagree with the weights), and those only some architectures read
-MODEL_CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers", "vocab_size")
-ARCHITECTURE_CONFIG_KEYS = {"Qwen3MoeForCausalLM": ("num_experts", "num_experts_per_tok", "moe_intermediate_size")}
+MODEL_CONFIG_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_hidden_layers",
+    "vocab_size",
+)
+ARCHITECTURE_CONFIG_KEYS = {
+    "Qwen3MoeForCausalLM": ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
+}
 
 
 def _check_int(name: str, value, low: int, high: int | None = None, extra: str = "") -> None:
@@ -25,7 +41,9 @@ def _check_int(name: str, value, low: int, high: int | None = None, extra: str =
 
 def _check_choice(name: str, value, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise ValueError(f"Config.{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+        raise ValueError(
+            f"Config.{name} must be one of {', '.join(map(repr, choices))}, got {value!r}"
+        )
 
 
 @dataclass
@@ -49,7 +67,9 @@ class Config:
     kv_cache_dtype: str = "auto"
     load_format: str = "auto"
     async_scheduling: bool = True
-    quantization: str | None = None  # "fp8": quantize a float checkpoint's linear layers at load (FP8 checkpoints need not ask)
+    quantization: str | None = (
+        None  # "fp8": quantize a float checkpoint's linear layers at load (FP8 checkpoints need not ask)
+    )
     enable_sleep_mode: bool = False  # allow llm.sleep(level) / llm.wake_up() (features/sleep.py)
     # False: tensor parallelism's CUDA graphs sum tensors up to 8 MiB with the one-shot kernel
     # (utils/custom_all_reduce.py); True: NCCL sums every all-reduce
@@ -60,7 +80,9 @@ class Config:
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, (str, os.PathLike)):
-            raise TypeError(f"Config.model must be a path to a local model folder, got {self.model!r}")
+            raise TypeError(
+                f"Config.model must be a path to a local model folder, got {self.model!r}"
+            )
         self.model = os.fspath(self.model)
         if not os.path.isfile(os.path.join(self.model, "config.json")):
             raise ValueError(
@@ -74,10 +96,14 @@ class Config:
         _check_choice("data_parallel_backend", self.data_parallel_backend, DATA_PARALLEL_BACKENDS)
         _check_int("kvcache_block_size", self.kvcache_block_size, 1)
         if self.kvcache_block_size & (self.kvcache_block_size - 1):
-            raise ValueError(f"Config.kvcache_block_size must be a power of two, got {self.kvcache_block_size}")
+            raise ValueError(
+                f"Config.kvcache_block_size must be a power of two, got {self.kvcache_block_size}"
+            )
         _check_int("num_kvcache_blocks", self.num_kvcache_blocks, -1)
         if self.num_kvcache_blocks == 0:
-            raise ValueError("Config.num_kvcache_blocks must be -1 (size from free memory) or >= 1, got 0")
+            raise ValueError(
+                "Config.num_kvcache_blocks must be -1 (size from free memory) or >= 1, got 0"
+            )
         u = self.gpu_memory_utilization
         if isinstance(u, bool) or not isinstance(u, (int, float)):
             raise TypeError(f"Config.gpu_memory_utilization must be a number, got {u!r}")
@@ -86,7 +112,9 @@ class Config:
         if not isinstance(self.enforce_eager, bool):
             raise TypeError(f"Config.enforce_eager must be a bool, got {self.enforce_eager!r}")
         if not isinstance(self.async_scheduling, bool):
-            raise TypeError(f"Config.async_scheduling must be a bool, got {self.async_scheduling!r}")
+            raise TypeError(
+                f"Config.async_scheduling must be a bool, got {self.async_scheduling!r}"
+            )
         for name in ("enable_sleep_mode", "disable_custom_all_reduce"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Config.{name} must be a bool, got {getattr(self, name)!r}")
@@ -96,7 +124,9 @@ class Config:
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _check_choice("load_format", self.load_format, LOAD_FORMATS)
         if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"Config.quantization must be None or 'fp8', got {self.quantization!r}")
+            raise ValueError(
+                f"Config.quantization must be None or 'fp8', got {self.quantization!r}"
+            )
 
         from transformers import AutoConfig
 
@@ -119,13 +149,18 @@ class Config:
 
         device = self.resolved_device()
         resolve_backend_name(
-            self.attention_backend, device, self.kvcache_block_size, self.resolved_dtype(device), self.kv_cache_dtype
+            self.attention_backend,
+            device,
+            self.kvcache_block_size,
+            self.resolved_dtype(device),
+            self.kv_cache_dtype,
         )
         self._check_parallel(device)
         from nanovllm.quantization import resolve_quantization
 
-        self.weight_quantization = resolve_quantization(self.quantization, self.hf_config, self.tensor_parallel_size,
-                                                        device)
+        self.weight_quantization = resolve_quantization(
+            self.quantization, self.hf_config, self.tensor_parallel_size, device
+        )
         if self.num_kvcache_blocks > 0:
             self._check_kv_cache_fits(device)
 
@@ -133,17 +168,30 @@ class Config:
         """The model must split over ``tensor_parallel_size`` ranks, and the replicas of this host
         (``data_parallel_backend="mp"``) need ``data_parallel_size × tensor_parallel_size`` GPUs."""
         tp, dp = self.tensor_parallel_size, self.data_parallel_size
-        for name in ("num_attention_heads", "num_key_value_heads", "vocab_size", "intermediate_size"):
+        for name in (
+            "num_attention_heads",
+            "num_key_value_heads",
+            "vocab_size",
+            "intermediate_size",
+        ):
             value = getattr(self.hf_config, name)
             if value % tp:
-                raise ValueError(f"Config.tensor_parallel_size={tp} must divide the model's {name} ({value})")
+                raise ValueError(
+                    f"Config.tensor_parallel_size={tp} must divide the model's {name} ({value})"
+                )
         if device == "cuda" and self.data_parallel_backend == "mp":
             import torch
 
             visible = torch.cuda.device_count()
             if tp * dp > visible:
-                need = f"tensor_parallel_size={tp}" if dp == 1 else f"data_parallel_size={dp} × tensor_parallel_size={tp}"
-                raise ValueError(f"Config.{need} needs {tp * dp} GPUs, but only {visible} GPU(s) are visible")
+                need = (
+                    f"tensor_parallel_size={tp}"
+                    if dp == 1
+                    else f"data_parallel_size={dp} × tensor_parallel_size={tp}"
+                )
+                raise ValueError(
+                    f"Config.{need} needs {tp * dp} GPUs, but only {visible} GPU(s) are visible"
+                )
 
     def _check_kv_cache_fits(self, device: str) -> None:
         """A fixed ``num_kvcache_blocks`` must fit in the memory of one GPU (each rank's share of
@@ -151,15 +199,23 @@ class Config:
         any weights load. The cache alone is counted, so this is the most that could ever fit."""
         import torch
 
-        from nanovllm.runner.kv_cache import block_bytes
         from nanovllm.models.llama import head_dim
+        from nanovllm.runner.kv_cache import block_bytes
 
         hf, tp = self.hf_config, self.tensor_parallel_size
-        per_rank = block_bytes(self, max(1, hf.num_key_value_heads // tp), head_dim(hf), self.resolved_dtype(device))
+        per_rank = block_bytes(
+            self, max(1, hf.num_key_value_heads // tp), head_dim(hf), self.resolved_dtype(device)
+        )
         if device == "cuda":
-            memory, need, where = torch.cuda.get_device_properties(0).total_memory, per_rank, "each GPU has"
+            memory, need, where = (
+                torch.cuda.get_device_properties(0).total_memory,
+                per_rank,
+                "each GPU has",
+            )
         else:
-            need = per_rank * tp * self.data_parallel_size  # every replica's ranks share the machine
+            need = (
+                per_rank * tp * self.data_parallel_size
+            )  # every replica's ranks share the machine
             memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
             where = "the machine has"
         most = memory // need
@@ -182,7 +238,9 @@ class Config:
         if self.device == "auto":
             return "cuda" if torch.cuda.is_available() else "cpu"
         if self.device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("Config.device is 'cuda' but no CUDA GPU is available; use 'cpu' or 'auto'")
+            raise ValueError(
+                "Config.device is 'cuda' but no CUDA GPU is available; use 'cpu' or 'auto'"
+            )
         return self.device
 
     def resolved_dtype(self, device: str):
@@ -193,7 +251,9 @@ class Config:
             return getattr(torch, self.dtype)
         if device == "cpu":
             return torch.float32
-        dtype = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None)
+        dtype = getattr(self.hf_config, "dtype", None) or getattr(
+            self.hf_config, "torch_dtype", None
+        )
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
         return dtype if dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.bfloat16
@@ -224,9 +284,14 @@ def check_model_config(path: str) -> None:
         value = values[key] = raw[spelled]
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{path}: {spelled} must be an int >= 1, got {value!r}")
-    heads, kv_heads = values["num_attention_heads"], values.get("num_key_value_heads", values["num_attention_heads"])
+    heads, kv_heads = (
+        values["num_attention_heads"],
+        values.get("num_key_value_heads", values["num_attention_heads"]),
+    )
     if heads % kv_heads:
-        raise ValueError(f"{path}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})")
+        raise ValueError(
+            f"{path}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})"
+        )
     if "head_dim" not in values and values["hidden_size"] % heads:
         raise ValueError(
             f"{path}: hidden_size ({values['hidden_size']}) must be a multiple of num_attention_heads ({heads}) "

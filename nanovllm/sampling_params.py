@@ -1,13 +1,16 @@
 """Per-request sampling settings, with vLLM's names, defaults and meaning (pure Python: imported
 by the engine core). Every field is checked here; a bad value is a TypeError or ValueError naming
 the field, the value and what is allowed."""
+
 from dataclasses import dataclass, fields, replace
 
 from nanovllm.features.structured_outputs.params import StructuredOutputsParams
 
 __all__ = ["SamplingParams", "StructuredOutputsParams"]
 
-GREEDY_BELOW = 1e-5  # a temperature under this samples greedily (as in vLLM): logits / T would overflow
+GREEDY_BELOW = (
+    1e-5  # a temperature under this samples greedily (as in vLLM): logits / T would overflow
+)
 
 
 def _is_int(x) -> bool:
@@ -23,7 +26,9 @@ def _checked(values: dict) -> dict:
     ``stop_token_ids`` as lists, ``top_k=-1`` as 0); ``values`` holds every field. The one check,
     run by the constructor and by every assignment."""
     v = dict(values)
-    _check_number(v, "temperature", lambda t: 0 <= t < float("inf"), "a finite number >= 0 (0 = greedy)")
+    _check_number(
+        v, "temperature", lambda t: 0 <= t < float("inf"), "a finite number >= 0 (0 = greedy)"
+    )
     _check_int(v, "max_tokens", 1)
     _check_int(v, "n", 1)
     _check_number(v, "top_p", lambda p: 0 < p <= 1, "in (0, 1] (1 = off)")
@@ -35,11 +40,15 @@ def _checked(values: dict) -> dict:
             f"SamplingParams.min_tokens must be <= max_tokens, got min_tokens={v['min_tokens']} "
             f"and max_tokens={v['max_tokens']}"
         )
-    _check_number(v, "repetition_penalty", lambda r: 0 < r < float("inf"), "a finite number > 0 (1 = off)")
+    _check_number(
+        v, "repetition_penalty", lambda r: 0 < r < float("inf"), "a finite number > 0 (1 = off)"
+    )
     for name in ("presence_penalty", "frequency_penalty"):
         _check_number(v, name, lambda x: -2 <= x <= 2, "in [-2, 2] (0 = off)")
     if v["seed"] is not None and not _is_int(v["seed"]):
-        raise TypeError(f"SamplingParams.seed must be an int or None, got {v['seed']!r} ({type(v['seed']).__name__})")
+        raise TypeError(
+            f"SamplingParams.seed must be an int or None, got {v['seed']!r} ({type(v['seed']).__name__})"
+        )
     for name in ("logprobs", "prompt_logprobs"):
         if v[name] is not None:
             _check_int(v, name, 0, extra=" or None")
@@ -57,7 +66,9 @@ def _checked(values: dict) -> dict:
 def _check_number(v: dict, name: str, ok, allowed: str) -> None:
     value = v[name]
     if not _is_number(value):
-        raise TypeError(f"SamplingParams.{name} must be a number, got {value!r} ({type(value).__name__})")
+        raise TypeError(
+            f"SamplingParams.{name} must be a number, got {value!r} ({type(value).__name__})"
+        )
     if not ok(value):  # NaN fails every comparison
         raise ValueError(f"SamplingParams.{name} must be {allowed}, got {value!r}")
     v[name] = float(value)
@@ -66,7 +77,9 @@ def _check_number(v: dict, name: str, ok, allowed: str) -> None:
 def _check_int(v: dict, name: str, low: int, extra: str = "") -> None:
     value = v[name]
     if not _is_int(value):
-        raise TypeError(f"SamplingParams.{name} must be an int{extra}, got {value!r} ({type(value).__name__})")
+        raise TypeError(
+            f"SamplingParams.{name} must be an int{extra}, got {value!r} ({type(value).__name__})"
+        )
     if value < low:
         raise ValueError(f"SamplingParams.{name} must be >= {low}{extra}, got {value}")
 
@@ -76,7 +89,9 @@ def _check_structured_outputs(v: dict) -> None:
     if so is None:
         return
     if not isinstance(so, StructuredOutputsParams):
-        raise TypeError(f"SamplingParams.structured_outputs must be a StructuredOutputsParams or None, got {so!r}")
+        raise TypeError(
+            f"SamplingParams.structured_outputs must be a StructuredOutputsParams or None, got {so!r}"
+        )
     if v["min_tokens"]:  # the grammar decides where the completion ends
         raise ValueError(
             f"SamplingParams.min_tokens must be 0 with structured_outputs (the grammar decides where the "
@@ -172,8 +187,12 @@ class SamplingParams:
         a bad value (or one that breaks ``min_tokens <= max_tokens``) raises and leaves the old
         value in place; a good one is normalised as the constructor would."""
         if name not in _FIELDS:
-            raise AttributeError(f"SamplingParams has no field {name!r}; fields: {', '.join(_FIELDS)}")
-        if name not in self.__dict__:  # the dataclass __init__ sets each field once, then checks them all
+            raise AttributeError(
+                f"SamplingParams has no field {name!r}; fields: {', '.join(_FIELDS)}"
+            )
+        if (
+            name not in self.__dict__
+        ):  # the dataclass __init__ sets each field once, then checks them all
             object.__setattr__(self, name, value)
             return
         self.__dict__.update(_checked({**{f: self.__dict__[f] for f in _FIELDS}, name: value}))
@@ -185,7 +204,11 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
 
     @property
     def is_greedy(self) -> bool:

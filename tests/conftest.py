@@ -1,7 +1,7 @@
 """Shared fixtures: tiny random Qwen3 checkpoints and the transformers greedy reference; and the
 one place that skips the tests marked ``gpu`` without a CUDA GPU."""
-import pytest
 
+import pytest
 from hf_reference import HFReference, TinyCheckpoint, build_checkpoint
 
 
@@ -9,14 +9,18 @@ from hf_reference import HFReference, TinyCheckpoint, build_checkpoint
 def ckpt_tied(tmp_path_factory) -> TinyCheckpoint:
     """Tied LM head, rope theta 12345 at the top level of config.json."""
     path = str(tmp_path_factory.mktemp("qwen3-tied"))
-    return build_checkpoint(path, seed=1, rope_theta=12345.0, rope_style="top-level", tie_word_embeddings=True)
+    return build_checkpoint(
+        path, seed=1, rope_theta=12345.0, rope_style="top-level", tie_word_embeddings=True
+    )
 
 
 @pytest.fixture(scope="session")
 def ckpt_untied(tmp_path_factory) -> TinyCheckpoint:
     """Separate LM head, rope theta 5432.1 in ``rope_parameters``."""
     path = str(tmp_path_factory.mktemp("qwen3-untied"))
-    return build_checkpoint(path, seed=2, rope_theta=5432.1, rope_style="rope_parameters", tie_word_embeddings=False)
+    return build_checkpoint(
+        path, seed=2, rope_theta=5432.1, rope_style="rope_parameters", tie_word_embeddings=False
+    )
 
 
 @pytest.fixture(scope="session")

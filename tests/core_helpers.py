@@ -1,4 +1,5 @@
 """Builders and checks shared by the BlockManager and Scheduler tests (no torch, no model)."""
+
 import struct
 
 import xxhash
@@ -85,7 +86,9 @@ def check_block_invariants(bm: BlockManager, live: list[Sequence]) -> None:
 
     holders = [0] * num_blocks
     for seq in live:
-        assert len(seq.block_table) == len(set(seq.block_table)), f"seq {seq.seq_id} holds a block twice"
+        assert len(seq.block_table) == len(set(seq.block_table)), (
+            f"seq {seq.seq_id} holds a block twice"
+        )
         for block_id in seq.block_table:
             holders[block_id] += 1
     for block in bm.blocks:
@@ -104,14 +107,20 @@ def check_block_invariants(bm: BlockManager, live: list[Sequence]) -> None:
         if not seq.block_table:
             continue
         chain = expected_chain(seq.token_ids[: seq.num_known_tokens], bm.block_size)
-        num_full = min(seq.num_cached_tokens, seq.num_known_tokens) // bm.block_size  # placeholders are not hashed
+        num_full = (
+            min(seq.num_cached_tokens, seq.num_known_tokens) // bm.block_size
+        )  # placeholders are not hashed
         for i, block_id in enumerate(seq.block_table):
             block = bm.blocks[block_id]
             if i < num_full:
-                assert block.hash == chain[i], f"seq {seq.seq_id} block {i} (id {block_id}) has a wrong hash"
+                assert block.hash == chain[i], (
+                    f"seq {seq.seq_id} block {i} (id {block_id}) has a wrong hash"
+                )
                 assert block.token_ids == seq.block(i)
             else:
-                assert block.hash == -1, f"seq {seq.seq_id} block {i} (id {block_id}) hashed before it is full"
+                assert block.hash == -1, (
+                    f"seq {seq.seq_id} block {i} (id {block_id}) hashed before it is full"
+                )
 
 
 def check_scheduler_invariants(sched: Scheduler) -> None:
@@ -129,7 +138,9 @@ def check_scheduler_invariants(sched: Scheduler) -> None:
         assert seq.status == SequenceStatus.WAITING
         assert seq.num_scheduled_tokens == 0
         if seq.block_table:
-            assert i == 0, f"waiting[{i}] (seq {seq.seq_id}) holds blocks; only the head of waiting may"
+            assert i == 0, (
+                f"waiting[{i}] (seq {seq.seq_id}) holds blocks; only the head of waiting may"
+            )
             assert len(seq.block_table) == seq.num_blocks
             assert 0 < seq.num_cached_tokens < len(seq)
         else:

@@ -1,5 +1,6 @@
 """Tiny random Qwen3 checkpoints (float32) and an independent greedy reference built on
 Hugging Face transformers, for the end-to-end tests."""
+
 import json
 import os
 import random
@@ -24,16 +25,33 @@ class TinyCheckpoint:
 
 
 def build_checkpoint(
-    path: str, *, seed: int, rope_theta: float, rope_style: str, tie_word_embeddings: bool,
-    head_dim: int = 32, eos_token_id: int | None = None, std: float = 0.3,
+    path: str,
+    *,
+    seed: int,
+    rope_theta: float,
+    rope_style: str,
+    tie_word_embeddings: bool,
+    head_dim: int = 32,
+    eos_token_id: int | None = None,
+    std: float = 0.3,
 ) -> TinyCheckpoint:
     """hidden 64, 4 heads, 2 KV heads, 2 layers, vocab 512; ``head_dim`` is explicit (32 != 64 / 4).
     Large weights (``std``) keep the logits apart, so greedy parity is not decided by rounding."""
     overrides = dict(
-        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=head_dim, num_hidden_layers=2, tie_word_embeddings=tie_word_embeddings,
-        max_position_embeddings=512, rope_theta=rope_theta, bos_token_id=0,
-        eos_token_id=VOCAB_SIZE + 1 if eos_token_id is None else eos_token_id,  # default: never produced
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=head_dim,
+        num_hidden_layers=2,
+        tie_word_embeddings=tie_word_embeddings,
+        max_position_embeddings=512,
+        rope_theta=rope_theta,
+        bos_token_id=0,
+        eos_token_id=VOCAB_SIZE + 1
+        if eos_token_id is None
+        else eos_token_id,  # default: never produced
     )
     make_random_checkpoint(path, dtype=torch.float32, seed=seed, std=std, **overrides)
     config_file = os.path.join(path, "config.json")
@@ -67,11 +85,15 @@ class HFReference:
         if path not in self._models:
             from transformers import AutoModelForCausalLM
 
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=torch.float32, attn_implementation="eager"
+            )
             self._models[path] = model.eval()
         return self._models[path]
 
-    def greedy(self, path: str, prompt: list[int], max_tokens: int, stop_on_eos: bool = False) -> GreedyRef:
+    def greedy(
+        self, path: str, prompt: list[int], max_tokens: int, stop_on_eos: bool = False
+    ) -> GreedyRef:
         key = (path, tuple(prompt), max_tokens, stop_on_eos)
         if key in self._cache:
             return self._cache[key]
@@ -106,7 +128,9 @@ def assert_greedy_match(got: list[int], ref: GreedyRef, what: str = "") -> None:
                 f"got {got}, reference {ref.tokens}"
             )
             return
-    assert len(got) == len(ref.tokens), f"{what}: {len(got)} tokens, reference {len(ref.tokens)}: {got} vs {ref.tokens}"
+    assert len(got) == len(ref.tokens), (
+        f"{what}: {len(got)} tokens, reference {len(ref.tokens)}: {got} vs {ref.tokens}"
+    )
 
 
 def random_prompts(seed: int, lengths: list[int]) -> list[list[int]]:
@@ -119,7 +143,9 @@ def mixed_prompts() -> list[list[int]]:
     prompts = random_prompts(0, [1, 2, 7, 15, 16, 17, 31, 33, 64, 90, 120])
     base = prompts[-1]  # 120 tokens
     rng = random.Random(1)
-    prompts.append(base[:48] + [rng.randrange(VOCAB_SIZE) for _ in range(20)])  # shares 3 full blocks
+    prompts.append(
+        base[:48] + [rng.randrange(VOCAB_SIZE) for _ in range(20)]
+    )  # shares 3 full blocks
     prompts.append(base[:40] + [rng.randrange(VOCAB_SIZE) for _ in range(5)])  # shares 2.5 blocks
     prompts.append(base[:100])  # a prefix of another prompt
     prompts.append(list(base))  # an exact duplicate

@@ -2,6 +2,7 @@
 (so the real tokenizer's every token can be drawn), a mixed batch of constrained requests, and a
 check of each completion that does not use the code under test (Python's ``re``, ``json`` and the
 ``jsonschema`` package)."""
+
 import json
 import re
 
@@ -11,9 +12,15 @@ import torch
 from nanovllm import LLM, SamplingParams, StructuredOutputsParams
 from nanovllm.utils.checkpoint import make_random_checkpoint
 
-EOS_IDS = (151643, 151645)  # <|endoftext|>, <|im_end|>: the engine's EOS ids, the grammars' stop tokens
-SCHEMA = {"type": "object", "properties": {"label": {"enum": ["a", "b"]}, "score": {"type": "integer"}},
-          "required": ["label", "score"]}
+EOS_IDS = (
+    151643,
+    151645,
+)  # <|endoftext|>, <|im_end|>: the engine's EOS ids, the grammars' stop tokens
+SCHEMA = {
+    "type": "object",
+    "properties": {"label": {"enum": ["a", "b"]}, "score": {"type": "integer"}},
+    "required": ["label", "score"],
+}
 CHOICES = ["positive", "negative", "neutral"]
 REGEX = r"[0-9]{3}-[a-z]{2,4}"
 GRAMMAR = 'root ::= "(" [a-c]+ ")"'  # the same language as GRAMMAR_REGEX
@@ -26,7 +33,10 @@ def make_checkpoint(path: str) -> str:
 
 
 def make_engine(path: str, **kwargs) -> LLM:
-    kwargs = dict(kvcache_block_size=16, num_kvcache_blocks=96, max_model_len=256, max_num_seqs=8) | kwargs
+    kwargs = (
+        dict(kvcache_block_size=16, num_kvcache_blocks=96, max_model_len=256, max_num_seqs=8)
+        | kwargs
+    )
     return LLM(path, **kwargs)
 
 
@@ -38,13 +48,20 @@ def constrained_batch() -> tuple[list[str], list[SamplingParams]]:
         ("Label this review: good", 1, StructuredOutputsParams(choice=CHOICES), 2),
         ("A part number:", 2, StructuredOutputsParams(regex=REGEX), 1),
         ("JSON please", 3, StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True), 1),
-        ("A schema as text", 4, StructuredOutputsParams(json=json.dumps(SCHEMA), disable_any_whitespace=True), 1),
+        (
+            "A schema as text",
+            4,
+            StructuredOutputsParams(json=json.dumps(SCHEMA), disable_any_whitespace=True),
+            1,
+        ),
         ("paren", 5, StructuredOutputsParams(grammar=GRAMMAR), 1),
         ("obj", 2, StructuredOutputsParams(json_object=True, disable_any_whitespace=True), 1),
     ]
     prompts = [prompt for prompt, *_ in specs]
-    params = [SamplingParams(temperature=1.0, max_tokens=150, seed=seed, n=n, structured_outputs=so)
-              for _, seed, so, n in specs]
+    params = [
+        SamplingParams(temperature=1.0, max_tokens=150, seed=seed, n=n, structured_outputs=so)
+        for _, seed, so, n in specs
+    ]
     return prompts, params
 
 

@@ -1,6 +1,7 @@
 """The Triton kernels' CPU tests: TRITON_INTERPRET=1 is only honoured if it is set before triton is
 first imported, and other test files import it first, so a test file's Triton cases run in a
 subprocess (the file run as a script, printing its results as one JSON line)."""
+
 import json
 import os
 import subprocess
@@ -15,12 +16,21 @@ REPO_ROOT = TESTS_DIR.parent
 def results_under_interpreter(test_file: str, timeout: int = 600) -> dict:
     """Run ``test_file`` as a script under the interpreter; returns the JSON it printed last. The
     script imports the shared helpers of ``tests/`` and the modules beside it (its own folder)."""
-    path = os.pathsep.join(filter(None, [str(REPO_ROOT), str(TESTS_DIR), os.environ.get("PYTHONPATH")]))
+    path = os.pathsep.join(
+        filter(None, [str(REPO_ROOT), str(TESTS_DIR), os.environ.get("PYTHONPATH")])
+    )
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
     proc = subprocess.run(
-        [sys.executable, test_file], env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout
+        [sys.executable, test_file],
+        env=env,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
-    assert proc.returncode == 0, f"{Path(test_file).name} under the interpreter:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, (
+        f"{Path(test_file).name} under the interpreter:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    )
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -67,8 +77,10 @@ def round_interpreter_casts_to_nearest() -> None:
 
     def through_torch(src, dst_type, target: torch.dtype, bits: type):
         data = torch.from_numpy(np.ascontiguousarray(src.data)).to(target)
-        return interpreter.TensorHandle(data.view(torch.uint8 if bits is np.uint8 else torch.int16).numpy().view(bits),
-                                        dst_type.scalar)
+        return interpreter.TensorHandle(
+            data.view(torch.uint8 if bits is np.uint8 else torch.int16).numpy().view(bits),
+            dst_type.scalar,
+        )
 
     def create_fp_to_fp(self, src, dst_type, rounding_mode):  # the e4m3 casts
         if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.float8e4nv:

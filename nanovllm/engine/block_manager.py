@@ -1,4 +1,5 @@
 """Paged KV-cache blocks with reference counts and a hash-chained prefix cache (pure Python)."""
+
 from collections import OrderedDict
 
 import numpy as np
@@ -35,13 +36,17 @@ class BlockManager:
 
     def __init__(self, num_blocks: int, block_size: int):
         if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks} and {block_size}")
+            raise ValueError(
+                f"need num_blocks >= 1 and block_size >= 1, got {num_blocks} and {block_size}"
+            )
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.hash_to_block_id: dict[int, int] = {}
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.used_block_ids: set[int] = set()
-        self.num_queried_tokens = 0  # tokens of admitted sequences, and how many the prefix cache served
+        self.num_queried_tokens = (
+            0  # tokens of admitted sequences, and how many the prefix cache served
+        )
         self.num_hit_tokens = 0
 
     @staticmethod

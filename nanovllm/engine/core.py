@@ -5,6 +5,7 @@ what the requests gained and which of their sequences finished, as plain data (t
 vocabulary serves only structured outputs' grammars). With async scheduling the host schedules and
 launches step N+1 while the device computes step N, and takes step N's tokens after that launch.
 """
+
 from dataclasses import dataclass
 from random import Random
 
@@ -13,7 +14,6 @@ from nanovllm.engine.sequence import Sequence, request_sequences
 from nanovllm.engine.step import build_step
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.profiling import phase
-
 
 ASLEEP = "the engine is asleep; call wake_up()"
 
@@ -64,13 +64,18 @@ class EngineCore:
         self.executor = executor
         self.num_kvcache_blocks = self.executor.num_kvcache_blocks
         self.scheduler = Scheduler(
-            num_blocks=self.num_kvcache_blocks, block_size=config.kvcache_block_size,
-            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=config.max_model_len, eos_token_id=eos_token_ids,
+            num_blocks=self.num_kvcache_blocks,
+            block_size=config.kvcache_block_size,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=config.max_model_len,
+            eos_token_id=eos_token_ids,
         )
         self.eos_token_ids = eos_token_ids
         self.rng = Random()  # draw seeds of unseeded requests
-        self.requests: dict[int, list[Sequence]] = {}  # request id -> its sequences, until all finish
+        self.requests: dict[
+            int, list[Sequence]
+        ] = {}  # request id -> its sequences, until all finish
         self.reporting: set[int] = set()  # sequences that report their tokens every step
         self._launched: LaunchedStep | None = None
         self.num_prompt_tokens = 0  # computed in prefill (prefix-cache hits not counted)
@@ -78,13 +83,23 @@ class EngineCore:
 
     # ---- requests ----------------------------------------------------------------------------
 
-    def add_request(self, request_id: int, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                    report_every_step: bool = False) -> None:
+    def add_request(
+        self,
+        request_id: int,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        report_every_step: bool = False,
+    ) -> None:
         """Queue a request's ``n`` completions as sequences ``request_id + i`` (see
         ``request_sequences``). ``report_every_step``: its sequences report new tokens every step
         (streams, stop strings, logprobs), not only when they finish."""
-        seqs = request_sequences(request_id, prompt_token_ids, sampling_params, self.config.kvcache_block_size,
-                                 self.eos_token_ids)
+        seqs = request_sequences(
+            request_id,
+            prompt_token_ids,
+            sampling_params,
+            self.config.kvcache_block_size,
+            self.eos_token_ids,
+        )
         if sampling_params.structured_outputs is not None:
             for seq in seqs:  # one matcher per completion
                 seq.grammar = self._grammar_compiler().matcher(sampling_params.structured_outputs)
@@ -96,11 +111,17 @@ class EngineCore:
 
     def _grammar_compiler(self):
         if self.grammars is None:
-            from nanovllm.features.structured_outputs.grammar import GrammarCompiler  # xgrammar: only when used
+            from nanovllm.features.structured_outputs.grammar import (
+                GrammarCompiler,
+            )  # xgrammar: only when used
             from nanovllm.utils.model_folder import load_tokenizer
 
-            tokenizer = self.tokenizer if self.tokenizer is not None else load_tokenizer(self.config.model)
-            self.grammars = GrammarCompiler(tokenizer, self.config.hf_config.vocab_size, self.eos_token_ids)
+            tokenizer = (
+                self.tokenizer if self.tokenizer is not None else load_tokenizer(self.config.model)
+            )
+            self.grammars = GrammarCompiler(
+                tokenizer, self.config.hf_config.vocab_size, self.eos_token_ids
+            )
         return self.grammars
 
     def abort_request(self, request_id: int) -> bool:
@@ -148,7 +169,9 @@ class EngineCore:
             if self._launched is not None:  # what it finishes may make room
                 return outputs + self._resolve(), 0
             if not self.scheduler.is_finished():
-                raise RuntimeError("no queued request can be scheduled (the KV cache cannot hold the next one)")
+                raise RuntimeError(
+                    "no queued request can be scheduled (the KV cache cannot hold the next one)"
+                )
             return outputs, 0
         try:
             output = self.executor.run(step)
@@ -162,7 +185,9 @@ class EngineCore:
             self.num_prompt_tokens += num_tokens
         # penalties count the sampled tokens on the host, and grammar matchers take them there: the
         # next step's sampling needs their values
-        needs_sync = step.sampling.penalty_tokens is not None or step.sampling.token_bitmask is not None
+        needs_sync = (
+            step.sampling.penalty_tokens is not None or step.sampling.token_bitmask is not None
+        )
         launched = LaunchedStep(output, seqs, self.scheduler.advance(seqs), needs_sync)
         if self._launched is not None:
             outputs += self._resolve()
@@ -183,7 +208,10 @@ class EngineCore:
             outputs = []
             if self.reporting:
                 for i, seq in enumerate(launched.seqs):
-                    if seq.seq_id in self.reporting and 0 <= launched.positions[i] < seq.num_known_tokens:
+                    if (
+                        seq.seq_id in self.reporting
+                        and 0 <= launched.positions[i] < seq.num_known_tokens
+                    ):
                         outputs.append(self._report(seq, logprobs[i] if logprobs else None))
             reported = {o.seq_id for o in outputs}
             outputs += [self._report(seq, None) for seq in finished if seq.seq_id not in reported]
@@ -195,8 +223,13 @@ class EngineCore:
         start = seq.num_prompt_tokens + seq.num_reported
         new = seq.token_ids[start : seq.num_known_tokens]
         seq.num_reported += len(new)
-        out = SeqOutput(seq.seq_id, seq.request_id, new, None if logprobs is None else [logprobs],
-                        num_cached_tokens=max(seq.num_prefix_hit_tokens, 0))
+        out = SeqOutput(
+            seq.seq_id,
+            seq.request_id,
+            new,
+            None if logprobs is None else [logprobs],
+            num_cached_tokens=max(seq.num_prefix_hit_tokens, 0),
+        )
         if seq.prompt_logprobs is not None and not seq.scores_prompt:
             out.prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None  # reported once
         if seq.is_finished:
@@ -205,7 +238,9 @@ class EngineCore:
 
     def _owes_results(self) -> bool:
         """Whether the launched step still has tokens to deliver (not just ones past an end)."""
-        return self._launched is not None and not all(seq.is_finished for seq in self._launched.seqs)
+        return self._launched is not None and not all(
+            seq.is_finished for seq in self._launched.seqs
+        )
 
     def settle(self) -> list[SeqOutput]:
         """Resolve a launched step that only computed tokens past its sequences' ends, so that a
@@ -231,7 +266,9 @@ class EngineCore:
 
     def _check_idle(self, what: str) -> None:
         if not self.scheduler.is_finished() or self._launched is not None:
-            raise RuntimeError(f"{what} needs an idle engine core: a request is queued, running or in flight")
+            raise RuntimeError(
+                f"{what} needs an idle engine core: a request is queued, running or in flight"
+            )
 
     # ---- sleep mode --------------------------------------------------------------------------
 
@@ -241,7 +278,9 @@ class EngineCore:
         awake."""
         self._check_idle("sleep")
         if self.sleep_level:
-            raise RuntimeError(f"the engine is already asleep (level {self.sleep_level}); call wake_up() first")
+            raise RuntimeError(
+                f"the engine is already asleep (level {self.sleep_level}); call wake_up() first"
+            )
         self.executor.sleep(level)
         self.sleep_level = level
         self.reset_prefix_cache()
@@ -264,7 +303,9 @@ class EngineCore:
             "num_requests_running": len(self.scheduler.running),
             "num_requests_waiting": len(self.scheduler.waiting),
             "kv_cache_usage": len(bm.used_block_ids) / len(bm.blocks),
-            "prefix_cache_hit_rate": bm.num_hit_tokens / bm.num_queried_tokens if bm.num_queried_tokens else 0.0,
+            "prefix_cache_hit_rate": bm.num_hit_tokens / bm.num_queried_tokens
+            if bm.num_queried_tokens
+            else 0.0,
             "prefix_cache_queries": bm.num_queried_tokens,  # prompt tokens looked up, and those found
             "prefix_cache_hits": bm.num_hit_tokens,
             "num_preemptions": self.scheduler.num_preemptions,

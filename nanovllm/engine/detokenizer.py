@@ -12,7 +12,13 @@ class IncrementalDetokenizer:
     ``include_stop_str_in_output``.
     """
 
-    def __init__(self, tokenizer, stop: list[str], include_stop_str_in_output: bool, skip_special_tokens: bool):
+    def __init__(
+        self,
+        tokenizer,
+        stop: list[str],
+        include_stop_str_in_output: bool,
+        skip_special_tokens: bool,
+    ):
         self.tokenizer = tokenizer
         self.stop = stop
         self.include_stop = include_stop_str_in_output
@@ -27,12 +33,16 @@ class IncrementalDetokenizer:
         self.hold_back = max(map(len, stop), default=1) - 1
         self.sent_text = 0  # characters and tokens a stream has handed out
         self.sent_tokens = 0
-        self.sent_final = False  # the stream has handed out the finished completion's last increment
+        self.sent_final = (
+            False  # the stream has handed out the finished completion's last increment
+        )
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
-    def add_tokens(self, token_ids: list[int], check_stop: bool = True, hide_last: bool = False) -> str | None:
+    def add_tokens(
+        self, token_ids: list[int], check_stop: bool = True, hide_last: bool = False
+    ) -> str | None:
         """Take the completion's new tokens; returns the stop string that ends it, if one appears
         in the new text (and ``check_stop``). ``hide_last``: the last token (an EOS or stop id that
         ended the completion) is left out of the text."""
@@ -72,7 +82,11 @@ class IncrementalDetokenizer:
         self.sent_final = finished
         ids = self.token_ids[self.sent_tokens :]
         self.sent_tokens = len(self.token_ids)
-        text = self.final_text() if finished else self.text[: max(self.sent_text, len(self.text) - self.hold_back)]
+        text = (
+            self.final_text()
+            if finished
+            else self.text[: max(self.sent_text, len(self.text) - self.hold_back)]
+        )
         new_text = text[self.sent_text :]
         self.sent_text = len(text)
         return ids, new_text

@@ -1,5 +1,6 @@
 """The front end's input side: prompts of every form and their sampling params, checked and turned
 into token ids (all or nothing per call), and conversations through the chat template."""
+
 from collections.abc import Callable
 
 from nanovllm.engine.requests import as_prompt_list, prompt_token_ids
@@ -7,7 +8,14 @@ from nanovllm.sampling_params import SamplingParams
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, block_size: int, num_kvcache_blocks: int):
+    def __init__(
+        self,
+        tokenizer,
+        vocab_size: int,
+        max_model_len: int,
+        block_size: int,
+        num_kvcache_blocks: int,
+    ):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -18,11 +26,15 @@ class InputProcessor:
         """One request's prompt token ids, with its params checked against the model and the
         cache; ``where`` names it in error messages."""
         if not isinstance(sampling_params, SamplingParams):
-            raise TypeError(f"{where}: sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+            raise TypeError(
+                f"{where}: sampling_params must be a SamplingParams, got {type(sampling_params).__name__}"
+            )
         token_ids = prompt_token_ids(prompt, self.tokenizer, self.vocab_size, where)
         for t in sampling_params.stop_token_ids:
             if t >= self.vocab_size:
-                raise ValueError(f"{where}: stop_token_ids holds {t}, outside the vocabulary [0, {self.vocab_size})")
+                raise ValueError(
+                    f"{where}: stop_token_ids holds {t}, outside the vocabulary [0, {self.vocab_size})"
+                )
         max_len = self.max_model_len
         if len(token_ids) >= max_len:
             raise ValueError(
@@ -39,8 +51,9 @@ class InputProcessor:
             )
         return token_ids
 
-    def check_all(self, prompts, sampling_params, default: Callable[[], SamplingParams]
-                  ) -> list[tuple[list[int], SamplingParams]]:
+    def check_all(
+        self, prompts, sampling_params, default: Callable[[], SamplingParams]
+    ) -> list[tuple[list[int], SamplingParams]]:
         """Every prompt of a call and its params (one for all, one per prompt, or None for
         ``default()``), checked before any is queued."""
         prompts = as_prompt_list(prompts)
@@ -53,7 +66,10 @@ class InputProcessor:
                 )
         else:
             sampling_params = [sampling_params] * len(prompts)
-        return [(self.check(p, sp, f"prompts[{i}]"), sp) for i, (p, sp) in enumerate(zip(prompts, sampling_params))]
+        return [
+            (self.check(p, sp, f"prompts[{i}]"), sp)
+            for i, (p, sp) in enumerate(zip(prompts, sampling_params))
+        ]
 
     def chat_prompts(self, messages, chat_template_kwargs: dict | None) -> list[list[int]]:
         """Conversations (one, or a list of them; each a list of ``{"role", "content"}`` dicts)
@@ -61,18 +77,34 @@ class InputProcessor:
         if isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], dict):
             messages = [messages]
         if not isinstance(messages, (list, tuple)):
-            raise TypeError(f"messages must be a conversation or a list of conversations, got {type(messages).__name__}")
+            raise TypeError(
+                f"messages must be a conversation or a list of conversations, got {type(messages).__name__}"
+            )
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
-            raise TypeError(f"chat_template_kwargs must be a dict or None, got {type(chat_template_kwargs).__name__}")
+            raise TypeError(
+                f"chat_template_kwargs must be a dict or None, got {type(chat_template_kwargs).__name__}"
+            )
         return [self._chat_prompt(c, i, chat_template_kwargs or {}) for i, c in enumerate(messages)]
 
     def _chat_prompt(self, conversation, i: int, template_kwargs: dict) -> list[int]:
         if not isinstance(conversation, (list, tuple)) or not conversation:
-            raise TypeError(f"messages[{i}]: a conversation must be a non-empty list of message dicts, got {conversation!r}")
+            raise TypeError(
+                f"messages[{i}]: a conversation must be a non-empty list of message dicts, got {conversation!r}"
+            )
         for j, m in enumerate(conversation):
-            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-                raise TypeError(f"messages[{i}][{j}]: a message must be a dict with str 'role' and 'content', got {m!r}")
+            if not (
+                isinstance(m, dict)
+                and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str)
+            ):
+                raise TypeError(
+                    f"messages[{i}][{j}]: a message must be a dict with str 'role' and 'content', got {m!r}"
+                )
         encoded = self.tokenizer.apply_chat_template(
-            list(conversation), add_generation_prompt=True, tokenize=True, return_dict=True, **template_kwargs
+            list(conversation),
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+            **template_kwargs,
         )
         return list(encoded["input_ids"])

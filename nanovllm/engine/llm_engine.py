@@ -1,5 +1,6 @@
 """The front end: prompts in (``InputProcessor``), outputs out (``OutputProcessor``), and between
 them the engine core, which runs on token ids only (``EngineCore``)."""
+
 import atexit
 from collections.abc import Iterator
 from contextlib import closing
@@ -10,9 +11,9 @@ from tqdm.auto import tqdm
 
 from nanovllm.config import Config
 from nanovllm.engine.core import ASLEEP, EngineCore
-from nanovllm.runner.executor import Executor
 from nanovllm.engine.input_processor import InputProcessor
 from nanovllm.engine.output_processor import OutputProcessor
+from nanovllm.runner.executor import Executor
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.interrupts import deferred_interrupt
 from nanovllm.utils.model_folder import load_tokenizer, read_generation_config, sampling_defaults
@@ -30,12 +31,17 @@ class LLMEngine:
         accepted = [name for name in Config.field_names() if name != "model"]
         for key in kwargs:
             if key not in accepted:
-                raise TypeError(f"LLM() got an unexpected keyword argument {key!r}; accepted: {', '.join(accepted)}")
+                raise TypeError(
+                    f"LLM() got an unexpected keyword argument {key!r}; accepted: {', '.join(accepted)}"
+                )
         self.config = config = Config(model, **kwargs)
         self.tokenizer = load_tokenizer(config.model)  # before any process starts
         self.generation_config = read_generation_config(config.model)
-        eos = {self.tokenizer.eos_token_id, *_as_list(getattr(config.hf_config, "eos_token_id", None)),
-               *_as_list(self.generation_config.get("eos_token_id"))}
+        eos = {
+            self.tokenizer.eos_token_id,
+            *_as_list(getattr(config.hf_config, "eos_token_id", None)),
+            *_as_list(self.generation_config.get("eos_token_id")),
+        }
         self.eos_token_ids = sorted(e for e in eos if e is not None)
         self.vocab_size = config.hf_config.vocab_size
         self._exited = True  # until the core has started
@@ -48,13 +54,25 @@ class LLMEngine:
         self._exited = False
         atexit.register(self.exit)
         self.num_kvcache_blocks = self.core.num_kvcache_blocks
-        self.inputs = InputProcessor(self.tokenizer, self.vocab_size, config.max_model_len,
-                                     config.kvcache_block_size, self.num_kvcache_blocks)
+        self.inputs = InputProcessor(
+            self.tokenizer,
+            self.vocab_size,
+            config.max_model_len,
+            config.kvcache_block_size,
+            self.num_kvcache_blocks,
+        )
         self.outputs = OutputProcessor(self.tokenizer)
         self._request_ids = count()
-        self._owned: set[int] = set()  # requests whose results a generate/chat/stream call in flight takes
-        self._unclaimed: list[tuple[int, list[int]]] = []  # finished add_request completions, for step()'s caller
-        self.last_throughput = {"prefill": 0.0, "decode": 0.0}  # tokens/s of the last generate/chat/stream
+        self._owned: set[int] = (
+            set()
+        )  # requests whose results a generate/chat/stream call in flight takes
+        self._unclaimed: list[
+            tuple[int, list[int]]
+        ] = []  # finished add_request completions, for step()'s caller
+        self.last_throughput = {
+            "prefill": 0.0,
+            "decode": 0.0,
+        }  # tokens/s of the last generate/chat/stream
 
     def exit(self) -> None:
         """Release worker processes, shared memory and the process group (idempotent)."""
@@ -72,7 +90,9 @@ class LLMEngine:
 
     def _check_running(self, asleep_ok: bool = False) -> None:
         if self._exited:
-            raise RuntimeError("this LLM has exited (exit() or the end of its with block); create a new LLM to continue")
+            raise RuntimeError(
+                "this LLM has exited (exit() or the end of its with block); create a new LLM to continue"
+            )
         if self.core.failure_message:
             raise RuntimeError(self.core.failure_message)
         if self.core.sleep_level and not asleep_ok:
@@ -97,7 +117,9 @@ class LLMEngine:
         defaults; used when a call passes no sampling params."""
         return SamplingParams(**sampling_defaults(self.generation_config))
 
-    def _queue(self, token_ids: list[int], sampling_params: SamplingParams, stream: bool = False) -> int:
+    def _queue(
+        self, token_ids: list[int], sampling_params: SamplingParams, stream: bool = False
+    ) -> int:
         """Start a checked request's output state and queue it in the core. Its completion ``i``
         is sequence ``request_id + i``."""
         request_id = next(self._request_ids)
@@ -161,8 +183,11 @@ class LLMEngine:
     def get_stats(self) -> dict:
         """Counts now (sequences: a request with ``n`` completions counts ``n``), cumulative
         token counts, and the last generate/chat/stream call's prefill and decode tokens/s."""
-        return {**self.core.stats(), "prefill_throughput": self.last_throughput["prefill"],
-                "decode_throughput": self.last_throughput["decode"]}
+        return {
+            **self.core.stats(),
+            "prefill_throughput": self.last_throughput["prefill"],
+            "decode_throughput": self.last_throughput["decode"],
+        }
 
     # ---- weights and the prefix cache --------------------------------------------------------
 
@@ -191,7 +216,9 @@ class LLMEngine:
         """Forget the prefix cache, on every replica: later requests hit nothing cached so far
         (requests running now keep their blocks). Returns True."""
         self._check_running(asleep_ok=True)
-        self._process(self.core.settle())  # with replicas: no call in flight, so each takes this one
+        self._process(
+            self.core.settle()
+        )  # with replicas: no call in flight, so each takes this one
         return self.core.reset_prefix_cache()
 
     # ---- sleep mode (features/sleep.py) ----------------------------------------------------------
@@ -206,10 +233,14 @@ class LLMEngine:
 
         self._check_running(asleep_ok=True)
         if not self.config.enable_sleep_mode:
-            raise RuntimeError("sleep() needs sleep mode: create the LLM with enable_sleep_mode=True")
+            raise RuntimeError(
+                "sleep() needs sleep mode: create the LLM with enable_sleep_mode=True"
+            )
         level = check_level(level)
         if self.core.sleep_level:
-            raise RuntimeError(f"the engine is already asleep (level {self.core.sleep_level}); call wake_up() first")
+            raise RuntimeError(
+                f"the engine is already asleep (level {self.core.sleep_level}); call wake_up() first"
+            )
         self._check_idle("sleep")
         self.core.sleep(level)
 
@@ -224,15 +255,21 @@ class LLMEngine:
 
     # ---- offline calls -----------------------------------------------------------------------
 
-    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[dict]:
+    def generate(
+        self,
+        prompts,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[dict]:
         """Complete every prompt (a string or a 1-D sequence of token ids, or a list of them);
         returns one dict per prompt, in input order. ``sampling_params``: one for all, one per
         prompt, or None for ``get_default_sampling_params()``. Every prompt is checked first."""
         self._check_running()
         requests = self.inputs.check_all(prompts, sampling_params, self.get_default_sampling_params)
         results: dict[int, dict] = {}
-        pbar = tqdm(total=len(requests), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        pbar = tqdm(
+            total=len(requests), desc="Generating", dynamic_ncols=True, disable=not use_tqdm
+        )
         with pbar, closing(self._run(requests)) as steps:
             shown = perf_counter()
             for request_ids, finished in steps:
@@ -244,24 +281,37 @@ class LLMEngine:
                 if use_tqdm and perf_counter() - shown > PROGRESS_INTERVAL:
                     shown = perf_counter()
                     t = self.last_throughput
-                    pbar.set_postfix(prefill=f"{t['prefill']:.0f}tok/s", decode=f"{t['decode']:.0f}tok/s")
+                    pbar.set_postfix(
+                        prefill=f"{t['prefill']:.0f}tok/s", decode=f"{t['decode']:.0f}tok/s"
+                    )
         return [results[request_id] for request_id in request_ids]
 
-    def chat(self, messages: list[dict] | list[list[dict]], sampling_params=None, use_tqdm: bool = True,
-             chat_template_kwargs: dict | None = None) -> list[dict]:
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params=None,
+        use_tqdm: bool = True,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[dict]:
         """``generate`` over conversations (one, or a list of them; each a list of ``{"role",
         "content"}`` dicts) through the tokenizer's chat template, with the assistant's turn opened.
         ``chat_template_kwargs`` go to the template (Qwen3: ``enable_thinking=False``)."""
         self._check_running()
-        return self.generate(self.inputs.chat_prompts(messages, chat_template_kwargs), sampling_params, use_tqdm)
+        return self.generate(
+            self.inputs.chat_prompts(messages, chat_template_kwargs), sampling_params, use_tqdm
+        )
 
-    def stream(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None) -> Iterator[dict]:
+    def stream(
+        self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
+    ) -> Iterator[dict]:
         """Like ``generate``, as an iterator of per-step increments, each a dict with ``index`` (the
         prompt's position), ``completion`` (its index among ``n``) and ``OutputProcessor.increments``'
         keys. Prompts are checked now; they are queued when iteration starts, and closing the
         iterator early (``break``) aborts the unfinished ones."""
         self._check_running()
-        return self._stream(self.inputs.check_all(prompts, sampling_params, self.get_default_sampling_params))
+        return self._stream(
+            self.inputs.check_all(prompts, sampling_params, self.get_default_sampling_params)
+        )
 
     def _stream(self, requests: list[tuple[list[int], SamplingParams]]) -> Iterator[dict]:
         with closing(self._run(requests, stream=True)) as steps:
@@ -270,8 +320,9 @@ class LLMEngine:
                     for completion, increment in self.outputs.increments(request_id):
                         yield {"index": index, "completion": completion, **increment}
 
-    def _run(self, requests: list[tuple[list[int], SamplingParams]],
-             stream: bool = False) -> Iterator[tuple[list[int], list[int]]]:
+    def _run(
+        self, requests: list[tuple[list[int], SamplingParams]], stream: bool = False
+    ) -> Iterator[tuple[list[int], list[int]]]:
         """Queue ``requests`` and step until all are finished, yielding after each step their
         request ids and those that finished in it. Left early (an exception, or closed), it aborts
         whatever of them is unfinished."""
@@ -292,7 +343,9 @@ class LLMEngine:
                 self.last_throughput[kind] = tokens[kind] / seconds[kind]
                 finished = [request_id for request_id in done if request_id in remaining]
                 if num_tokens == 0:  # nothing ran: some of ours were aborted meanwhile
-                    finished += [r for r in remaining if self.outputs.is_finished(r) and r not in finished]
+                    finished += [
+                        r for r in remaining if self.outputs.is_finished(r) and r not in finished
+                    ]
                 remaining.difference_update(finished)
                 yield request_ids, finished
         finally:

@@ -1,6 +1,7 @@
 """The front end's output side: each request's completions as the engine core reports their tokens:
 text (token by token where a stream or stop strings need it), stop strings, log-probabilities,
 stream increments and the result dicts."""
+
 from dataclasses import dataclass, field
 
 from nanovllm.engine.core import SeqOutput
@@ -32,8 +33,12 @@ class Completion:
 class RequestState:
     prompt_token_ids: list[int]
     completions: list[Completion]
-    prompt_logprobs: list[dict[int, float] | None] | None = None  # ``prompt_logprobs``, once the core sends them
-    prompt_logprobs_sent: bool = False  # a stream sends them once, in completion 0's first increment
+    prompt_logprobs: list[dict[int, float] | None] | None = (
+        None  # ``prompt_logprobs``, once the core sends them
+    )
+    prompt_logprobs_sent: bool = (
+        False  # a stream sends them once, in completion 0's first increment
+    )
 
     @property
     def finished(self) -> bool:
@@ -45,8 +50,13 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.requests: dict[int, RequestState] = {}
 
-    def add_request(self, request_id: int, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                    stream: bool) -> bool:
+    def add_request(
+        self,
+        request_id: int,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        stream: bool,
+    ) -> bool:
         """Start the request's output state. Returns whether the core must report its tokens every
         step (a stream, stop strings or log-probabilities), not only when a completion finishes."""
         sp = sampling_params
@@ -55,8 +65,9 @@ class OutputProcessor:
         for i in range(sp.n):
             detokenizer = None
             if text_each_step:
-                detokenizer = IncrementalDetokenizer(self.tokenizer, sp.stop, sp.include_stop_str_in_output,
-                                                     sp.skip_special_tokens)
+                detokenizer = IncrementalDetokenizer(
+                    self.tokenizer, sp.stop, sp.include_stop_str_in_output, sp.skip_special_tokens
+                )
             c = Completion(sp.for_completion(i) if sp.n > 1 else sp, detokenizer)
             if sp.logprobs is not None:
                 c.logprobs, c.cumulative_logprob = [], 0.0
@@ -64,7 +75,9 @@ class OutputProcessor:
         self.requests[request_id] = RequestState(prompt_token_ids, completions)
         return text_each_step or sp.logprobs is not None
 
-    def process(self, outputs: list[SeqOutput]) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    def process(
+        self, outputs: list[SeqOutput]
+    ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """Take a step's outputs. Returns the ``(request_id, seq_id)`` of the completions that
         finished, and those that a stop string ended while the core still runs them."""
         finished, stopped = [], []
@@ -83,8 +96,16 @@ class OutputProcessor:
                 c.cumulative_logprob += logprob
                 c.logprobs.append(entry)
             if out.finish_reason is not None:
-                c.finished, c.finish_reason, c.stop_reason = True, out.finish_reason, out.stop_reason
-            if c.detokenizer is not None and out.new_token_ids and self._stop_string(c, out.new_token_ids):
+                c.finished, c.finish_reason, c.stop_reason = (
+                    True,
+                    out.finish_reason,
+                    out.stop_reason,
+                )
+            if (
+                c.detokenizer is not None
+                and out.new_token_ids
+                and self._stop_string(c, out.new_token_ids)
+            ):
                 if out.finish_reason is None:
                     stopped.append((out.request_id, out.seq_id))
                     c.finished = True
@@ -97,7 +118,9 @@ class OutputProcessor:
         """Feed the new tokens to the detokenizer; True when a stop string ends the completion
         (also one that ended by length meanwhile). Stop strings count after ``min_tokens`` tokens."""
         check = c.finish_reason in (None, "length") and len(c.token_ids) > c.params.min_tokens
-        stop = c.detokenizer.add_tokens(new_token_ids, check, hide_last=c.num_text_tokens < len(c.token_ids))
+        stop = c.detokenizer.add_tokens(
+            new_token_ids, check, hide_last=c.num_text_tokens < len(c.token_ids)
+        )
         if stop is None:
             return False
         c.finish_reason, c.stop_reason = "stop", stop
@@ -122,16 +145,30 @@ class OutputProcessor:
         request = self.requests[request_id]
         completions = [self._completion_output(i, c) for i, c in enumerate(request.completions)]
         first = {k: v for k, v in completions[0].items() if k != "index"}
-        return {**first, "prompt_token_ids": request.prompt_token_ids, "prompt_logprobs": request.prompt_logprobs,
-                "num_cached_tokens": request.completions[0].num_cached_tokens, "outputs": completions}
+        return {
+            **first,
+            "prompt_token_ids": request.prompt_token_ids,
+            "prompt_logprobs": request.prompt_logprobs,
+            "num_cached_tokens": request.completions[0].num_cached_tokens,
+            "outputs": completions,
+        }
 
     def _completion_output(self, index: int, c: Completion) -> dict:
         if c.detokenizer is not None:
             text = c.detokenizer.final_text()
         else:
-            text = self.tokenizer.decode(c.token_ids[: c.num_text_tokens], skip_special_tokens=c.params.skip_special_tokens)
-        return {"index": index, "text": text, "token_ids": list(c.token_ids), "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason, "logprobs": c.logprobs, "cumulative_logprob": c.cumulative_logprob}
+            text = self.tokenizer.decode(
+                c.token_ids[: c.num_text_tokens], skip_special_tokens=c.params.skip_special_tokens
+            )
+        return {
+            "index": index,
+            "text": text,
+            "token_ids": list(c.token_ids),
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+            "logprobs": c.logprobs,
+            "cumulative_logprob": c.cumulative_logprob,
+        }
 
     def increments(self, request_id: int) -> list[tuple[int, dict]]:
         """A stream's new output of each completion of the request: ``(completion index, dict)``
@@ -147,9 +184,15 @@ class OutputProcessor:
                 continue  # done, or nothing new
             start = d.sent_tokens
             token_ids, text = d.take_increment(c.finished)
-            inc = {"token_ids": token_ids, "text": text, "finished": c.finished,
-                   "logprobs": None if c.logprobs is None else c.logprobs[start : start + len(token_ids)],
-                   "prompt_logprobs": None}
+            inc = {
+                "token_ids": token_ids,
+                "text": text,
+                "finished": c.finished,
+                "logprobs": None
+                if c.logprobs is None
+                else c.logprobs[start : start + len(token_ids)],
+                "prompt_logprobs": None,
+            }
             if i == 0 and not request.prompt_logprobs_sent:
                 inc["prompt_logprobs"], request.prompt_logprobs_sent = request.prompt_logprobs, True
             if c.finished:

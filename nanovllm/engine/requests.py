@@ -1,4 +1,5 @@
 """Prompts in every accepted form: text or token ids, each id checked against the vocabulary."""
+
 from numbers import Integral
 
 
@@ -28,7 +29,10 @@ def prompt_token_ids(prompt, tokenizer, vocab_size: int, where: str) -> list[int
     if isinstance(prompt, str):
         try:
             token_ids = tokenizer.encode(prompt)
-        except (TypeError, ValueError) as error:  # tokenizers' message names neither prompt nor character
+        except (
+            TypeError,
+            ValueError,
+        ) as error:  # tokenizers' message names neither prompt nor character
             try:
                 prompt.encode("utf-8")
             except UnicodeEncodeError as e:  # a lone surrogate such as "\ud800"

@@ -1,4 +1,5 @@
 """Decides what each step computes: prefill first, FIFO, chunked prompts and preemption (pure Python)."""
+
 from collections import deque
 
 from nanovllm.engine.block_manager import BlockManager
@@ -25,7 +26,9 @@ class Scheduler:
         self.max_model_len = max_model_len
         if eos_token_id is None:
             eos_token_id = []
-        self.eos_token_ids = frozenset([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
+        self.eos_token_ids = frozenset(
+            [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
+        )
         self.block_manager = BlockManager(num_blocks, block_size)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
@@ -54,7 +57,11 @@ class Scheduler:
         while self.waiting and budget > 0 and num_seqs < self.max_num_seqs:
             seq = self.waiting[0]
             lead = seq.wait_for
-            if lead is not None and lead in scheduled and lead.num_cached_tokens < lead.num_prompt_tokens:
+            if (
+                lead is not None
+                and lead in scheduled
+                and lead.num_cached_tokens < lead.num_prompt_tokens
+            ):
                 break  # its prompt's blocks are computed this step by its first completion: hit them next step
             if seq.block_table:  # a chunked prefill in progress
                 num_uncached = len(seq) - seq.num_cached_tokens
@@ -173,7 +180,9 @@ class Scheduler:
                 self.block_manager.deallocate(seq)
         return positions
 
-    def resolve(self, seqs: list[Sequence], positions: list[int], token_ids: list[int]) -> list[Sequence]:
+    def resolve(
+        self, seqs: list[Sequence], positions: list[int], token_ids: list[int]
+    ) -> list[Sequence]:
         """A step's sampled tokens have arrived: ``token_ids[i]`` goes to ``positions[i]`` of
         ``seqs[i]`` (from ``advance``); tokens computed past a sequence's end (it ended meanwhile,
         or was aborted) are dropped. Returns the sequences that finished (``check_stop``)."""

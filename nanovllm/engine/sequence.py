@@ -1,6 +1,7 @@
 """One completion as the scheduler sees it: its token ids, where its KV lives, how far it has been
 computed (pure Python). Its text, log-probabilities and result dict are the front end's
 (``output_processor.py``)."""
+
 from enum import Enum, auto
 from itertools import count
 
@@ -28,10 +29,18 @@ class Sequence:
 
     _ids = count()
 
-    def __init__(self, token_ids: list[int], sampling_params: SamplingParams, block_size: int,
-                 seq_id: int | None = None, request_id: int | None = None):
+    def __init__(
+        self,
+        token_ids: list[int],
+        sampling_params: SamplingParams,
+        block_size: int,
+        seq_id: int | None = None,
+        request_id: int | None = None,
+    ):
         self.seq_id = next(Sequence._ids) if seq_id is None else seq_id
-        self.request_id = self.seq_id if request_id is None else request_id  # n > 1: the first completion's id
+        self.request_id = (
+            self.seq_id if request_id is None else request_id
+        )  # n > 1: the first completion's id
         self.status = SequenceStatus.WAITING
         self.block_size = block_size
         self.token_ids = list(token_ids)
@@ -42,14 +51,18 @@ class Sequence:
         self.num_scheduled_tokens = 0
         self.num_pending = 0
         self.pending_row = -1
-        self.num_prefix_hit_tokens = -1  # prompt tokens served by the prefix cache at first admission
+        self.num_prefix_hit_tokens = (
+            -1
+        )  # prompt tokens served by the prefix cache at first admission
         self.block_table: list[int] = []
         self.sampling_params = sampling_params
         self.max_tokens = sampling_params.max_tokens
         self.ignore_eos = sampling_params.ignore_eos
         self.min_tokens = sampling_params.min_tokens
         self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
-        self.min_tokens_ids = list(sampling_params.stop_token_ids)  # suppressed before min_tokens; the core adds EOS
+        self.min_tokens_ids = list(
+            sampling_params.stop_token_ids
+        )  # suppressed before min_tokens; the core adds EOS
         # n > 1: the first completion of the request; this one is admitted once that one's prompt
         # is computed, so the prompt's full blocks come from the prefix cache
         self.wait_for: Sequence | None = None
@@ -86,7 +99,9 @@ class Sequence:
     def scores_prompt(self) -> bool:
         """Whether it still owes prompt log-probabilities: then it computes its whole prompt (it
         takes no prefix-cache hits), and each prefill chunk scores the prompt tokens after it."""
-        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+        return (
+            self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+        )
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -124,7 +139,9 @@ class Sequence:
     def set_token(self, position: int, token_id: int) -> None:
         """The value of the oldest pending placeholder, at ``position``."""
         if position != self.num_known_tokens:
-            raise ValueError(f"sequence {self.seq_id}: token {position} set out of order (next is {self.num_known_tokens})")
+            raise ValueError(
+                f"sequence {self.seq_id}: token {position} set out of order (next is {self.num_known_tokens})"
+            )
         self.token_ids[position] = token_id
         self.num_pending -= 1
         if position == self.num_tokens - 1:
@@ -146,8 +163,13 @@ class Sequence:
         return self.token_ids[start : start + self.num_scheduled_tokens]
 
 
-def request_sequences(request_id: int, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                      block_size: int, eos_token_ids: list[int]) -> list["Sequence"]:
+def request_sequences(
+    request_id: int,
+    prompt_token_ids: list[int],
+    sampling_params: SamplingParams,
+    block_size: int,
+    eos_token_ids: list[int],
+) -> list["Sequence"]:
     """A request's ``n`` completions as sequences ``request_id + i``. EOS (unless ``ignore_eos``)
     joins the ids suppressed before ``min_tokens``. Completion 0 is computed first; the others are
     admitted once its prompt is in the cache, so they share the prompt's full blocks. Completion 0
@@ -156,8 +178,13 @@ def request_sequences(request_id: int, prompt_token_ids: list[int], sampling_par
     suppressed = [] if sp.ignore_eos else [e for e in eos_token_ids if e not in sp.stop_token_ids]
     seqs = []
     for i in range(sp.n):
-        seq = Sequence(prompt_token_ids, sp.for_completion(i) if sp.n > 1 else sp, block_size,
-                       seq_id=request_id + i, request_id=request_id)
+        seq = Sequence(
+            prompt_token_ids,
+            sp.for_completion(i) if sp.n > 1 else sp,
+            block_size,
+            seq_id=request_id + i,
+            request_id=request_id,
+        )
         seq.min_tokens_ids += suppressed
         if i == 0 and sp.prompt_logprobs is not None:
             seq.prompt_logprobs = [None]

@@ -1,6 +1,7 @@
 """The plain description of one step that the engine core hands the executor (pure Python): what
 every rank computes, and on rank 0 how each row samples. Lists of ints and small dataclasses only,
 so it pickles compactly to the worker processes; no ``Sequence`` crosses that boundary."""
+
 from dataclasses import dataclass, replace
 from itertools import chain
 from random import Random
@@ -34,8 +35,12 @@ class SamplingRows:
     seeds: list[int]  # each row's draw seed in [0, 2**32)
     params: list[SamplingParams]
     plain: bool
-    suppressed: list[list[int]] | None = None  # per row: ids masked before min_tokens (None: no row has any)
-    penalty_tokens: list[tuple[list[int], list[int]] | None] | None = None  # per row: (prompt, output) ids
+    suppressed: list[list[int]] | None = (
+        None  # per row: ids masked before min_tokens (None: no row has any)
+    )
+    penalty_tokens: list[tuple[list[int], list[int]] | None] | None = (
+        None  # per row: (prompt, output) ids
+    )
     token_bitmask: tuple[list[int], np.ndarray] | None = None  # (rows, [len(rows), words] int32)
 
 
@@ -83,7 +88,11 @@ class Step:
         """What ranks other than 0 need: everything but the sampling rows, save a plain step's
         temperatures and draw seeds (a decode graph draws on every rank, see cuda_graphs)."""
         rows = self.sampling
-        plain = None if rows is None or not rows.plain else SamplingRows(rows.temperatures, rows.seeds, [], True)
+        plain = (
+            None
+            if rows is None or not rows.plain
+            else SamplingRows(rows.temperatures, rows.seeds, [], True)
+        )
         return replace(self, sampling=plain)
 
 
@@ -102,11 +111,21 @@ def build_step(seqs: list[Sequence], is_prefill: bool, rng: Random) -> Step:
         if max(prev_rows) < 0:
             prev_rows = None
     scoring = prompt_scoring(seqs, num_computed, num_new) if is_prefill else None
-    return Step(is_prefill, token_ids, num_computed, num_new, [seq.block_table for seq in seqs], prev_rows,
-                sampling_rows(seqs, rng), scoring)
+    return Step(
+        is_prefill,
+        token_ids,
+        num_computed,
+        num_new,
+        [seq.block_table for seq in seqs],
+        prev_rows,
+        sampling_rows(seqs, rng),
+        scoring,
+    )
 
 
-def prompt_scoring(seqs: list[Sequence], num_computed: list[int], num_new: list[int]) -> PromptScoring | None:
+def prompt_scoring(
+    seqs: list[Sequence], num_computed: list[int], num_new: list[int]
+) -> PromptScoring | None:
     """The prompt tokens this prefill scores: for each sequence that owes prompt log-probabilities,
     those after the tokens it computes, within its prompt, not scored before (a preempted sequence
     computes its prompt again)."""
@@ -114,7 +133,9 @@ def prompt_scoring(seqs: list[Sequence], num_computed: list[int], num_new: list[
     offset = 0  # the sequence's first token among the step's
     for i, seq in enumerate(seqs):
         if seq.scores_prompt:
-            start = max(num_computed[i], len(seq.prompt_logprobs) - 1)  # the logits at p score token p + 1
+            start = max(
+                num_computed[i], len(seq.prompt_logprobs) - 1
+            )  # the logits at p score token p + 1
             end = min(num_computed[i] + num_new[i], seq.num_prompt_tokens - 1)
             if start < end:
                 scoring = scoring or PromptScoring([], [], [], [], [], [])
@@ -122,7 +143,9 @@ def prompt_scoring(seqs: list[Sequence], num_computed: list[int], num_new: list[
                 scoring.firsts.append(start + 1)
                 scoring.counts.append(end - start)
                 scoring.nums.append(seq.sampling_params.prompt_logprobs)
-                scoring.indices += range(offset + start - num_computed[i], offset + end - num_computed[i])
+                scoring.indices += range(
+                    offset + start - num_computed[i], offset + end - num_computed[i]
+                )
                 scoring.targets += seq.token_ids[start + 1 : end + 1]
         offset += num_new[i]
     return scoring
@@ -146,14 +169,21 @@ def sampling_rows(seqs: list[Sequence], rng: Random) -> SamplingRows:
         if sp.has_penalties:
             penalty_tokens = penalty_tokens or [None] * len(seqs)
             penalty_tokens[i] = (seq.prompt_token_ids, seq.completion_token_ids)
-        if plain and (sp.has_filters or sp.has_penalties or sp.logprobs is not None or step < sp.min_tokens):
+        if plain and (
+            sp.has_filters or sp.has_penalties or sp.logprobs is not None or step < sp.min_tokens
+        ):
             plain = False
         # a prompt chunk that is not the last samples nothing: its grammar has no row this step
-        if seq.grammar is not None and seq.num_cached_tokens + seq.num_scheduled_tokens >= seq.num_tokens:
+        if (
+            seq.grammar is not None
+            and seq.num_cached_tokens + seq.num_scheduled_tokens >= seq.num_tokens
+        ):
             grammar_rows.append(i)
     token_bitmask = grammar_bitmask(seqs, grammar_rows) if grammar_rows else None
     plain = plain and token_bitmask is None
-    return SamplingRows(temperatures, seeds, params, plain, suppressed, penalty_tokens, token_bitmask)
+    return SamplingRows(
+        temperatures, seeds, params, plain, suppressed, penalty_tokens, token_bitmask
+    )
 
 
 def grammar_bitmask(seqs: list[Sequence], rows: list[int]) -> tuple[list[int], np.ndarray]:

@@ -1,5 +1,6 @@
 """Prompt log-probabilities (``SamplingParams.prompt_logprobs``) on the rank that samples: the LM
 head over the prompt positions a prefill scores, in chunks, then log_softmax of the raw logits."""
+
 import torch
 
 from nanovllm.sampling.torch_ops import top_logprobs
@@ -9,8 +10,9 @@ CHUNK = 512  # positions per LM-head pass: bounds the [positions, vocab] float32
 
 
 @torch.inference_mode()
-def score_prompt(model, hidden_states: torch.Tensor, scoring, vocab_size: int
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+def score_prompt(
+    model, hidden_states: torch.Tensor, scoring, vocab_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """For ``scoring`` (``engine.step.PromptScoring``): each scored target's log-probability [T],
     and the ``scoring.num`` largest ones [T, num] with their ids. Every tensor-parallel rank calls
     this (the LM head gathers its vocabulary slices on rank 0); the others get None."""

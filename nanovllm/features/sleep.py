@@ -7,6 +7,7 @@ storage itself, nothing is copied), nowhere at level 2. Buffers (the rotary cos/
 not checkpoint weights: they go to the host at both levels. ``restore`` reallocates each tensor
 with its shape, dtype and strides, and copies the host values back; level 2's weights come back
 zero-filled, their values undefined until the caller loads new ones."""
+
 import logging
 from dataclasses import dataclass
 
@@ -50,7 +51,11 @@ class HostArena:
             self.buffer = torch.empty(total, dtype=torch.uint8, pin_memory=True)
         out = []
         for t, offset in zip(tensors, offsets):
-            host = self.buffer[offset : offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            host = (
+                self.buffer[offset : offset + t.numel() * t.element_size()]
+                .view(t.dtype)
+                .view(t.shape)
+            )
             out.append(host.copy_(t, non_blocking=True))
         torch.cuda.synchronize()
         return out
@@ -67,7 +72,10 @@ def offload(model: nn.Module, level: int, arena: HostArena) -> list[Offloaded]:
     if to_copy and to_copy[0].device.type != "cpu":
         to_copy = arena.copies(to_copy)
     hosts = iter(to_copy)  # on the CPU a tensor's own storage is its host copy
-    out = [Offloaded(t, t.shape, t.stride(), t.dtype, next(hosts) if keep else None) for t, keep in kept]
+    out = [
+        Offloaded(t, t.shape, t.stride(), t.dtype, next(hosts) if keep else None)
+        for t, keep in kept
+    ]
     for entry in out:
         entry.tensor.data = torch.empty(0, dtype=entry.dtype, device=entry.tensor.device)
     return out
@@ -91,9 +99,13 @@ def restore(offloaded: list[Offloaded], device: torch.device) -> None:
 def check_level(level) -> int:
     """``sleep``'s level: 1 (weights kept on the host) or 2 (weights dropped)."""
     if isinstance(level, bool) or not isinstance(level, int):
-        raise TypeError(f"sleep level must be an int (1 or 2), got {level!r} ({type(level).__name__})")
+        raise TypeError(
+            f"sleep level must be an int (1 or 2), got {level!r} ({type(level).__name__})"
+        )
     if level not in SLEEP_LEVELS:
-        raise ValueError(f"sleep level must be 1 (weights kept on the host) or 2 (weights dropped), got {level}")
+        raise ValueError(
+            f"sleep level must be 1 (weights kept on the host) or 2 (weights dropped), got {level}"
+        )
     return level
 
 
@@ -101,5 +113,10 @@ def log_device_memory(device: torch.device, what: str) -> None:
     """At debug level: what torch holds on the GPU after ``what``."""
     if device.type == "cuda" and logger.isEnabledFor(logging.DEBUG):
         mib = 2**20
-        logger.debug("%s: %.1f MiB allocated, %.1f MiB reserved on %s", what,
-                     torch.cuda.memory_allocated(device) / mib, torch.cuda.memory_reserved(device) / mib, device)
+        logger.debug(
+            "%s: %.1f MiB allocated, %.1f MiB reserved on %s",
+            what,
+            torch.cuda.memory_allocated(device) / mib,
+            torch.cuda.memory_reserved(device) / mib,
+            device,
+        )

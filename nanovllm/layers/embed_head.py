@@ -3,8 +3,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.utils.context import get_context
 from nanovllm.parallel.distributed import all_reduce, get_tp_rank, get_tp_size
+from nanovllm.utils.context import get_context
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -41,7 +41,9 @@ class ParallelLMHead(VocabParallelEmbedding):
     on the others), unless the caller takes this rank's slice as it is (``gather=False``: a decode
     graph's draw, see sampling/triton_draw.py)."""
 
-    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None, gather: bool = True) -> torch.Tensor | None:
+    def forward(
+        self, x: torch.Tensor, out: torch.Tensor | None = None, gather: bool = True
+    ) -> torch.Tensor | None:
         """``out``: where to write this rank's logits (not gathered)."""
         context = get_context()
         if context.is_prefill:
@@ -53,6 +55,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         """Every rank's slice of the logits, in vocabulary order, on rank 0 (every rank calls this)."""
         if self.tp_size == 1:
             return logits
-        parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
+        parts = (
+            [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
+        )
         dist.gather(logits, parts, dst=0)
         return torch.cat(parts, dim=-1) if self.tp_rank == 0 else None

@@ -1,8 +1,8 @@
 import torch
 from torch import nn
 
-from nanovllm.utils.compile import compile_on_gpu
 from nanovllm.parallel.distributed import all_reduce
+from nanovllm.utils.compile import compile_on_gpu
 
 
 @compile_on_gpu
@@ -32,7 +32,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.quantize = quantize
-        self.reduces_input = False  # True: with a residual, x is a row-parallel layer's unsummed output
+        self.reduces_input = (
+            False  # True: with a residual, x is a row-parallel layer's unsummed output
+        )
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is not None and self.reduces_input:

@@ -6,13 +6,14 @@ Built under ``building_quantized("fp8")`` a layer holds FP8 weights: ``weight`` 
 the scale blocks the way they place the weight (a shard or a fused part of ``size`` rows lands at
 ``offset``, its scales at ``offset / 128``), and a float checkpoint tensor is quantized on the way
 in (``quantization="fp8"``). The bias stays in the model dtype."""
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.parallel.distributed import all_reduce, get_tp_rank, get_tp_size
 from nanovllm.quantization import get_quantization
 from nanovllm.quantization.fp8 import BLOCK, FP8_DTYPE, fp8_linear, quantize_weight_blocks
-from nanovllm.parallel.distributed import all_reduce, get_tp_rank, get_tp_size
 
 
 def _divide(numerator: int, denominator: int) -> int:
@@ -24,16 +25,27 @@ class LinearBase(nn.Module):
     """``tp_dim``: the weight dimension split across ranks (0: output, 1: input, None: replicated).
     ``quantizable``: False keeps the layer in the model dtype in an FP8 model (MoE routers)."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None, quantizable: bool = True):
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool,
+        tp_dim: int | None,
+        quantizable: bool = True,
+    ):
         super().__init__()
         self.tp_dim = tp_dim
         self.tp_rank = get_tp_rank()
         self.tp_size = get_tp_size()
         self.fp8 = quantizable and get_quantization() == "fp8"
         if self.fp8:
-            self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=FP8_DTYPE), requires_grad=False)
+            self.weight = nn.Parameter(
+                torch.empty(output_size, input_size, dtype=FP8_DTYPE), requires_grad=False
+            )
             blocks = (-(-output_size // BLOCK), -(-input_size // BLOCK))
-            self.weight_scale_inv = nn.Parameter(torch.ones(blocks, dtype=torch.float32), requires_grad=False)
+            self.weight_scale_inv = nn.Parameter(
+                torch.ones(blocks, dtype=torch.float32), requires_grad=False
+            )
             self.weight_scale_inv.weight_loader = self.weight_loader
             self.loaded: set[tuple] = set()  # shard ids whose weight is loaded
             self.scaled: set[tuple] = set()  # shard ids whose scales are loaded
@@ -64,7 +76,9 @@ class LinearBase(nn.Module):
         self._copy(param, loaded, shard_id)
 
     def _copy(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple) -> None:
-        if self.tp_dim is None or param.dim() == 1 and self.tp_dim == 1:  # replicated, or a row-parallel bias
+        if (
+            self.tp_dim is None or param.dim() == 1 and self.tp_dim == 1
+        ):  # replicated, or a row-parallel bias
             param.data.copy_(loaded)
             return
         block = BLOCK if self.fp8 and param is self.weight_scale_inv else 1
@@ -77,7 +91,10 @@ class LinearBase(nn.Module):
         """FP8 weights loaded without their ``weight_scale_inv`` (see ``load_model``)."""
         if not self.fp8:
             return []
-        return [f"weight_scale_inv{' (' + ', '.join(map(str, s)) + ')' if s else ''}" for s in self.loaded - self.scaled]
+        return [
+            f"weight_scale_inv{' (' + ', '.join(map(str, s)) + ')' if s else ''}"
+            for s in self.loaded - self.scaled
+        ]
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.fp8:
@@ -89,7 +106,9 @@ class LinearBase(nn.Module):
 
 
 class ReplicatedLinear(LinearBase):
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, quantizable: bool = True):
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = False, quantizable: bool = True
+    ):
         super().__init__(input_size, output_size, bias, tp_dim=None, quantizable=quantizable)
 
 
@@ -117,7 +136,12 @@ class QKVParallelLinear(ColumnParallelLinear):
     """Fused q/k/v projection; each rank holds its query heads and its KV heads."""
 
     def __init__(
-        self, hidden_size: int, head_dim: int, total_num_heads: int, total_num_kv_heads: int, bias: bool = False
+        self,
+        hidden_size: int,
+        head_dim: int,
+        total_num_heads: int,
+        total_num_kv_heads: int,
+        bias: bool = False,
     ):
         tp_size = get_tp_size()
         self.head_dim = head_dim
@@ -129,7 +153,9 @@ class QKVParallelLinear(ColumnParallelLinear):
     def shard(self, param: nn.Parameter, shard_id: str) -> tuple[int, int, int]:
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
-        offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
+        offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[
+            shard_id
+        ]
         return offset, self.tp_rank * size, size
 
 

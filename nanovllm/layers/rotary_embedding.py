@@ -24,8 +24,13 @@ def apply_rotary_emb(
 
 @compile_on_gpu
 def apply_qk_norm_rotary_emb(
-    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-    eps: float, cos_sin_cache: torch.Tensor,
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    cos_sin_cache: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-head RMSNorm of q and k (Qwen3's QK-norm), then RoPE: the same arithmetic as
     ``RMSNorm`` followed by ``apply_rotary_emb``, compiled as one function on the GPU so the
@@ -43,21 +48,32 @@ def rope_parameters(config) -> tuple[float, dict]:
     params.update(getattr(config, "rope_scaling", None) or {})
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ("default", "llama3"):
-        raise ValueError(f"rope scaling type {rope_type!r} is not supported (only plain RoPE and 'llama3')")
+        raise ValueError(
+            f"rope scaling type {rope_type!r} is not supported (only plain RoPE and 'llama3')"
+        )
     theta = params.get("rope_theta", getattr(config, "rope_theta", None))
     if theta is None:
-        raise ValueError("the model config has no rope_theta (neither in rope_parameters nor at top level)")
+        raise ValueError(
+            "the model config has no rope_theta (neither in rope_parameters nor at top level)"
+        )
     if rope_type == "default":
         return float(theta), {}
     keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     missing = [k for k in keys if k not in params]
     if missing:
-        raise ValueError(f"rope scaling 'llama3' needs {', '.join(keys)}; the config lacks {', '.join(missing)}")
+        raise ValueError(
+            f"rope scaling 'llama3' needs {', '.join(keys)}; the config lacks {', '.join(missing)}"
+        )
     return float(theta), {k: float(params[k]) for k in keys}
 
 
-def llama3_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_factor: float, high_freq_factor: float,
-                    original_max_position_embeddings: float) -> torch.Tensor:
+def llama3_inv_freq(
+    inv_freq: torch.Tensor,
+    factor: float,
+    low_freq_factor: float,
+    high_freq_factor: float,
+    original_max_position_embeddings: float,
+) -> torch.Tensor:
     """Llama 3's frequency scaling: wavelengths shorter than original_max / high_freq_factor keep
     their frequency, those longer than original_max / low_freq_factor are divided by ``factor``,
     and in between the two are blended linearly in original_max / wavelength."""
@@ -77,7 +93,9 @@ class RotaryEmbedding(nn.Module):
         if scaling:
             inv_freq = llama3_inv_freq(inv_freq, **scaling)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float), inv_freq)
-        cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).unsqueeze(1)  # [max_position, 1, head_dim]
+        cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).unsqueeze(
+            1
+        )  # [max_position, 1, head_dim]
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
     def forward(

@@ -1,6 +1,7 @@
 """The dense decoder of the Llama family (Llama 3.x), built from the tensor-parallel layers; Qwen2 and
 Qwen3 are the same decoder with other attention options (``models/qwen2.py``, ``models/qwen3.py``).
 Every constant comes from the checkpoint's config."""
+
 import torch
 from torch import nn
 
@@ -9,9 +10,13 @@ from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from nanovllm.quantization.fp8 import BLOCK, QuantizedRows
-from nanovllm.layers.rotary_embedding import RotaryEmbedding, apply_qk_norm_rotary_emb, rope_parameters
+from nanovllm.layers.rotary_embedding import (
+    RotaryEmbedding,
+    apply_qk_norm_rotary_emb,
+    rope_parameters,
+)
 from nanovllm.parallel.distributed import get_tp_size
+from nanovllm.quantization.fp8 import BLOCK, QuantizedRows
 
 
 def head_dim(config) -> int:
@@ -32,14 +37,24 @@ class DecoderAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, self.head_dim, config.num_attention_heads, config.num_key_value_heads, bias=qkv_bias
+            config.hidden_size,
+            self.head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            bias=qkv_bias,
         )
-        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=o_bias)
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim, config.hidden_size, bias=o_bias
+        )
         self.quantized_input = self.qkv_proj.fp8  # the norm in front hands qkv_proj quantized rows
         theta, scaling = rope_parameters(config)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, theta, scaling)
+        self.rotary_emb = RotaryEmbedding(
+            self.head_dim, config.max_position_embeddings, theta, scaling
+        )
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
-        self.attn.quantize_output = self.o_proj.fp8 and self.head_dim == BLOCK  # a head: one group of o_proj's input
+        self.attn.quantize_output = (
+            self.o_proj.fp8 and self.head_dim == BLOCK
+        )  # a head: one group of o_proj's input
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
@@ -48,7 +63,9 @@ class DecoderAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
         if self.attn.fuses_rope(qkv):
-            norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else None
+            norm = (
+                (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else None
+            )
             o = self.attn.rope_store_attend(qkv, positions, self.rotary_emb.cos_sin_cache, norm)
             return self._project(o)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -57,7 +74,13 @@ class DecoderAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = apply_qk_norm_rotary_emb(
-                positions, q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.rotary_emb.cos_sin_cache
+                positions,
+                q,
+                k,
+                self.q_norm.weight,
+                self.k_norm.weight,
+                self.q_norm.eps,
+                self.rotary_emb.cos_sin_cache,
             )
         else:
             q, k = self.rotary_emb(positions, q, k)
@@ -74,11 +97,15 @@ class DecoderAttention(nn.Module):
 class GatedMLP(nn.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), gate and up as one column-parallel GEMM."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool = False):
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool = False
+    ):
         super().__init__()
         if hidden_act != "silu":
             raise ValueError(f"hidden_act {hidden_act!r} is not supported (only 'silu')")
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size] * 2, bias=bias
+        )
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
         self.act_fn = SiluAndMul(quantize=self.down_proj.fp8)
         self.quantized_input = self.gate_up_proj.fp8
@@ -96,9 +123,16 @@ class DecoderLayer(nn.Module):
         self.self_attn = self_attn
         self.mlp = mlp
         # FP8 layers take their input quantized by the norm in front (MoE blocks route bf16 rows)
-        quantize = (getattr(self_attn, "quantized_input", False), getattr(mlp, "quantized_input", False))
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, quantize=quantize[0])
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, quantize=quantize[1])
+        quantize = (
+            getattr(self_attn, "quantized_input", False),
+            getattr(mlp, "quantized_input", False),
+        )
+        self.input_layernorm = RMSNorm(
+            config.hidden_size, eps=config.rms_norm_eps, quantize=quantize[0]
+        )
+        self.post_attention_layernorm = RMSNorm(
+            config.hidden_size, eps=config.rms_norm_eps, quantize=quantize[1]
+        )
 
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
@@ -119,14 +153,18 @@ class DecoderModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        biased = any(isinstance(m, RowParallelLinear) and m.bias is not None for m in self.modules())
+        biased = any(
+            isinstance(m, RowParallelLinear) and m.bias is not None for m in self.modules()
+        )
         if get_tp_size() > 1 and not biased:
             # each layer's attention and MLP leave their sums to the norm behind them (layers/reduce_norm.py):
             # the next one's, the last layer's to the final norm (layer 0's input norm gets no residual)
             for layer in self.layers:
                 layer.self_attn.leave_output_unsummed()
                 layer.mlp.leave_output_unsummed()
-                layer.input_layernorm.reduces_input = layer.post_attention_layernorm.reduces_input = True
+                layer.input_layernorm.reduces_input = (
+                    layer.post_attention_layernorm.reduces_input
+                ) = True
             self.norm.reduces_input = True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -159,14 +197,22 @@ class LlamaForCausalLM(nn.Module):
         return bias, bias
 
     def make_mlp(self, config, layer_idx: int) -> nn.Module:
-        return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
-                        bias=getattr(config, "mlp_bias", False))
+        return GatedMLP(
+            config.hidden_size,
+            config.intermediate_size,
+            config.hidden_act,
+            bias=getattr(config, "mlp_bias", False),
+        )
 
     def __init__(self, config):
         super().__init__()
         qkv_bias, o_bias = self.attention_biases(config)
         layers = [
-            DecoderLayer(config, DecoderAttention(config, qkv_bias, o_bias, self.qk_norm), self.make_mlp(config, i))
+            DecoderLayer(
+                config,
+                DecoderAttention(config, qkv_bias, o_bias, self.qk_norm),
+                self.make_mlp(config, i),
+            )
             for i in range(config.num_hidden_layers)
         ]
         self.model = DecoderModel(config, layers)
@@ -177,6 +223,7 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden_states: torch.Tensor, out: torch.Tensor | None = None,
-                       gather: bool = True) -> torch.Tensor | None:
+    def compute_logits(
+        self, hidden_states: torch.Tensor, out: torch.Tensor | None = None, gather: bool = True
+    ) -> torch.Tensor | None:
         return self.lm_head(hidden_states, out, gather)

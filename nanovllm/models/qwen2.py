@@ -1,4 +1,5 @@
 """Qwen2 and Qwen2.5: the Llama decoder with biases on the q/k/v projections (none on the output)."""
+
 from nanovllm.models.llama import LlamaForCausalLM
 
 

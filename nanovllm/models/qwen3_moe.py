@@ -1,6 +1,7 @@
 """Qwen3-MoE (e.g. Qwen3-30B-A3B): Qwen3's attention, and in most layers a sparse MoE block in
 place of the dense MLP. A layer is sparse unless it is listed in ``mlp_only_layers``, when the
 model has experts and its 1-based index is a multiple of ``decoder_sparse_step``."""
+
 from torch import nn
 
 from nanovllm.layers.moe import SparseMoeBlock, map_expert_tensor
@@ -17,8 +18,13 @@ def is_sparse_layer(config, layer_idx: int) -> bool:
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     def make_mlp(self, config, layer_idx: int) -> nn.Module:
         if is_sparse_layer(config, layer_idx):
-            return SparseMoeBlock(config.hidden_size, config.num_experts, config.num_experts_per_tok,
-                                  config.moe_intermediate_size, config.norm_topk_prob)
+            return SparseMoeBlock(
+                config.hidden_size,
+                config.num_experts,
+                config.num_experts_per_tok,
+                config.moe_intermediate_size,
+                config.norm_topk_prob,
+            )
         return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
 
     @staticmethod

@@ -1,4 +1,5 @@
 """Which model class runs a checkpoint: chosen by ``config.json``'s ``architectures``."""
+
 import importlib
 
 # architecture -> (module, class)

@@ -2,6 +2,7 @@
 shared-memory segment (4-byte little-endian length, then the bytes) under a name unique to the
 engine, and one ``multiprocessing.Event`` per worker. Tensors never travel here: collectives carry
 them. A step travels as its plain description (``step.Step``)."""
+
 import multiprocessing as mp
 import pickle
 import time
@@ -25,7 +26,9 @@ class ControlChannel:
     def __init__(self, shm: SharedMemory, owner: bool):
         self.shm, self.owner = shm, owner
         self.events = []  # rank 0: one per worker; a worker: its own
-        self.failure: Callable[[], str | None] = lambda: None  # rank 0: which worker has died, if any
+        self.failure: Callable[[], str | None] = lambda: (
+            None
+        )  # rank 0: which worker has died, if any
 
     @classmethod
     def create(cls, name: str, size: int) -> "ControlChannel":

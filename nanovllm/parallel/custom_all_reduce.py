@@ -39,6 +39,7 @@ NCCL (``distributed.enable_custom_all_reduce``).
 Only CUDA graphs launch it (``distributed.all_reduce``): eagerly, a spinning call would sit between
 host work that may wait for the device. ``Config.disable_custom_all_reduce=True`` turns it off; on
 2 × H200 it sums 8 KiB-2 MiB in a third to a half of NCCL's time (BENCHMARKS.md)."""
+
 import os
 
 import torch
@@ -47,7 +48,9 @@ import triton
 import triton.language as tl
 
 BLOCK = 1024  # elements a program sums at a time
-PROGRAMS = 256  # the most programs of a call: few enough to be resident at once on any GPU it runs on
+PROGRAMS = (
+    256  # the most programs of a call: few enough to be resident at once on any GPU it runs on
+)
 MAX_BYTES = 8 << 20  # the largest tensor it takes; NCCL sums larger ones
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 POLL_ABORT_EVERY = 1 << 14  # spins between two reads of the abort flag
@@ -75,8 +78,18 @@ def buffer(data_ptrs, r, BITS: tl.constexpr):
 
 
 @triton.jit
-def push(x_ptr, offs, mask, data_ptrs, half, rank, slot, WORLD: tl.constexpr, BITS: tl.constexpr,
-         SENTINEL: tl.constexpr):
+def push(
+    x_ptr,
+    offs,
+    mask,
+    data_ptrs,
+    half,
+    rank,
+    slot,
+    WORLD: tl.constexpr,
+    BITS: tl.constexpr,
+    SENTINEL: tl.constexpr,
+):
     """Store x's elements at ``offs`` into this rank's slot of every other rank's buffer (``half``:
     the call's half of each; ``BITS``: integers of the dtype's width), -0.0 as +0.0."""
     v = tl.load(x_ptr + offs, mask=mask).to(BITS, bitcast=True)
@@ -107,15 +120,27 @@ def take(own, r, offs, mask, slot, abort_flag, SENTINEL: tl.constexpr, POLL: tl.
 
 
 @triton.jit
-def sum_ranks(x_ptr, own, offs, mask, rank, slot, abort_flag, WORLD: tl.constexpr, SENTINEL: tl.constexpr,
-              POLL: tl.constexpr):
+def sum_ranks(
+    x_ptr,
+    own,
+    offs,
+    mask,
+    rank,
+    slot,
+    abort_flag,
+    WORLD: tl.constexpr,
+    SENTINEL: tl.constexpr,
+    POLL: tl.constexpr,
+):
     """The sum at ``offs`` over the ranks (this rank's from x, the others' from their slots of
     ``own``, as ``take`` gives them), in rank order, in float32."""
     mine = tl.load(x_ptr + offs, mask=mask, other=0.0)
     for r in tl.static_range(WORLD):
         value = mine
         if r != rank:
-            value = take(own, r, offs, mask, slot, abort_flag, SENTINEL, POLL).to(mine.dtype, bitcast=True)
+            value = take(own, r, offs, mask, slot, abort_flag, SENTINEL, POLL).to(
+                mine.dtype, bitcast=True
+            )
         if r == 0:
             acc = value.to(tl.float32)
         else:
@@ -123,10 +148,24 @@ def sum_ranks(x_ptr, own, offs, mask, rank, slot, abort_flag, WORLD: tl.constexp
     return acc
 
 
-@triton.jit(do_not_specialize=["rank"])  # (n: a multiple of 16 lets the masked accesses go 16 bytes at a time)
-def _one_shot_kernel(x_ptr, n, data_ptrs, epochs, abort_flag, rank, slot, WORLD: tl.constexpr,
-                     COUNTERS: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr, SENTINEL: tl.constexpr,
-                     POLL: tl.constexpr):
+@triton.jit(
+    do_not_specialize=["rank"]
+)  # (n: a multiple of 16 lets the masked accesses go 16 bytes at a time)
+def _one_shot_kernel(
+    x_ptr,
+    n,
+    data_ptrs,
+    epochs,
+    abort_flag,
+    rank,
+    slot,
+    WORLD: tl.constexpr,
+    COUNTERS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BITS: tl.constexpr,
+    SENTINEL: tl.constexpr,
+    POLL: tl.constexpr,
+):
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     epoch = next_epoch(epochs, COUNTERS)
@@ -150,8 +189,16 @@ def sentinel(dtype: torch.dtype) -> tuple[torch.dtype, int]:
     return {16: torch.int16, 32: torch.int32}[bits], -(1 << (bits - 1))
 
 
-def launch(x: torch.Tensor, data_ptrs: torch.Tensor, epochs: torch.Tensor, abort_flag: torch.Tensor, rank: int,
-           world: int, slot: int, poll: int = POLL_ABORT_EVERY) -> None:
+def launch(
+    x: torch.Tensor,
+    data_ptrs: torch.Tensor,
+    epochs: torch.Tensor,
+    abort_flag: torch.Tensor,
+    rank: int,
+    world: int,
+    slot: int,
+    poll: int = POLL_ABORT_EVERY,
+) -> None:
     """Sum ``x`` (contiguous, at most ``slot`` elements) in place over the ranks whose buffers (two
     halves of ``world`` slots of ``slot`` elements of x's dtype, each element the sentinel until
     written) the int64 ``data_ptrs`` address; ``epochs`` (int64 counters, as many as a call may run
@@ -160,9 +207,22 @@ def launch(x: torch.Tensor, data_ptrs: torch.Tensor, epochs: torch.Tensor, abort
     counters = epochs.numel()
     programs = min(counters, triton.cdiv(x.numel(), BLOCK))
     bits, value = sentinel(x.dtype)
-    _one_shot_kernel[(programs,)](x, x.numel(), data_ptrs, epochs, abort_flag, rank, slot, WORLD=world,
-                                  COUNTERS=counters, BLOCK=BLOCK, BITS=TL_INT[bits], SENTINEL=value, POLL=poll,
-                                  num_warps=NUM_WARPS)
+    _one_shot_kernel[(programs,)](
+        x,
+        x.numel(),
+        data_ptrs,
+        epochs,
+        abort_flag,
+        rank,
+        slot,
+        WORLD=world,
+        COUNTERS=counters,
+        BLOCK=BLOCK,
+        BITS=TL_INT[bits],
+        SENTINEL=value,
+        POLL=poll,
+        num_warps=NUM_WARPS,
+    )
 
 
 class CustomAllReduce:
@@ -170,14 +230,20 @@ class CustomAllReduce:
     rank constructs it together). ``fits(x)`` says whether it takes ``x``; ``__call__(x)`` sums it
     in place."""
 
-    def __init__(self, device: torch.device, rank: int, world: int, group_name: str, dtype: torch.dtype):
+    def __init__(
+        self, device: torch.device, rank: int, world: int, group_name: str, dtype: torch.dtype
+    ):
         import torch.distributed._symmetric_memory as symm_mem
 
         if dtype not in DTYPES:
             raise ValueError(f"the one-shot all-reduce sums {DTYPES}, not {dtype}")
-        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")  # nothing here uses multicast
+        os.environ.setdefault(
+            "TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"
+        )  # nothing here uses multicast
         self.rank, self.world, self.dtype = rank, world, dtype
-        self.data = symm_mem.empty(2 * world * MAX_BYTES, dtype=torch.uint8, device=device)  # 2 halves x world slots
+        self.data = symm_mem.empty(
+            2 * world * MAX_BYTES, dtype=torch.uint8, device=device
+        )  # 2 halves x world slots
         bits, value = sentinel(dtype)
         self.data.view(bits).fill_(value)
         torch.cuda.synchronize(device)
@@ -185,15 +251,26 @@ class CustomAllReduce:
         self.data_ptrs = torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device)
         self._handle = handle
         self.epochs = torch.zeros(PROGRAMS, dtype=torch.int64, device=device)
-        self.abort_flag = torch.zeros(1, dtype=torch.int32, pin_memory=True)  # read by the GPU, written here
+        self.abort_flag = torch.zeros(
+            1, dtype=torch.int32, pin_memory=True
+        )  # read by the GPU, written here
         dist.barrier()  # every rank's buffer holds the sentinel before anyone writes into it
-        for n in (1, 16, 17):  # compile and load the kernel's variants now, not while a graph is captured
+        for n in (
+            1,
+            16,
+            17,
+        ):  # compile and load the kernel's variants now, not while a graph is captured
             self(torch.zeros(n, dtype=dtype, device=device))
         torch.cuda.synchronize(device)
 
     def fits(self, x: torch.Tensor) -> bool:
-        return (x.is_cuda and x.dtype == self.dtype and x.is_contiguous() and x.numel() > 0
-                and x.numel() * x.element_size() <= MAX_BYTES)
+        return (
+            x.is_cuda
+            and x.dtype == self.dtype
+            and x.is_contiguous()
+            and x.numel() > 0
+            and x.numel() * x.element_size() <= MAX_BYTES
+        )
 
     def slot(self, x: torch.Tensor) -> int:
         """Elements of x's dtype in one rank's slot of a buffer half."""
@@ -201,8 +278,10 @@ class CustomAllReduce:
 
     def __call__(self, x: torch.Tensor) -> None:
         if not self.fits(x):  # (another dtype's elements would never look like this one's sentinel)
-            raise ValueError(f"the one-shot all-reduce takes contiguous CUDA tensors of {self.dtype} up to "
-                             f"{MAX_BYTES} bytes, not {x.dtype} {tuple(x.shape)} on {x.device}")
+            raise ValueError(
+                f"the one-shot all-reduce takes contiguous CUDA tensors of {self.dtype} up to "
+                f"{MAX_BYTES} bytes, not {x.dtype} {tuple(x.shape)} on {x.device}"
+            )
         launch(x, self.data_ptrs, self.epochs, self.abort_flag, self.rank, self.world, self.slot(x))
 
     def abort(self) -> None:

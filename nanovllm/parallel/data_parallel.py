@@ -8,6 +8,7 @@ requests added, aborted or stopped since its last one), then takes the replies t
 at least one. A replica that dies ends the engine with a RuntimeError naming it. Weight updates,
 prefix-cache resets, sleep and wake-up go to every replica as controls, between steps (``_control``).
 """
+
 import copy
 from dataclasses import dataclass
 
@@ -15,8 +16,15 @@ from nanovllm.engine.core import SeqOutput
 from nanovllm.parallel.replica import ReplicaCall, ReplicaControl, ReplicaDied, ReplicaReply
 from nanovllm.sampling_params import SamplingParams
 
-SUMMED_STATS = ("num_requests_running", "num_requests_waiting", "num_preemptions", "prompt_tokens",
-                "generation_tokens", "prefix_cache_queries", "prefix_cache_hits")
+SUMMED_STATS = (
+    "num_requests_running",
+    "num_requests_waiting",
+    "num_preemptions",
+    "prompt_tokens",
+    "generation_tokens",
+    "prefix_cache_queries",
+    "prefix_cache_hits",
+)
 
 
 @dataclass
@@ -68,15 +76,22 @@ class DataParallelCore:
 
     # ---- requests ----------------------------------------------------------------------------
 
-    def add_request(self, request_id: int, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                    report_every_step: bool = False) -> None:
+    def add_request(
+        self,
+        request_id: int,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        report_every_step: bool = False,
+    ) -> None:
         i = min(range(len(self.replicas)), key=lambda r: (self.load[r], r))
         n = sampling_params.n
         tokens = n * (len(prompt_token_ids) + sampling_params.max_tokens)
         self.load[i] += tokens
         self.requests[request_id] = Routed(i, tokens, set(range(request_id, request_id + n)))
         # the replica unpickles the params when the call goes out: a copy keeps them as they are now
-        self.calls[i].adds.append((request_id, prompt_token_ids, copy.deepcopy(sampling_params), report_every_step))
+        self.calls[i].adds.append(
+            (request_id, prompt_token_ids, copy.deepcopy(sampling_params), report_every_step)
+        )
 
     def abort_request(self, request_id: int) -> bool:
         routed = self.requests.pop(request_id, None)
@@ -216,7 +231,9 @@ class DataParallelCore:
         per = [r.stats for r in self.replicas]
         total = {key: sum(s[key] for s in per) for key in SUMMED_STATS}
         blocks = [r.num_kvcache_blocks for r in self.replicas]
-        total["kv_cache_usage"] = sum(s["kv_cache_usage"] * b for s, b in zip(per, blocks)) / sum(blocks)
+        total["kv_cache_usage"] = sum(s["kv_cache_usage"] * b for s, b in zip(per, blocks)) / sum(
+            blocks
+        )
         queries = total["prefix_cache_queries"]
         total["prefix_cache_hit_rate"] = total["prefix_cache_hits"] / queries if queries else 0.0
         total["replicas"] = per

@@ -2,6 +2,7 @@
 one), the all-reduce of the layers (inside CUDA graphs the one-shot kernel of
 ``custom_all_reduce`` where it is enabled and takes the tensor, else the process group's), and the
 two device waits that must not hang on a dead rank."""
+
 import threading
 import time
 import warnings
@@ -14,8 +15,11 @@ import torch.distributed as dist
 def init_process_group(device: torch.device, rank: int, world_size: int, port: int) -> None:
     """Join the engine's tensor-parallel group at a local port (NCCL on GPUs, gloo on the CPU)."""
     dist.init_process_group(
-        "nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-        world_size=world_size, rank=rank, device_id=device if device.type == "cuda" else None,
+        "nccl" if device.type == "cuda" else "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        world_size=world_size,
+        rank=rank,
+        device_id=device if device.type == "cuda" else None,
     )
 
 
@@ -31,26 +35,39 @@ def enable_custom_all_reduce(device: torch.device, dtype: torch.dtype) -> bool:
     sums everything and rank 0 warns why."""
     global _custom_all_reduce, _set_up_before
     world = dist.get_world_size()
-    able = torch.tensor([int(has_symmetric_memory()), int(_reaches_peers(device, world)), int(not _set_up_before)],
-                        device=device)
+    able = torch.tensor(
+        [int(has_symmetric_memory()), int(_reaches_peers(device, world)), int(not _set_up_before)],
+        device=device,
+    )
     dist.all_reduce(able, op=dist.ReduceOp.MIN)
     symmetric, reaches, fresh = able.tolist()
     if not (symmetric and reaches and fresh):
         if dist.get_rank() == 0:
-            why = (f"torch {torch.__version__} has no symmetric memory" if not symmetric else
-                   "a GPU of the group does not reach every other directly" if not reaches else
-                   "this process set it up for an earlier engine, and torch sets it up once per process")
-            warnings.warn(f"disable_custom_all_reduce=False: the one-shot all-reduce is not used ({why}); "
-                          "NCCL sums everything", stacklevel=2)
+            why = (
+                f"torch {torch.__version__} has no symmetric memory"
+                if not symmetric
+                else "a GPU of the group does not reach every other directly"
+                if not reaches
+                else "this process set it up for an earlier engine, and torch sets it up once per process"
+            )
+            warnings.warn(
+                f"disable_custom_all_reduce=False: the one-shot all-reduce is not used ({why}); "
+                "NCCL sums everything",
+                stacklevel=2,
+            )
         return False
     from nanovllm.parallel.custom_all_reduce import CustomAllReduce
 
     _set_up_before = True
     try:
-        _custom_all_reduce = CustomAllReduce(device, dist.get_rank(), world, dist.group.WORLD.group_name, dtype)
+        _custom_all_reduce = CustomAllReduce(
+            device, dist.get_rank(), world, dist.group.WORLD.group_name, dtype
+        )
     except Exception as e:
-        raise RuntimeError(f"the one-shot all-reduce could not be set up ({type(e).__name__}: {e}); "
-                           "LLM(..., disable_custom_all_reduce=True) leaves every all-reduce to NCCL") from e
+        raise RuntimeError(
+            f"the one-shot all-reduce could not be set up ({type(e).__name__}: {e}); "
+            "LLM(..., disable_custom_all_reduce=True) leaves every all-reduce to NCCL"
+        ) from e
     return True
 
 
@@ -147,7 +164,9 @@ def abort_nccl(drop_graphs: Callable[[], None], timeout: float = 30.0) -> bool:
     abort_custom_all_reduce()  # its kernels wait on the dead rank too
     if not (dist.is_initialized() and dist.get_backend() == "nccl"):
         return True
-    aborting = threading.Thread(target=dist.distributed_c10d._abort_process_group, name="nanovllm-abort", daemon=True)
+    aborting = threading.Thread(
+        target=dist.distributed_c10d._abort_process_group, name="nanovllm-abort", daemon=True
+    )
     aborting.start()
     drained = torch.cuda.Event()
     drained.record()

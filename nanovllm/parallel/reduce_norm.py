@@ -14,13 +14,22 @@ give the same bits); on the CPU the process group sums and ``layernorm.add_rms_n
 The arithmetic is ``add_rms_norm``'s: x + residual rounded to the model's dtype, normalized in
 float32, rounded, times the weight, rounded (its sums of squares are added in another order than
 torch's)."""
+
 import torch
 import triton
 import triton.language as tl
 
 from nanovllm.layers.layernorm import add_rms_norm
 from nanovllm.parallel import distributed
-from nanovllm.parallel.custom_all_reduce import POLL_ABORT_EVERY, TL_INT, buffer, next_epoch, push, sentinel, sum_ranks
+from nanovllm.parallel.custom_all_reduce import (
+    POLL_ABORT_EVERY,
+    TL_INT,
+    buffer,
+    next_epoch,
+    push,
+    sentinel,
+    sum_ranks,
+)
 
 
 @triton.jit
@@ -38,20 +47,41 @@ def _add_rms_norm_row(s, res_ptr, w_ptr, out_ptr, sum_ptr, offs, cols, mask, eps
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, eps, N: tl.constexpr, N_PAD: tl.constexpr):
+def _add_rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, eps, N: tl.constexpr, N_PAD: tl.constexpr
+):
     """One row of x (already summed over the ranks). grid: (rows,)"""
     cols = tl.arange(0, N_PAD)
     mask = cols < N
-    offs = tl.program_id(0).to(tl.int64) * N + cols  # (offsets past 2^31 elements in a large prefill)
+    offs = (
+        tl.program_id(0).to(tl.int64) * N + cols
+    )  # (offsets past 2^31 elements in a large prefill)
     s = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     _add_rms_norm_row(s, res_ptr, w_ptr, out_ptr, sum_ptr, offs, cols, mask, eps, N)
 
 
 @triton.jit(do_not_specialize=["rows", "rank"])
-def _one_shot_add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, rows, eps, data_ptrs, epochs, abort_flag,
-                                  rank, slot, WORLD: tl.constexpr, COUNTERS: tl.constexpr, N: tl.constexpr,
-                                  N_PAD: tl.constexpr, BITS: tl.constexpr, SENTINEL: tl.constexpr,
-                                  POLL: tl.constexpr):
+def _one_shot_add_rms_norm_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    sum_ptr,
+    rows,
+    eps,
+    data_ptrs,
+    epochs,
+    abort_flag,
+    rank,
+    slot,
+    WORLD: tl.constexpr,
+    COUNTERS: tl.constexpr,
+    N: tl.constexpr,
+    N_PAD: tl.constexpr,
+    BITS: tl.constexpr,
+    SENTINEL: tl.constexpr,
+    POLL: tl.constexpr,
+):
     """The one-shot all-reduce of x's rows (program ``p`` of ``P``: rows ``p, p + P, ...``), then
     each summed row's residual add and norm. grid: (min(rows, COUNTERS),)"""
     pid = tl.program_id(0)
@@ -70,8 +100,9 @@ def _one_shot_add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, rows,
         _add_rms_norm_row(s, res_ptr, w_ptr, out_ptr, sum_ptr, offs, cols, mask, eps, N)
 
 
-def reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def reduce_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x [tokens, hidden]: this rank's partial sums, summed here over the ranks; returns
     (RMSNorm(sum + residual) * weight, sum + residual), as ``add_rms_norm`` does for a summed x."""
     if not x.is_cuda:
@@ -87,12 +118,31 @@ def reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
     warps = 8 if n >= 4096 else 4
     if custom is None:
         distributed.all_reduce(x)
-        _add_rms_norm_kernel[(rows,)](x, residual, weight, out, total, eps, N=n, N_PAD=n_pad, num_warps=warps)
+        _add_rms_norm_kernel[(rows,)](
+            x, residual, weight, out, total, eps, N=n, N_PAD=n_pad, num_warps=warps
+        )
     else:
         bits, value = sentinel(x.dtype)
         _one_shot_add_rms_norm_kernel[(min(rows, custom.epochs.numel()),)](
-            x, residual, weight, out, total, rows, eps, custom.data_ptrs, custom.epochs, custom.abort_flag,
-            custom.rank, custom.slot(x), WORLD=custom.world, COUNTERS=custom.epochs.numel(), N=n, N_PAD=n_pad,
-            BITS=TL_INT[bits], SENTINEL=value, POLL=POLL_ABORT_EVERY, num_warps=warps,
+            x,
+            residual,
+            weight,
+            out,
+            total,
+            rows,
+            eps,
+            custom.data_ptrs,
+            custom.epochs,
+            custom.abort_flag,
+            custom.rank,
+            custom.slot(x),
+            WORLD=custom.world,
+            COUNTERS=custom.epochs.numel(),
+            N=n,
+            N_PAD=n_pad,
+            BITS=TL_INT[bits],
+            SENTINEL=value,
+            POLL=POLL_ABORT_EVERY,
+            num_warps=warps,
         )
     return out, total

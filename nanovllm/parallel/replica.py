@@ -4,6 +4,7 @@ step; the reply carries what the step gave, whether the replica has work left, a
 control (a weight update, a prefix-cache reset, sleep and wake-up) is a call of its own between steps.
 The same server runs in a process of this host (``replica_process``) or in a Ray actor
 (``replica_ray``)."""
+
 from dataclasses import dataclass, field
 
 from nanovllm.engine.core import EngineCore, SeqOutput
@@ -81,7 +82,9 @@ class ReplicaServer:
 
     def control(self, control: ReplicaControl):
         if control.method not in CONTROL_METHODS:
-            raise ValueError(f"unknown replica control {control.method!r}; known: {', '.join(CONTROL_METHODS)}")
+            raise ValueError(
+                f"unknown replica control {control.method!r}; known: {', '.join(CONTROL_METHODS)}"
+            )
         return getattr(self.core, control.method)(*control.args)
 
     def exit(self) -> None:

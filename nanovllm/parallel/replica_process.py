@@ -2,13 +2,20 @@
 ``ReplicaServer`` on its own GPUs (replica r sees GPUs r·M … r·M+M−1, M the tensor-parallel size)
 and talks to the front end over a pipe. A replica that dies is seen at once through its process's
 sentinel."""
+
 import multiprocessing as mp
 import os
 import pickle
 import signal
 from multiprocessing.connection import wait as wait_handles
 
-from nanovllm.parallel.replica import ReplicaCall, ReplicaControl, ReplicaDied, ReplicaReply, ReplicaServer
+from nanovllm.parallel.replica import (
+    ReplicaCall,
+    ReplicaControl,
+    ReplicaDied,
+    ReplicaReply,
+    ReplicaServer,
+)
 
 
 def _picklable(error: BaseException) -> BaseException:
@@ -45,7 +52,9 @@ def _replica_main(conn, config, eos_token_ids: list[int], visible_devices: str |
             if call is None:
                 break
             try:
-                reply = server.control(call) if isinstance(call, ReplicaControl) else server.call(call)
+                reply = (
+                    server.control(call) if isinstance(call, ReplicaControl) else server.call(call)
+                )
             except Exception as e:
                 reply = _picklable(e)
             conn.send(reply)
@@ -63,7 +72,8 @@ class ProcessReplica:
         self.busy = False  # a call is on its way or being served
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(
-            target=_replica_main, args=(child, config, eos_token_ids, visible_devices),
+            target=_replica_main,
+            args=(child, config, eos_token_ids, visible_devices),
             name=f"nanovllm-replica{index}",  # not a daemon: a tensor-parallel replica starts workers
         )
         self.process.start()
@@ -108,7 +118,9 @@ class ProcessReplica:
         return reply
 
     @staticmethod
-    def wait(replicas: list["ProcessReplica"], timeout: float | None = None) -> list["ProcessReplica"]:
+    def wait(
+        replicas: list["ProcessReplica"], timeout: float | None = None
+    ) -> list["ProcessReplica"]:
         """Block until a busy replica's reply is ready or any replica has died; returns those."""
         handles = {}
         for replica in replicas:

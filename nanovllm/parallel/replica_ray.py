@@ -2,12 +2,19 @@
 core runs in an actor holding ``tensor_parallel_size`` GPUs through a placement group of its own,
 on whichever node of the cluster has them (its tensor-parallel workers run beside it on that
 node). ``ray.init()`` connects to a running cluster (``RAY_ADDRESS``) or starts a local one."""
+
 import ray
 from ray.exceptions import RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from nanovllm.parallel.replica import ReplicaCall, ReplicaControl, ReplicaDied, ReplicaReply, ReplicaServer
+from nanovllm.parallel.replica import (
+    ReplicaCall,
+    ReplicaControl,
+    ReplicaDied,
+    ReplicaReply,
+    ReplicaServer,
+)
 
 PLACEMENT_TIMEOUT = 300.0  # seconds to wait for a replica's GPUs to be free on the cluster
 
@@ -23,9 +30,12 @@ class RayReplica:
         self.stats: dict = {}
         bundle = {"CPU": 1, "GPU": num_gpus} if num_gpus else {"CPU": 1}
         self.placement_group = placement_group([bundle], strategy="STRICT_PACK")
-        strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=0)
-        actor_class = ray.remote(ReplicaServer).options(num_cpus=1, num_gpus=num_gpus, scheduling_strategy=strategy,
-                                                        name=None, max_restarts=0)
+        strategy = PlacementGroupSchedulingStrategy(
+            self.placement_group, placement_group_bundle_index=0
+        )
+        actor_class = ray.remote(ReplicaServer).options(
+            num_cpus=1, num_gpus=num_gpus, scheduling_strategy=strategy, name=None, max_restarts=0
+        )
         self.actor = actor_class.remote(config, eos_token_ids)
 
     @staticmethod
@@ -37,18 +47,24 @@ class RayReplica:
         dp, tp = config.data_parallel_size, config.tensor_parallel_size
         gpus = int(ray.cluster_resources().get("GPU", 0))
         if config.device == "cuda" and not gpus:
-            raise ValueError("Config.device is 'cuda' but the Ray cluster has no GPU; use 'cpu' or 'auto'")
+            raise ValueError(
+                "Config.device is 'cuda' but the Ray cluster has no GPU; use 'cpu' or 'auto'"
+            )
         num_gpus = tp if gpus and config.device != "cpu" else 0
         if num_gpus and dp * tp > gpus:
-            raise ValueError(f"Config.data_parallel_size={dp} × tensor_parallel_size={tp} needs {dp * tp} GPUs, "
-                             f"but the Ray cluster has {gpus}")
+            raise ValueError(
+                f"Config.data_parallel_size={dp} × tensor_parallel_size={tp} needs {dp * tp} GPUs, "
+                f"but the Ray cluster has {gpus}"
+            )
         return [num_gpus] * dp
 
     def wait_ready(self) -> None:
         """Wait until the actor is placed and has sized its KV cache (its start-up error is raised)."""
         if not self.placement_group.wait(PLACEMENT_TIMEOUT):
-            raise RuntimeError(f"data-parallel replica {self.index}: the Ray cluster found no room for its "
-                               f"bundle in {PLACEMENT_TIMEOUT:.0f} s")
+            raise RuntimeError(
+                f"data-parallel replica {self.index}: the Ray cluster found no room for its "
+                f"bundle in {PLACEMENT_TIMEOUT:.0f} s"
+            )
         self.ref, self.busy = self.actor.ready.remote(), True
         self.num_kvcache_blocks, self.stats = self.result()
 

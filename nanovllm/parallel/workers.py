@@ -1,5 +1,6 @@
 """The worker processes of tensor parallelism: ranks 1..N-1, each running its ModelRunner on the
 calls rank 0 sends through the control channel."""
+
 import os
 import signal
 import threading
@@ -10,8 +11,8 @@ import torch.multiprocessing as mp
 
 from nanovllm.config import Config
 from nanovllm.parallel.control_channel import ControlChannel
-from nanovllm.runner.model_runner import ModelRunner
 from nanovllm.parallel.distributed import abort_custom_all_reduce
+from nanovllm.runner.model_runner import ModelRunner
 
 
 def _worker_main(config: Config, rank: int, dist_port: int, channel_name: str, event) -> None:
@@ -48,8 +49,10 @@ class WorkerGroup:
         for rank in range(1, config.tensor_parallel_size):
             event = ctx.Event()
             process = ctx.Process(
-                target=_worker_main, args=(config, rank, dist_port, channel_name, event),
-                name=f"nanovllm-rank{rank}", daemon=True,
+                target=_worker_main,
+                args=(config, rank, dist_port, channel_name, event),
+                name=f"nanovllm-rank{rank}",
+                daemon=True,
             )
             process.start()
             self.processes.append(process)
@@ -89,7 +92,9 @@ class WorkerGroup:
         First, the one-shot all-reduce of this rank is told to stop waiting on its peers."""
         sentinels = [p.sentinel for p in self.processes]
         wait(sentinels)
-        if not self.closing:  # a worker died: free this rank's one-shot all-reduce waits on it at once
+        if (
+            not self.closing
+        ):  # a worker died: free this rank's one-shot all-reduce waits on it at once
             abort_custom_all_reduce()
         pending = [False] * len(self.processes)
         while not self.closing:

@@ -2,6 +2,7 @@
 runs with FP8 weights (the checkpoint's ``quantization_config``, or ``Config.quantization``) and
 checks that it can; ``building_quantized`` tells the layers, while a model is built, to create
 FP8 parameters (the way the tensor-parallel size reaches them); ``fp8`` holds the arithmetic."""
+
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -27,7 +28,7 @@ def building_quantized(quantization: str | None) -> Iterator[None]:
 
 
 def checkpoint_quantization(hf_config) -> str | None:
-    """"fp8" when config.json's ``quantization_config`` describes Qwen's block FP8 format, None
+    """ "fp8" when config.json's ``quantization_config`` describes Qwen's block FP8 format, None
     when there is none; any other method or setting is a ValueError naming the key and value."""
     qc = getattr(hf_config, "quantization_config", None)
     if qc is None:
@@ -35,27 +36,39 @@ def checkpoint_quantization(hf_config) -> str | None:
     qc = qc if isinstance(qc, dict) else qc.to_dict()
     method = qc.get("quant_method")
     if method != "fp8":
-        raise ValueError(f"config.json: quantization_config.quant_method {method!r} is not supported (only 'fp8')")
+        raise ValueError(
+            f"config.json: quantization_config.quant_method {method!r} is not supported (only 'fp8')"
+        )
     fmt = qc.get("fmt", "e4m3")
     if fmt != "e4m3":
-        raise ValueError(f"config.json: quantization_config.fmt {fmt!r} is not supported (only 'e4m3')")
+        raise ValueError(
+            f"config.json: quantization_config.fmt {fmt!r} is not supported (only 'e4m3')"
+        )
     scheme = qc.get("activation_scheme", "dynamic")
     if scheme != "dynamic":
-        raise ValueError(f"config.json: quantization_config.activation_scheme {scheme!r} is not supported "
-                         "(only 'dynamic': activations quantized per token and group of 128 channels)")
+        raise ValueError(
+            f"config.json: quantization_config.activation_scheme {scheme!r} is not supported "
+            "(only 'dynamic': activations quantized per token and group of 128 channels)"
+        )
     block = qc.get("weight_block_size")
     if list(block or []) != BLOCK_SIZE:
-        raise ValueError(f"config.json: quantization_config.weight_block_size {block!r} is not supported "
-                         f"(only {BLOCK_SIZE})")
+        raise ValueError(
+            f"config.json: quantization_config.weight_block_size {block!r} is not supported "
+            f"(only {BLOCK_SIZE})"
+        )
     for module in qc.get("modules_to_not_convert") or []:
         # the LM head and the MoE routers are never quantized here; others are not supported
         if not (module == "lm_head" or module.endswith(".mlp.gate")):
-            raise ValueError(f"config.json: quantization_config.modules_to_not_convert lists {module!r}; only "
-                             "'lm_head' and MoE routers ('*.mlp.gate') may stay unquantized")
+            raise ValueError(
+                f"config.json: quantization_config.modules_to_not_convert lists {module!r}; only "
+                "'lm_head' and MoE routers ('*.mlp.gate') may stay unquantized"
+            )
     return "fp8"
 
 
-def resolve_quantization(quantization: str | None, hf_config, tensor_parallel_size: int, device: str) -> str | None:
+def resolve_quantization(
+    quantization: str | None, hf_config, tensor_parallel_size: int, device: str
+) -> str | None:
     """The quantization the model runs with: the checkpoint's, else ``quantization`` (None or "fp8":
     a float checkpoint quantized at load). A ValueError, before any weights load, for an unsupported checkpoint format, a GPU older than compute capability 8.9, or layers whose
     sizes do not split into whole 128-blocks (``check_fp8_shapes``)."""
@@ -67,8 +80,10 @@ def resolve_quantization(quantization: str | None, hf_config, tensor_parallel_si
 
         capability = torch.cuda.get_device_capability()
         if capability < (8, 9):
-            raise ValueError(f"FP8 weights need a GPU of compute capability 8.9 or newer, this one has "
-                             f"{capability[0]}.{capability[1]}; use a float checkpoint without quantization='fp8'")
+            raise ValueError(
+                f"FP8 weights need a GPU of compute capability 8.9 or newer, this one has "
+                f"{capability[0]}.{capability[1]}; use a float checkpoint without quantization='fp8'"
+            )
     check_fp8_shapes(hf_config, tensor_parallel_size)
     return resolved
 
@@ -80,18 +95,37 @@ def check_fp8_shapes(hf_config, tp: int) -> None:
     from nanovllm.models.llama import head_dim
 
     hd = head_dim(hf_config)
-    sizes = [("self_attn.q_proj output (num_attention_heads * head_dim)", hf_config.num_attention_heads * hd),
-             ("self_attn.k_proj/v_proj output (num_key_value_heads * head_dim)", hf_config.num_key_value_heads * hd),
-             ("mlp.gate_proj/up_proj output, mlp.down_proj input (intermediate_size)", hf_config.intermediate_size)]
+    sizes = [
+        (
+            "self_attn.q_proj output (num_attention_heads * head_dim)",
+            hf_config.num_attention_heads * hd,
+        ),
+        (
+            "self_attn.k_proj/v_proj output (num_key_value_heads * head_dim)",
+            hf_config.num_key_value_heads * hd,
+        ),
+        (
+            "mlp.gate_proj/up_proj output, mlp.down_proj input (intermediate_size)",
+            hf_config.intermediate_size,
+        ),
+    ]
     if getattr(hf_config, "num_experts", 0):
-        sizes.append(("mlp.experts.*.gate_proj/up_proj output, down_proj input (moe_intermediate_size)",
-                      hf_config.moe_intermediate_size))
+        sizes.append(
+            (
+                "mlp.experts.*.gate_proj/up_proj output, down_proj input (moe_intermediate_size)",
+                hf_config.moe_intermediate_size,
+            )
+        )
     for layer, size in sizes:
         if size % tp == 0 and (size // tp) % BLOCK_SIZE[0] == 0:
             continue
         if tp == 1:
-            raise ValueError(f"FP8 weights: {layer} is {size}, not a multiple of 128; the fused layers pack "
-                             "their 128x128 scale blocks, so each part must be whole blocks")
-        raise ValueError(f"FP8 weights: {layer} is {size}, split over tensor_parallel_size={tp} into "
-                         f"{size / tp:g} per rank, not a multiple of 128: a shard boundary would fall inside "
-                         "a 128x128 scale block")
+            raise ValueError(
+                f"FP8 weights: {layer} is {size}, not a multiple of 128; the fused layers pack "
+                "their 128x128 scale blocks, so each part must be whole blocks"
+            )
+        raise ValueError(
+            f"FP8 weights: {layer} is {size}, split over tensor_parallel_size={tp} into "
+            f"{size / tp:g} per rank, not a multiple of 128: a shard boundary would fall inside "
+            "a 128x128 scale block"
+        )

@@ -11,6 +11,7 @@ x / scale, clamped to [-448, 448] and rounded to the nearest e4m3 value (ties to
 times (the token's activation scale for that group) x (the weight scale of that output block and
 k-block); the k-blocks' results summed in float32, in order, then cast to the activation dtype.
 """
+
 from typing import NamedTuple
 
 import torch
@@ -36,7 +37,9 @@ def quantize_weight_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     [..., ceil(out/128), ceil(in/128)]). Edge blocks may be smaller than 128x128."""
     *lead, rows, cols = weight.shape
     pad_rows, pad_cols = _blocks(rows) * BLOCK - rows, _blocks(cols) * BLOCK - cols
-    w = torch.nn.functional.pad(weight.float(), (0, pad_cols, 0, pad_rows))  # zeros do not change a max
+    w = torch.nn.functional.pad(
+        weight.float(), (0, pad_cols, 0, pad_rows)
+    )  # zeros do not change a max
     blocks = w.reshape(*lead, _blocks(rows), BLOCK, _blocks(cols), BLOCK)  # [..., rb, 128, cb, 128]
     scale = _scale(blocks.abs().amax(dim=(-3, -1)))  # [..., rb, cb]
     q = (blocks / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
@@ -47,7 +50,9 @@ def quantize_weight_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 def dequantize_weight_blocks(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The real weight in float32: ``weight`` [..., out, in] e4m3 times its block's scale."""
     rows, cols = weight.shape[-2:]
-    full = scale.repeat_interleave(BLOCK, dim=-2).repeat_interleave(BLOCK, dim=-1)[..., :rows, :cols]
+    full = scale.repeat_interleave(BLOCK, dim=-2).repeat_interleave(BLOCK, dim=-1)[
+        ..., :rows, :cols
+    ]
     return weight.float() * full
 
 
@@ -67,6 +72,7 @@ class QuantizedRows(NamedTuple):
     [rows', k] and ``scales`` float32 k-block-major [ceil(k/128), rows'], of which the first
     ``rows`` are real (the GPU's kernels pad to 16 rows for cuBLAS, with zeros of scale 1);
     ``dtype``: the activations' own (a linear's default output dtype)."""
+
     q: torch.Tensor
     scales: torch.Tensor
     rows: int
@@ -79,18 +85,25 @@ def quantize_to_rows(x: torch.Tensor) -> QuantizedRows:
     return QuantizedRows(q, scale.T, x.shape[0], x.dtype)
 
 
-def fp8_linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weight_scale: torch.Tensor,
-               bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def fp8_linear(
+    x: torch.Tensor | QuantizedRows,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """``x`` [..., in] (or its ``QuantizedRows``) @ the block-quantized ``weight`` [out, in].T (+
     ``bias``), W8A8 as the module docstring says; the result in ``out_dtype`` (default: x's dtype;
     the bias added after the cast)."""
-    if (x.q if isinstance(x, QuantizedRows) else x).is_cuda:  # Triton/cuBLAS kernels, the same arithmetic
+    if (
+        x.q if isinstance(x, QuantizedRows) else x
+    ).is_cuda:  # Triton/cuBLAS kernels, the same arithmetic
         from nanovllm.quantization.fp8_triton import fp8_linear_triton
 
         return fp8_linear_triton(x, weight, weight_scale, bias, out_dtype)
     if isinstance(x, QuantizedRows):
         lead, k = (x.rows,), x.q.shape[1]
-        xq, x_scale = x.q[:x.rows], x.scales[:, :x.rows].T
+        xq, x_scale = x.q[: x.rows], x.scales[:, : x.rows].T
     else:
         lead, k = x.shape[:-1], x.shape[-1]
         xq, x_scale = quantize_activation_groups(x.reshape(-1, k))

@@ -9,6 +9,7 @@ cuBLAS wants the activation scales M-major ([k-blocks, rows] in memory, which is
 ``quantize_rows`` writes them), the weight column-major (``weight.t()`` of the [out, in] tensor) and
 rows in multiples of ``ROW_MULTIPLE`` (the quantized activations are padded with zero rows) and
 input sizes in multiples of ``K_MULTIPLE``."""
+
 import torch
 import torch.nn.functional as F
 
@@ -34,7 +35,11 @@ def available(device: torch.device) -> bool:
 
 
 def _try(device: torch.device) -> bool:
-    if device.type != "cuda" or not hasattr(F, "scaled_mm") or torch.cuda.get_device_capability(device) != (9, 0):
+    if (
+        device.type != "cuda"
+        or not hasattr(F, "scaled_mm")
+        or torch.cuda.get_device_capability(device) != (9, 0)
+    ):
         return False
     k = K_MULTIPLE
     q = torch.zeros(ROW_MULTIPLE, k, dtype=FP8_DTYPE, device=device)
@@ -50,13 +55,28 @@ def _try(device: torch.device) -> bool:
 def usable(m: int, weight: torch.Tensor, out_dtype: torch.dtype) -> bool:
     """``m`` rows times ``weight`` [out, in] into ``out_dtype`` can take cuBLAS's GEMM."""
     n, k = weight.shape
-    return (m >= MIN_ROWS and out_dtype == torch.bfloat16 and n % BLOCK == 0 and k % K_MULTIPLE == 0
-            and weight.is_contiguous() and available(weight.device))
+    return (
+        m >= MIN_ROWS
+        and out_dtype == torch.bfloat16
+        and n % BLOCK == 0
+        and k % K_MULTIPLE == 0
+        and weight.is_contiguous()
+        and available(weight.device)
+    )
 
 
-def gemm(q: torch.Tensor, scales: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+def gemm(
+    q: torch.Tensor, scales: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
+) -> torch.Tensor:
     """``q`` [rows, in] e4m3 (rows a multiple of ``ROW_MULTIPLE``) with ``scales`` [in / 128, rows],
     times ``weight`` [out, in] e4m3 with ``weight_scale`` [out / 128, in / 128] -> bf16 [rows, out]."""
     recipe = F.ScalingType
-    return F.scaled_mm(q, weight.t(), scales.t(), recipe.BlockWise1x128, weight_scale.t(), recipe.BlockWise128x128,
-                       output_dtype=torch.bfloat16)
+    return F.scaled_mm(
+        q,
+        weight.t(),
+        scales.t(),
+        recipe.BlockWise1x128,
+        weight_scale.t(),
+        recipe.BlockWise128x128,
+        output_dtype=torch.bfloat16,
+    )

@@ -9,6 +9,7 @@ The arithmetic is the unfused op's (``layernorm.rms_norm`` / ``add_rms_norm``,
 kernel does both, and pads the rows to 16 (zeros with scale 1) for cuBLAS's GEMM (``fp8_cublas``).
 Its sums of squares are added in another order than torch's, so a normalized value can round
 differently in the last place, as the compiled unfused norm's can."""
+
 import torch
 import triton
 import triton.language as tl
@@ -25,8 +26,23 @@ _BLOCK = tl.constexpr(BLOCK)
 
 # Row counts are not specialised on (a new count would compile a new variant mid-call).
 @triton.jit(do_not_specialize=["M", "M_OUT"])
-def _rms_norm_quant_kernel(x_ptr, res_ptr, w_ptr, sum_ptr, q_ptr, scale_ptr, M, M_OUT, eps, stride_x, stride_r,
-                           N: tl.constexpr, GROUPS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
+def _rms_norm_quant_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    sum_ptr,
+    q_ptr,
+    scale_ptr,
+    M,
+    M_OUT,
+    eps,
+    stride_x,
+    stride_r,
+    N: tl.constexpr,
+    GROUPS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """One row: (x + residual, rounded; written to ``sum_ptr``), its RMSNorm times the weight, each
     rounded to x's dtype, quantized per 128 channels. Rows from M to M_OUT (the grid) read as zeros."""
     wait_for_inputs(PDL)
@@ -37,37 +53,55 @@ def _rms_norm_quant_kernel(x_ptr, res_ptr, w_ptr, sum_ptr, q_ptr, scale_ptr, M, 
     dtype = x_ptr.dtype.element_ty
     x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
     if HAS_RESIDUAL:
-        x = (x.to(tl.float32) + tl.load(res_ptr + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32))
+        x = x.to(tl.float32) + tl.load(res_ptr + row * stride_r + cols, mask=ok, other=0.0).to(
+            tl.float32
+        )
         x = x.to(dtype)
         tl.store(sum_ptr + row * N + cols, x, mask=ok)
     xf = x.to(tl.float32)
     rstd = tl.math.rsqrt(tl.sum(tl.sum(xf * xf, axis=1), axis=0) / N + eps)
     w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
     y = (w * (xf * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    quantize_store(y, q_ptr + row * N + cols, scale_ptr + group * M_OUT + row, cols < N, group * _BLOCK < N)
+    quantize_store(
+        y, q_ptr + row * N + cols, scale_ptr + group * M_OUT + row, cols < N, group * _BLOCK < N
+    )
 
 
 @triton.jit(do_not_specialize=["M", "M_OUT"])
-def _silu_mul_quant_kernel(x_ptr, q_ptr, scale_ptr, M, M_OUT, N, stride_x, BLOCK_ROWS: tl.constexpr, PDL: tl.constexpr):
+def _silu_mul_quant_kernel(
+    x_ptr, q_ptr, scale_ptr, M, M_OUT, N, stride_x, BLOCK_ROWS: tl.constexpr, PDL: tl.constexpr
+):
     """BLOCK_ROWS rows x one 128-channel group of SiLU(gate) * up (x = [gate | up], N channels each),
     each op rounded to x's dtype, quantized. Rows from M to M_OUT read as zeros."""
     wait_for_inputs(PDL)
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # (offsets past 2^31)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(
+        0, BLOCK_ROWS
+    )  # (offsets past 2^31)
     group = tl.program_id(1)
     cols = group * _BLOCK + tl.arange(0, _BLOCK)
     ok = (rows < M)[:, None] & (cols < N)[None, :]
     dtype = x_ptr.dtype.element_ty
-    gate = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + rows[:, None] * stride_x + N + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    gate = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=ok, other=0.0).to(
+        tl.float32
+    )
+    up = tl.load(x_ptr + rows[:, None] * stride_x + N + cols[None, :], mask=ok, other=0.0).to(
+        tl.float32
+    )
     silu = tl.math.div_rn(gate, 1.0 + tl.exp(-gate)).to(dtype).to(tl.float32)
     y = (silu * up).to(dtype).to(tl.float32)
     out_rows = rows < M_OUT
-    quantize_store(y, q_ptr + rows[:, None] * N + cols[None, :], scale_ptr + group * M_OUT + rows,
-                    out_rows[:, None] & (cols < N)[None, :], out_rows)
+    quantize_store(
+        y,
+        q_ptr + rows[:, None] * N + cols[None, :],
+        scale_ptr + group * M_OUT + rows,
+        out_rows[:, None] & (cols < N)[None, :],
+        out_rows,
+    )
 
 
-def rms_norm_quantized(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                       eps: float) -> QuantizedRows | tuple[QuantizedRows, torch.Tensor]:
+def rms_norm_quantized(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> QuantizedRows | tuple[QuantizedRows, torch.Tensor]:
     """``RMSNorm``'s result for ``x`` [tokens, n] quantized: without ``residual`` the rows, with it
     (rows, x + residual)."""
     if x.is_cuda:
@@ -83,8 +117,9 @@ def silu_and_mul_quantized(x: torch.Tensor) -> QuantizedRows:
     return silu_and_mul_quantized_triton(x) if x.is_cuda else quantize_to_rows(silu_and_mul(x))
 
 
-def rms_norm_quantized_triton(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                              eps: float) -> QuantizedRows | tuple[QuantizedRows, torch.Tensor]:
+def rms_norm_quantized_triton(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> QuantizedRows | tuple[QuantizedRows, torch.Tensor]:
     """``rms_norm_quantized`` by the Triton kernel, rows padded to 16."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     residual = residual if residual is None or residual.stride(-1) == 1 else residual.contiguous()
@@ -93,11 +128,25 @@ def rms_norm_quantized_triton(x: torch.Tensor, residual: torch.Tensor | None, we
     total = torch.empty(m, n, dtype=x.dtype, device=x.device) if residual is not None else None
     if m_out:
         _rms_norm_quant_kernel[(m_out,)](
-            x, residual if residual is not None else x, weight, total if total is not None else x, q, scales, m,
-            m_out, eps, x.stride(0), residual.stride(0) if residual is not None else 0, N=n,
-            GROUPS=triton.next_power_of_2(scales.shape[0]), HAS_RESIDUAL=residual is not None, PDL=pdl(x.device),
+            x,
+            residual if residual is not None else x,
+            weight,
+            total if total is not None else x,
+            q,
+            scales,
+            m,
+            m_out,
+            eps,
+            x.stride(0),
+            residual.stride(0) if residual is not None else 0,
+            N=n,
+            GROUPS=triton.next_power_of_2(scales.shape[0]),
+            HAS_RESIDUAL=residual is not None,
+            PDL=pdl(x.device),
             # at 4096 channels and 16-256 rows: 8 warps 0.6-0.9 us faster
-            num_warps=8 if n >= 4096 else 4, **launch_options(x.device))
+            num_warps=8 if n >= 4096 else 4,
+            **launch_options(x.device),
+        )
     rows = QuantizedRows(q, scales, m, x.dtype)
     return rows if residual is None else (rows, total)
 
@@ -108,6 +157,16 @@ def silu_and_mul_quantized_triton(x: torch.Tensor) -> QuantizedRows:
     m, n = x.shape[0], x.shape[1] // 2
     m_out, q, scales = empty_quantized(m, n, ROW_MULTIPLE, x.device)
     if m_out:  # (a multiple of 16)
-        _silu_mul_quant_kernel[(m_out // 16, scales.shape[0])](x, q, scales, m, m_out, n, x.stride(0), BLOCK_ROWS=16,
-                                                               PDL=pdl(x.device), **launch_options(x.device))
+        _silu_mul_quant_kernel[(m_out // 16, scales.shape[0])](
+            x,
+            q,
+            scales,
+            m,
+            m_out,
+            n,
+            x.stride(0),
+            BLOCK_ROWS=16,
+            PDL=pdl(x.device),
+            **launch_options(x.device),
+        )
     return QuantizedRows(q, scales, m, x.dtype)

@@ -32,6 +32,7 @@ same tiles reach ~1,150 TFLOP/s at 2,048 tokens, with them 680-830).
 hands the GEMM to cuBLAS's block-scaled one (``fp8_cublas``, faster there); activations that the op in
 front already quantized (``fp8_fused``) arrive as ``QuantizedRows`` and skip ``_quantize_kernel``.
 """
+
 import functools
 from typing import NamedTuple
 
@@ -46,7 +47,9 @@ from nanovllm.utils.dependent_launch import launch_options, pdl, prefetch_l2, wa
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
 _BLOCK_K = tl.constexpr(BLOCK)
-PRECISE = False  # the default of fp8_linear_triton's ``precise`` (tests comparing with the CPU set it)
+PRECISE = (
+    False  # the default of fp8_linear_triton's ``precise`` (tests comparing with the CPU set it)
+)
 PREFETCH_WEIGHTS = True  # see _fp8_gemm_kernel
 
 
@@ -73,23 +76,56 @@ def quantize_store(x, q_ptrs, scale_ptrs, mask, scale_mask):
 
 
 @triton.jit(do_not_specialize=["M", "M_OUT"])
-def _quantize_kernel(x_ptr, q_ptr, scale_ptr, M, M_OUT, K, stride_xm, stride_qm, BLOCK_ROWS: tl.constexpr):
+def _quantize_kernel(
+    x_ptr, q_ptr, scale_ptr, M, M_OUT, K, stride_xm, stride_qm, BLOCK_ROWS: tl.constexpr
+):
     """BLOCK_ROWS tokens x one 128-channel group: e4m3 values and scales, as ``quantize_activation_groups``.
     Rows from M to M_OUT (padding) are written as zeros with scale 1."""
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     group = tl.program_id(1)
     k = group * _BLOCK_K + tl.arange(0, _BLOCK_K)
     k_ok = (k < K)[None, :]
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=(rows < M)[:, None] & k_ok, other=0.0)
-    quantize_store(x.to(tl.float32), q_ptr + rows[:, None] * stride_qm + k[None, :], scale_ptr + group * M_OUT + rows,
-                   (rows < M_OUT)[:, None] & k_ok, rows < M_OUT)
+    x = tl.load(
+        x_ptr + rows[:, None] * stride_xm + k[None, :], mask=(rows < M)[:, None] & k_ok, other=0.0
+    )
+    quantize_store(
+        x.to(tl.float32),
+        q_ptr + rows[:, None] * stride_qm + k[None, :],
+        scale_ptr + group * M_OUT + rows,
+        (rows < M_OUT)[:, None] & k_ok,
+        rows < M_OUT,
+    )
 
 
 @triton.jit(do_not_specialize=["M", "stride_xsk"])
-def _fp8_gemm_kernel(q_src, xs_ptr, w_src, w_ptr, ws_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr, M, N, K,
-                     stride_qm, stride_xsk, stride_wn, stride_wsn, stride_om, TMA: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, PRECISE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+def _fp8_gemm_kernel(
+    q_src,
+    xs_ptr,
+    w_src,
+    w_ptr,
+    ws_ptr,
+    bias_ptr,
+    out_ptr,
+    partial_ptr,
+    counter_ptr,
+    M,
+    N,
+    K,
+    stride_qm,
+    stride_xsk,
+    stride_wn,
+    stride_wsn,
+    stride_om,
+    TMA: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    PRECISE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):
     """``q_src``/``w_src``: TMA descriptors of the e4m3 activations [M, K] and weight [N, K] (``TMA``),
     or their pointers. BLOCK_N divides 128, so a tile's outputs share one weight scale per k-block.
     With SPLIT_K > 1 the k-blocks are cut into SPLIT_K ranges (grid axis 1); each program writes its
@@ -108,7 +144,9 @@ def _fp8_gemm_kernel(q_src, xs_ptr, w_src, w_ptr, ws_ptr, bias_ptr, out_ptr, par
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, _BLOCK_K)
     m_ok, n_ok = rm < M, rn < N
-    w_scales = ws_ptr + (pid_n * BLOCK_N // _BLOCK_K) * stride_wsn  # this tile's row of weight scales
+    w_scales = (
+        ws_ptr + (pid_n * BLOCK_N // _BLOCK_K) * stride_wsn
+    )  # this tile's row of weight scales
     k_blocks = tl.cdiv(tl.cdiv(K, _BLOCK_K), SPLIT_K)  # per range
     first_kb = tl.program_id(1) * k_blocks
     last_kb = tl.minimum(first_kb + k_blocks, tl.cdiv(K, _BLOCK_K))
@@ -123,14 +161,24 @@ def _fp8_gemm_kernel(q_src, xs_ptr, w_src, w_ptr, ws_ptr, bias_ptr, out_ptr, par
             w = w_src.load([pid_n * BLOCK_N, kb * _BLOCK_K])
         else:
             k = kb * _BLOCK_K + rk
-            q = tl.load(q_src + rm[:, None] * stride_qm + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0)
-            w = tl.load(w_src + rn[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
+            q = tl.load(
+                q_src + rm[:, None] * stride_qm + k[None, :],
+                mask=m_ok[:, None] & (k < K)[None, :],
+                other=0.0,
+            )
+            w = tl.load(
+                w_src + rn[:, None] * stride_wn + k[None, :],
+                mask=n_ok[:, None] & (k < K)[None, :],
+                other=0.0,
+            )
         if PRECISE:  # every MMA's result added in float32 (see the module docstring)
             partial = tl.dot(q, tl.trans(w), out_dtype=tl.float32, max_num_imprecise_acc=0)
         else:
             partial = tl.dot(q, tl.trans(w), out_dtype=tl.float32)
         # activation scale x weight scale: a vector over the tile's rows, one multiply-add per output
-        scale = tl.load(xs_ptr + kb * stride_xsk + rm, mask=m_ok, other=0.0) * tl.load(w_scales + kb)
+        scale = tl.load(xs_ptr + kb * stride_xsk + rm, mask=m_ok, other=0.0) * tl.load(
+            w_scales + kb
+        )
         acc += partial * scale[:, None]
     if SPLIT_K == 1:
         _store_tile(acc, bias_ptr, out_ptr, rm, rn, m_ok, n_ok, stride_om, HAS_BIAS)
@@ -141,10 +189,19 @@ def _fp8_gemm_kernel(q_src, xs_ptr, w_src, w_ptr, ws_ptr, bias_ptr, out_ptr, par
         tl.debug_barrier()  # the whole sum is written before the count releases it
         if tl.atomic_add(counter_ptr + pid, 1, sem="acq_rel") == SPLIT_K - 1:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for split in range(SPLIT_K):  # from L2: other SMs wrote these (".cg" skips this SM's L1)
-                acc += tl.load(partial_ptr + split * M * N + tile_offsets, mask=mask, other=0.0, cache_modifier=".cg")
+            for split in range(
+                SPLIT_K
+            ):  # from L2: other SMs wrote these (".cg" skips this SM's L1)
+                acc += tl.load(
+                    partial_ptr + split * M * N + tile_offsets,
+                    mask=mask,
+                    other=0.0,
+                    cache_modifier=".cg",
+                )
             _store_tile(acc, bias_ptr, out_ptr, rm, rn, m_ok, n_ok, stride_om, HAS_BIAS)
-            tl.atomic_xchg(counter_ptr + pid, 0)  # ready for the next call (and the next graph replay)
+            tl.atomic_xchg(
+                counter_ptr + pid, 0
+            )  # ready for the next call (and the next graph replay)
 
 
 @triton.jit
@@ -153,10 +210,14 @@ def _store_tile(acc, bias_ptr, out_ptr, rm, rn, m_ok, n_ok, stride_om, HAS_BIAS:
     if HAS_BIAS:  # added after the cast, as the torch path does (the sum rounded once)
         bias = tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
         out = (out.to(tl.float32) + bias[None, :]).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], out, mask=m_ok[:, None] & n_ok[None, :])
+    tl.store(
+        out_ptr + rm[:, None] * stride_om + rn[None, :], out, mask=m_ok[:, None] & n_ok[None, :]
+    )
 
 
-def empty_quantized(m: int, k: int, row_multiple: int, device: torch.device) -> tuple[int, torch.Tensor, torch.Tensor]:
+def empty_quantized(
+    m: int, k: int, row_multiple: int, device: torch.device
+) -> tuple[int, torch.Tensor, torch.Tensor]:
     """(m', e4m3 values [m', k], float32 scales k-block-major [ceil(k / 128), m']) to be filled, m
     rounded up to ``row_multiple`` as m'."""
     m_out = triton.cdiv(m, row_multiple) * row_multiple
@@ -171,8 +232,9 @@ def quantize_rows(x: torch.Tensor, row_multiple: int = 1) -> tuple[torch.Tensor,
     m, k = x.shape
     m_out, q, scales = empty_quantized(m, k, row_multiple, x.device)
     rows = 16 if m_out >= 16 else 1
-    _quantize_kernel[(triton.cdiv(m_out, rows), scales.shape[0])](x, q, scales, m, m_out, k, x.stride(0), q.stride(0),
-                                                                   BLOCK_ROWS=rows)
+    _quantize_kernel[(triton.cdiv(m_out, rows), scales.shape[0])](
+        x, q, scales, m, m_out, k, x.stride(0), q.stride(0), BLOCK_ROWS=rows
+    )
     return q, scales
 
 
@@ -184,7 +246,11 @@ def _has_tma(device: torch.device) -> bool:
 
 @functools.cache
 def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    return (
+        torch.cuda.get_device_properties(device).multi_processor_count
+        if device.type == "cuda"
+        else 1
+    )
 
 
 MAX_SPLIT_TILES = 4096  # tiles a split-K call may have (one counter each)
@@ -227,10 +293,17 @@ def split_k(num_tokens: int, k: int, tiles: int, sms: int) -> int:
     return splits
 
 
-def fp8_linear_triton(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weight_scale: torch.Tensor,
-                      bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-                      precise: bool | None = None, gemm_tile: GemmTile | None = None,
-                      splits: int | None = None, cublas: bool | None = None) -> torch.Tensor:
+def fp8_linear_triton(
+    x: torch.Tensor | QuantizedRows,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    precise: bool | None = None,
+    gemm_tile: GemmTile | None = None,
+    splits: int | None = None,
+    cublas: bool | None = None,
+) -> torch.Tensor:
     """``fp8.fp8_linear`` on a CUDA device: ``x`` [..., in] (float, or already quantized: a
     ``QuantizedRows``), ``weight`` [out, in] float8_e4m3fn, ``weight_scale`` [ceil(out/128),
     ceil(in/128)] float32. ``precise``: float32 accumulation inside k-blocks too (the module
@@ -250,8 +323,13 @@ def fp8_linear_triton(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, wei
     out_dtype = out_dtype or dtype
     precise = PRECISE if precise is None else precise
     if cublas is None:  # (rows quantized elsewhere must come padded for it)
-        cublas = (not precise and gemm_tile is None and splits is None and fp8_cublas.usable(m, weight, out_dtype)
-                  and (q is None or q.shape[0] % fp8_cublas.ROW_MULTIPLE == 0))
+        cublas = (
+            not precise
+            and gemm_tile is None
+            and splits is None
+            and fp8_cublas.usable(m, weight, out_dtype)
+            and (q is None or q.shape[0] % fp8_cublas.ROW_MULTIPLE == 0)
+        )
     if cublas:
         if q is None:
             q, x_scale = quantize_rows(x2, fp8_cublas.ROW_MULTIPLE)
@@ -263,20 +341,57 @@ def fp8_linear_triton(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, wei
             q, x_scale = quantize_rows(x2)
         t = gemm_tile or tile(m)
         tiles = triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n)
-        splits = (splits or split_k(m, k, tiles, _sm_count(weight.device))) if tiles <= MAX_SPLIT_TILES else 1
+        splits = (
+            (splits or split_k(m, k, tiles, _sm_count(weight.device)))
+            if tiles <= MAX_SPLIT_TILES
+            else 1
+        )
         counters = _split_counters(weight.device)
-        partials = torch.empty(splits, m, n, dtype=torch.float32, device=weight.device) if splits > 1 else out
+        partials = (
+            torch.empty(splits, m, n, dtype=torch.float32, device=weight.device)
+            if splits > 1
+            else out
+        )
         # TMA (Hopper+) needs 16-byte aligned rows: K a multiple of 16, as in every Qwen shape
-        tma = (_has_tma(weight.device) and k % 16 == 0 and weight.stride(-1) == 1 and weight.stride(0) % 16 == 0
-               and weight.data_ptr() % 16 == 0)
+        tma = (
+            _has_tma(weight.device)
+            and k % 16 == 0
+            and weight.stride(-1) == 1
+            and weight.stride(0) % 16 == 0
+            and weight.data_ptr() % 16 == 0
+        )
         q_src = TensorDescriptor.from_tensor(q, [t.block_m, BLOCK]) if tma else q
         w_src = TensorDescriptor.from_tensor(weight, [t.block_n, BLOCK]) if tma else weight
         dependent = pdl(weight.device)
         _fp8_gemm_kernel[(tiles, splits)](
-            q_src, x_scale, w_src, weight, weight_scale, bias if bias is not None else out, out, partials, counters,
-            m, n, k, q.stride(0), x_scale.stride(0), weight.stride(0), weight_scale.stride(0), out.stride(0), TMA=tma,
-            HAS_BIAS=bias is not None, PRECISE=precise, BLOCK_M=t.block_m,
-            BLOCK_N=t.block_n, GROUP_M=t.group_m, SPLIT_K=splits, PDL=dependent,
+            q_src,
+            x_scale,
+            w_src,
+            weight,
+            weight_scale,
+            bias if bias is not None else out,
+            out,
+            partials,
+            counters,
+            m,
+            n,
+            k,
+            q.stride(0),
+            x_scale.stride(0),
+            weight.stride(0),
+            weight_scale.stride(0),
+            out.stride(0),
+            TMA=tma,
+            HAS_BIAS=bias is not None,
+            PRECISE=precise,
+            BLOCK_M=t.block_m,
+            BLOCK_N=t.block_n,
+            GROUP_M=t.group_m,
+            SPLIT_K=splits,
+            PDL=dependent,
             PREFETCH=dependent and PREFETCH_WEIGHTS and tma and k % BLOCK == 0 and k >= 2 * BLOCK,
-            num_warps=t.num_warps, num_stages=t.num_stages, **launch_options(weight.device))
+            num_warps=t.num_warps,
+            num_stages=t.num_stages,
+            **launch_options(weight.device),
+        )
     return out.view(*lead, n)

@@ -11,6 +11,7 @@ columns are read from them, as Python values: Ray's NumPy batches would turn a s
 field that is null in another row into a float (``max_tokens=3.0``) and lists into object arrays.
 The other columns pass through untouched, so they come out with the types they went in with.
 """
+
 import os
 import reprlib
 from collections.abc import Callable
@@ -21,7 +22,9 @@ try:
     import ray
     import ray.data
 except ImportError as e:  # the optional extra is missing
-    raise ImportError('nanovllm.ray needs Ray Data: pip install -e ".[ray]" (or pip install "ray[data]>=2.40")') from e
+    raise ImportError(
+        'nanovllm.ray needs Ray Data: pip install -e ".[ray]" (or pip install "ray[data]>=2.40")'
+    ) from e
 
 from nanovllm.config import Config
 from nanovllm.sampling_params import SamplingParams
@@ -47,7 +50,9 @@ def _is_int(x) -> bool:
 
 def _check_count(name: str, value, low: int = 1) -> None:
     if not _is_int(value):
-        raise TypeError(f"ProcessorConfig.{name} must be an int, got {value!r} ({type(value).__name__})")
+        raise TypeError(
+            f"ProcessorConfig.{name} must be an int, got {value!r} ({type(value).__name__})"
+        )
     if value < low:
         raise ValueError(f"ProcessorConfig.{name} must be >= {low}, got {value}")
 
@@ -77,20 +82,28 @@ class ProcessorConfig:
         source = self.model_source
         if not isinstance(source, (str, os.PathLike)) or not os.fspath(source):
             kind = ValueError if isinstance(source, (str, os.PathLike)) else TypeError
-            raise kind(f"ProcessorConfig.model_source must be the path of a model folder, got {source!r}")
+            raise kind(
+                f"ProcessorConfig.model_source must be the path of a model folder, got {source!r}"
+            )
         object.__setattr__(self, "model_source", os.fspath(source))
         self._check_engine_kwargs()
         concurrency = self.concurrency
         if isinstance(concurrency, tuple):
             if len(concurrency) != 2 or not all(_is_int(c) for c in concurrency):
-                raise TypeError(f"ProcessorConfig.concurrency must be an int or a (min, max) tuple of ints, "
-                                f"got {concurrency!r}")
+                raise TypeError(
+                    f"ProcessorConfig.concurrency must be an int or a (min, max) tuple of ints, "
+                    f"got {concurrency!r}"
+                )
             if not 1 <= concurrency[0] <= concurrency[1]:
-                raise ValueError(f"ProcessorConfig.concurrency as (min, max) must have 1 <= min <= max, "
-                                 f"got {concurrency!r}")
+                raise ValueError(
+                    f"ProcessorConfig.concurrency as (min, max) must have 1 <= min <= max, "
+                    f"got {concurrency!r}"
+                )
         elif not _is_int(concurrency):
-            raise TypeError(f"ProcessorConfig.concurrency must be an int or a (min, max) tuple of ints, "
-                            f"got {concurrency!r} ({type(concurrency).__name__})")
+            raise TypeError(
+                f"ProcessorConfig.concurrency must be an int or a (min, max) tuple of ints, "
+                f"got {concurrency!r} ({type(concurrency).__name__})"
+            )
         else:
             _check_count("concurrency", concurrency)
         _check_count("batch_size", self.batch_size)
@@ -99,32 +112,50 @@ class ProcessorConfig:
     def _check_engine_kwargs(self) -> None:
         kwargs = self.engine_kwargs
         if not isinstance(kwargs, dict):
-            raise TypeError(f"ProcessorConfig.engine_kwargs must be a dict of LLM() keywords, "
-                            f"got {type(kwargs).__name__}")
+            raise TypeError(
+                f"ProcessorConfig.engine_kwargs must be a dict of LLM() keywords, "
+                f"got {type(kwargs).__name__}"
+            )
         for key in kwargs:
             if key == "model":
-                raise TypeError("ProcessorConfig.engine_kwargs must not hold 'model': model_source names the model")
+                raise TypeError(
+                    "ProcessorConfig.engine_kwargs must not hold 'model': model_source names the model"
+                )
             if key not in ENGINE_KWARGS:
-                raise TypeError(f"ProcessorConfig.engine_kwargs holds {key!r}, which LLM() does not accept; "
-                                f"accepted: {', '.join(ENGINE_KWARGS)}")
+                raise TypeError(
+                    f"ProcessorConfig.engine_kwargs holds {key!r}, which LLM() does not accept; "
+                    f"accepted: {', '.join(ENGINE_KWARGS)}"
+                )
         tp = kwargs.get("tensor_parallel_size", 1)
         if not _is_int(tp) or tp < 1:
             kind = ValueError if _is_int(tp) else TypeError
-            raise kind(f"ProcessorConfig.engine_kwargs['tensor_parallel_size'] must be an int >= 1, got {tp!r}")
-        object.__setattr__(self, "engine_kwargs", dict(kwargs))  # its own copy: the caller's later changes stay out
+            raise kind(
+                f"ProcessorConfig.engine_kwargs['tensor_parallel_size'] must be an int >= 1, got {tp!r}"
+            )
+        object.__setattr__(
+            self, "engine_kwargs", dict(kwargs)
+        )  # its own copy: the caller's later changes stay out
 
     def _check_num_gpus(self) -> None:
         gpus = self.num_gpus
         if gpus is None:
             return
         if isinstance(gpus, bool) or not isinstance(gpus, (int, float)):
-            raise TypeError(f"ProcessorConfig.num_gpus must be a number or None, got {gpus!r} ({type(gpus).__name__})")
+            raise TypeError(
+                f"ProcessorConfig.num_gpus must be a number or None, got {gpus!r} ({type(gpus).__name__})"
+            )
         if not 0 <= gpus < float("inf"):
-            raise ValueError(f"ProcessorConfig.num_gpus must be a finite number >= 0 or None, got {gpus!r}")
+            raise ValueError(
+                f"ProcessorConfig.num_gpus must be a finite number >= 0 or None, got {gpus!r}"
+            )
         tp = self.tensor_parallel_size
-        if tp > 1 and 0 < gpus < tp:  # one engine may share a GPU (a fraction); tensor-parallel ranks need one each
-            raise ValueError(f"ProcessorConfig.num_gpus must be 0 (engines on the CPU) or at least "
-                             f"tensor_parallel_size={tp}, got {gpus}")
+        if (
+            tp > 1 and 0 < gpus < tp
+        ):  # one engine may share a GPU (a fraction); tensor-parallel ranks need one each
+            raise ValueError(
+                f"ProcessorConfig.num_gpus must be 0 (engines on the CPU) or at least "
+                f"tensor_parallel_size={tp}, got {gpus}"
+            )
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -158,7 +189,11 @@ def _without_nulls(d: dict) -> dict:
 def _describe(row: dict) -> str:
     """A row for an error message: its columns in the dataset's order (so that an id column names
     it), long values shortened, the None values Arrow filled in left out."""
-    return "{" + ", ".join(f"{k!r}: {_short.repr(_plain(v))}" for k, v in _without_nulls(row).items()) + "}"
+    return (
+        "{"
+        + ", ".join(f"{k!r}: {_short.repr(_plain(v))}" for k, v in _without_nulls(row).items())
+        + "}"
+    )
 
 
 class _EngineReplica:
@@ -180,10 +215,14 @@ class _EngineReplica:
                 requests.append(self.request({name: values[i] for name, values in columns.items()}))
             except (TypeError, ValueError) as e:
                 kind = TypeError if isinstance(e, TypeError) else ValueError
-                raise kind(f"nanovllm.ray: row {_describe(batch.slice(i, 1).to_pylist()[0])}: {e}") from None
+                raise kind(
+                    f"nanovllm.ray: row {_describe(batch.slice(i, 1).to_pylist()[0])}: {e}"
+                ) from None
         if not requests:
             return _with_outputs(batch, [])
-        outputs = self.llm.generate([ids for ids, _ in requests], [sp for _, sp in requests], use_tqdm=False)
+        outputs = self.llm.generate(
+            [ids for ids, _ in requests], [sp for _, sp in requests], use_tqdm=False
+        )
         return _with_outputs(batch, outputs)
 
     def request(self, row: dict) -> tuple[list[int], SamplingParams]:
@@ -191,8 +230,10 @@ class _EngineReplica:
         checks them: the token ids against the vocabulary, the length against the cache)."""
         prompt, messages = row.get("prompt"), row.get("messages")
         if prompt is None and messages is None:
-            raise ValueError("a row needs a 'prompt' (text or token ids) or 'messages' (a conversation); "
-                             "it has neither")
+            raise ValueError(
+                "a row needs a 'prompt' (text or token ids) or 'messages' (a conversation); "
+                "it has neither"
+            )
         if prompt is not None and messages is not None:
             raise ValueError("a row needs one of 'prompt' and 'messages'; it has both")
         sampling_params = self.sampling_params(row.get("sampling_params"))
@@ -208,15 +249,21 @@ class _EngineReplica:
         if value is None:
             return self.defaults
         if not isinstance(value, dict):
-            raise TypeError(f"'sampling_params' must be a dict of SamplingParams fields, "
-                            f"got {value!r} ({type(value).__name__})")
+            raise TypeError(
+                f"'sampling_params' must be a dict of SamplingParams fields, "
+                f"got {value!r} ({type(value).__name__})"
+            )
         given = _without_nulls(value)
         for key in given:
             if key not in SAMPLING_FIELDS:
-                raise TypeError(f"'sampling_params' holds {key!r}, which is not a SamplingParams field; "
-                                f"fields: {', '.join(SAMPLING_FIELDS)}")
+                raise TypeError(
+                    f"'sampling_params' holds {key!r}, which is not a SamplingParams field; "
+                    f"fields: {', '.join(SAMPLING_FIELDS)}"
+                )
         if given.get("n", 1) != 1:
-            raise ValueError(f"'sampling_params': n must be 1 (one output row per input row), got {given['n']!r}")
+            raise ValueError(
+                f"'sampling_params': n must be 1 (one output row per input row), got {given['n']!r}"
+            )
         try:
             return replace(self.defaults, **given)
         except (TypeError, ValueError) as e:
@@ -225,15 +272,27 @@ class _EngineReplica:
 
     def chat_prompt(self, messages, template_kwargs) -> list[int]:
         """A conversation's token ids through the chat template, as ``LLM.chat`` makes them."""
-        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-            raise TypeError(f"'messages' must be a non-empty list of {{'role', 'content'}} dicts, got {messages!r}")
+        if (
+            not isinstance(messages, list)
+            or not messages
+            or not all(isinstance(m, dict) for m in messages)
+        ):
+            raise TypeError(
+                f"'messages' must be a non-empty list of {{'role', 'content'}} dicts, got {messages!r}"
+            )
         conversation = [_without_nulls(m) for m in messages]
         for m in conversation:
             if not (isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-                raise TypeError(f"'messages': a message must have str 'role' and 'content', got {m!r}")
+                raise TypeError(
+                    f"'messages': a message must have str 'role' and 'content', got {m!r}"
+                )
         if template_kwargs is not None and not isinstance(template_kwargs, dict):
-            raise TypeError(f"'chat_template_kwargs' must be a dict or None, got {template_kwargs!r}")
-        return self.llm.inputs.chat_prompts([conversation], _without_nulls(template_kwargs or {}))[0]
+            raise TypeError(
+                f"'chat_template_kwargs' must be a dict or None, got {template_kwargs!r}"
+            )
+        return self.llm.inputs.chat_prompts([conversation], _without_nulls(template_kwargs or {}))[
+            0
+        ]
 
 
 def _with_outputs(batch: pa.Table, outputs: list[dict]) -> pa.Table:
@@ -280,7 +339,9 @@ def build_llm_processor(
         raise TypeError(f"config must be a ProcessorConfig, got {type(config).__name__}")
     for name, fn in (("preprocess", preprocess), ("postprocess", postprocess)):
         if fn is not None and not callable(fn):
-            raise TypeError(f"{name} must be a function from row (dict) to row, or None, got {fn!r}")
+            raise TypeError(
+                f"{name} must be a function from row (dict) to row, or None, got {fn!r}"
+            )
 
     def process(ds: ray.data.Dataset) -> ray.data.Dataset:
         if not isinstance(ds, ray.data.Dataset):
@@ -290,7 +351,10 @@ def build_llm_processor(
             ds = ds.map(preprocess)
         ds = ds.map_batches(
             _EngineReplica,
-            fn_constructor_kwargs={"model_source": config.model_source, "engine_kwargs": config.engine_kwargs},
+            fn_constructor_kwargs={
+                "model_source": config.model_source,
+                "engine_kwargs": config.engine_kwargs,
+            },
             batch_size=config.batch_size,
             batch_format="pyarrow",
             compute=_actor_pool(config.concurrency),

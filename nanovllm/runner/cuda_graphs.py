@@ -8,6 +8,7 @@ graph's logits. With tensor parallelism each rank's graph computes its share of 
 logits and draws over it, and the ranks exchange each row's winners inside the graph, so every rank
 holds the step's tokens (``triton_draw.sharded_gumbel_argmax``); another step gathers the shares
 on rank 0 to sample there."""
+
 from collections.abc import Callable
 
 import torch
@@ -19,7 +20,9 @@ from nanovllm.utils.context import step_context
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
     """1, 2, 4, 8, then multiples of 16, and ``max_batch`` itself."""
-    sizes = [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch, 16)) + [max_batch]
+    sizes = (
+        [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch, 16)) + [max_batch]
+    )
     return sorted(set(sizes))
 
 
@@ -29,8 +32,17 @@ class DecodeGraphs:
     [>= max_batch] int64 holds each step's sampled ids on the device."""
 
     @torch.inference_mode()
-    def __init__(self, model: nn.Module, inputs: DecodeBuffer, sampled: torch.Tensor, max_batch: int,
-                 dtype: torch.dtype, device: torch.device, sync: Callable[[], None], largest_only: bool = False):
+    def __init__(
+        self,
+        model: nn.Module,
+        inputs: DecodeBuffer,
+        sampled: torch.Tensor,
+        max_batch: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        sync: Callable[[], None],
+        largest_only: bool = False,
+    ):
         self.model, self.inputs, self.sampled = model, inputs, sampled
         self.head = model.lm_head  # this rank's share of the vocabulary
         with device:
@@ -55,12 +67,20 @@ class DecodeGraphs:
         v = self.inputs.fields
         input_ids, positions, context = decode_inputs(v, self.sampled, batch)
         with step_context(context):
-            logits = self.model.compute_logits(self.model(input_ids, positions), out=self.out[:batch], gather=False)
-        temperatures, seeds, out = v["temperatures"][:batch], v["seeds"][:batch], self.sampled[:batch]
+            logits = self.model.compute_logits(
+                self.model(input_ids, positions), out=self.out[:batch], gather=False
+            )
+        temperatures, seeds, out = (
+            v["temperatures"][:batch],
+            v["seeds"][:batch],
+            self.sampled[:batch],
+        )
         if self.head.tp_size == 1:
             gumbel_argmax(logits, temperatures, seeds, out=out)
         else:
-            sharded_gumbel_argmax(logits, temperatures, seeds, self.head.vocab_start, self.head.num_embeddings, out)
+            sharded_gumbel_argmax(
+                logits, temperatures, seeds, self.head.vocab_start, self.head.num_embeddings, out
+            )
 
     def padded_batch(self, n: int) -> int | None:
         """The batch size of the smallest graph that fits ``n`` rows, or None when none does."""

@@ -1,18 +1,21 @@
 """The executor: rank 0's ModelRunner and, with tensor parallelism, the worker processes of the
 other ranks and the control channel to them. A worker that dies turns into a clear error, after
 which the executor is released and refuses further work."""
+
 import os
 import socket
 import traceback
 import uuid
 
 from nanovllm.config import Config
-from nanovllm.parallel.control_channel import ControlChannel, channel_bytes
-from nanovllm.runner.model_runner import ModelRunner
 from nanovllm.engine.step import Step
+from nanovllm.parallel.control_channel import ControlChannel, channel_bytes
 from nanovllm.parallel.workers import WorkerGroup
+from nanovllm.runner.model_runner import ModelRunner
 
-UPDATE_BATCH = 256  # weight-update entries per control message: a few tens of KB, well inside the channel
+UPDATE_BATCH = (
+    256  # weight-update entries per control message: a few tens of KB, well inside the channel
+)
 
 
 def _free_port() -> int:
@@ -51,7 +54,9 @@ class Executor:
             self.channel.events = self.workers.events
             self.channel.failure = self.workers.failure
         try:
-            self.runner = ModelRunner(config, 0, port, self.workers.failure if self.workers else None)
+            self.runner = ModelRunner(
+                config, 0, port, self.workers.failure if self.workers else None
+            )
         except BaseException as e:  # the runner has released what it held
             failure = self.workers.wait_failure(2.0) if self.workers else None
             self._close_workers(timeout=1.0)
@@ -62,10 +67,12 @@ class Executor:
 
     def run(self, step: Step):
         """Launch ``step`` on every rank; rank 0's sampled tokens on their way to the host."""
+
         def launch():
             if self.channel is not None:
                 self.channel.write("run", step.for_workers())
             return self.runner.run(step)
+
         return self._guarded(launch)
 
     def update_weights(self, weights: list) -> None:
@@ -85,6 +92,7 @@ class Executor:
                 if self.channel is not None:
                     self.channel.write("load_weights", batch)
                 self.runner.load_weights(batch, tensors[start : start + UPDATE_BATCH])
+
         self._guarded(load)
 
     def sleep(self, level: int) -> None:
@@ -100,6 +108,7 @@ class Executor:
             if self.channel is not None:
                 self.channel.write(method, *args)
             getattr(self.runner, method)(*args)
+
         self._guarded(call)
 
     def result(self, output) -> tuple[list[int], list | None]:

@@ -1,5 +1,6 @@
 """The KV cache of one rank: its layout (one tensor whose per-layer views the attention layers get),
 and how many blocks fit: on a GPU, sized from a warm-up's activation peak and the CUDA-graph pool."""
+
 import gc
 import os
 
@@ -9,7 +10,11 @@ import torch.distributed as dist
 
 from nanovllm.engine.step import SamplingRows, Step
 from nanovllm.layers.attention import (
-    KV_SCALE_DTYPE, Attention, empty_kv_scales, is_fp8_kv_cache, kv_cache_storage_dtype,
+    KV_SCALE_DTYPE,
+    Attention,
+    empty_kv_scales,
+    is_fp8_kv_cache,
+    kv_cache_storage_dtype,
 )
 from nanovllm.sampling_params import SamplingParams
 
@@ -25,18 +30,41 @@ def block_bytes(config, num_kv_heads: int, head_dim: int, dtype: torch.dtype) ->
     row_bytes = head_dim * kv_cache_storage_dtype(config.kv_cache_dtype, dtype).itemsize
     if is_fp8_kv_cache(config.kv_cache_dtype):
         row_bytes += KV_SCALE_DTYPE.itemsize
-    return 2 * config.hf_config.num_hidden_layers * config.kvcache_block_size * num_kv_heads * row_bytes
+    return (
+        2
+        * config.hf_config.num_hidden_layers
+        * config.kvcache_block_size
+        * num_kv_heads
+        * row_bytes
+    )
 
 
-def bind_kv_cache(model, config, num_blocks: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                  device: torch.device) -> torch.Tensor:
+def bind_kv_cache(
+    model,
+    config,
+    num_blocks: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
     """The one place that knows the cache layout: one tensor
     [2, layers, blocks, block_size, kv_heads, head_dim]; each layer gets its K and V views. An FP8
     cache holds e4m3 values, and a second tensor (``empty_kv_scales``) their float32 scales, held
     only by the layers' k_scale/v_scale views (it goes with the model). Returns the cache."""
-    shape = (2, config.hf_config.num_hidden_layers, num_blocks, config.kvcache_block_size, num_kv_heads)
-    cache = torch.empty(*shape, head_dim, dtype=kv_cache_storage_dtype(config.kv_cache_dtype, dtype), device=device)
-    scales = empty_kv_scales(*shape, device=device) if is_fp8_kv_cache(config.kv_cache_dtype) else None
+    shape = (
+        2,
+        config.hf_config.num_hidden_layers,
+        num_blocks,
+        config.kvcache_block_size,
+        num_kv_heads,
+    )
+    cache = torch.empty(
+        *shape, head_dim, dtype=kv_cache_storage_dtype(config.kv_cache_dtype, dtype), device=device
+    )
+    scales = (
+        empty_kv_scales(*shape, device=device) if is_fp8_kv_cache(config.kv_cache_dtype) else None
+    )
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     for i, module in enumerate(layers):
         module.k_cache, module.v_cache = cache[0, i], cache[1, i]
@@ -59,16 +87,27 @@ def warmup_step(config) -> Step:
     max_tokens = config.max_num_batched_tokens
     seq_len = min(config.max_model_len, max_tokens)
     num_seqs = max(1, min(max_tokens // seq_len, config.max_num_seqs))
-    return Step(True, [0] * (seq_len * num_seqs), [0] * num_seqs, [seq_len] * num_seqs, [[]] * num_seqs)
+    return Step(
+        True, [0] * (seq_len * num_seqs), [0] * num_seqs, [seq_len] * num_seqs, [[]] * num_seqs
+    )
 
 
 def heaviest_sampling(num_rows: int, vocab_size: int) -> SamplingRows:
     """The sampler's heaviest path: penalties, top-p past its candidates, logprobs, suppression,
     a grammar's token mask."""
-    params = SamplingParams(top_p=0.9, repetition_penalty=1.1, presence_penalty=0.5, logprobs=20, min_tokens=1)
+    params = SamplingParams(
+        top_p=0.9, repetition_penalty=1.1, presence_penalty=0.5, logprobs=20, min_tokens=1
+    )
     bitmask = np.full((num_rows, -(-vocab_size // 32)), -1, dtype=np.int32)  # every token allowed
-    return SamplingRows([1.0] * num_rows, list(range(num_rows)), [params] * num_rows, False,
-                        [[0]] * num_rows, [([0] * 8, [])] * num_rows, (list(range(num_rows)), bitmask))
+    return SamplingRows(
+        [1.0] * num_rows,
+        list(range(num_rows)),
+        [params] * num_rows,
+        False,
+        [[0]] * num_rows,
+        [([0] * 8, [])] * num_rows,
+        (list(range(num_rows)), bitmask),
+    )
 
 
 def activation_peak(runner) -> int:
@@ -114,7 +153,12 @@ def num_blocks(runner) -> int:
             peak = activation_peak(runner)
             graphs = 0 if runner.enforce_eager else graph_pool_bytes(runner)
             free, total = torch.cuda.mem_get_info()
-            budget = int(total * (config.gpu_memory_utilization - GPU_HEADROOM)) - (total - free) - peak - graphs
+            budget = (
+                int(total * (config.gpu_memory_utilization - GPU_HEADROOM))
+                - (total - free)
+                - peak
+                - graphs
+            )
         else:
             available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
             blocks_per_seq = -(-config.max_model_len // config.kvcache_block_size)

@@ -1,6 +1,7 @@
 """One tensor-parallel rank: ``run(step) -> step output``. Its parts are composed: the model, the KV
 cache (``kv_cache``), the step-input builder (``step_inputs``), CUDA graphs (``cuda_graphs``) and,
 on rank 0, the sampler."""
+
 from collections.abc import Callable
 
 import numpy as np
@@ -8,33 +9,54 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
-from nanovllm.features import sleep
-from nanovllm.runner import kv_cache
-from nanovllm.runner.cuda_graphs import DecodeGraphs
 from nanovllm.engine.step import PromptScoring, SamplingRows, Step
-from nanovllm.runner.step_inputs import DecodeBuffer, decode_inputs, prefill_inputs
-from nanovllm.runner.step_output import StepOutput
+from nanovllm.features import sleep
+from nanovllm.features.prompt_logprobs import score_prompt
 from nanovllm.layers.attention import Attention, get_attention_backend, resolve_backend_name
-from nanovllm.quantization import building_quantized
 from nanovllm.models.llama import head_dim
 from nanovllm.models.registry import model_class
+from nanovllm.parallel.distributed import (
+    abort_nccl,
+    enable_custom_all_reduce,
+    init_process_group,
+    leave_group,
+    wait_device,
+)
+from nanovllm.quantization import building_quantized
+from nanovllm.runner import kv_cache
+from nanovllm.runner.cuda_graphs import DecodeGraphs
+from nanovllm.runner.step_inputs import DecodeBuffer, decode_inputs, prefill_inputs
+from nanovllm.runner.step_output import StepOutput
 from nanovllm.sampling import Sampler, SamplerOutput
 from nanovllm.sampling.batch import make_sampling_batch
-from nanovllm.features.prompt_logprobs import score_prompt
 from nanovllm.utils.context import Context, step_context
-from nanovllm.parallel.distributed import (abort_nccl, enable_custom_all_reduce, init_process_group, leave_group,
-                                        wait_device)
-from nanovllm.utils.loader import (WeightEntry, check_fp8_tensors, copy_weight, expected_shapes, init_dummy_weights,
-                                   is_fp8_model, load_model, plan_weights)
+from nanovllm.utils.loader import (
+    WeightEntry,
+    check_fp8_tensors,
+    copy_weight,
+    expected_shapes,
+    init_dummy_weights,
+    is_fp8_model,
+    load_model,
+    plan_weights,
+)
 from nanovllm.utils.profiling import phase
 
 
 class ModelRunner:
-    def __init__(self, config: Config, rank: int, dist_port: int, watch: Callable[[], str | None] | None = None):
+    def __init__(
+        self,
+        config: Config,
+        rank: int,
+        dist_port: int,
+        watch: Callable[[], str | None] | None = None,
+    ):
         """``watch`` (rank 0 with workers) says which worker has died, if any; device waits check it."""
         self.model = self.kv_cache = self.graphs = self.sampled = self.offloaded = None
         self.rank = rank
-        self.owns_group = False  # this rank joined a process group (tensor parallelism) to leave at the end
+        self.owns_group = (
+            False  # this rank joined a process group (tensor parallelism) to leave at the end
+        )
         try:
             self._start(config, dist_port, watch)
         except BaseException:
@@ -58,13 +80,24 @@ class ModelRunner:
             init_process_group(self.device, self.rank, self.world_size, dist_port)
             self.owns_group = True
         self.dtype = config.resolved_dtype(self.device.type)
-        self.backend = backend = get_attention_backend(resolve_backend_name(
-            config.attention_backend, self.device.type, self.block_size, self.dtype, config.kv_cache_dtype,
-            config.weight_quantization))
+        self.backend = backend = get_attention_backend(
+            resolve_backend_name(
+                config.attention_backend,
+                self.device.type,
+                self.block_size,
+                self.dtype,
+                config.kv_cache_dtype,
+                config.weight_quantization,
+            )
+        )
         # CUDA graphs need a capturable backend on a GPU; the torch backend syncs on the host
-        self.enforce_eager = config.enforce_eager or self.device.type == "cpu" or backend.name == "torch"
+        self.enforce_eager = (
+            config.enforce_eager or self.device.type == "cpu" or backend.name == "torch"
+        )
         if self.world_size > 1 and not self.enforce_eager and not config.disable_custom_all_reduce:
-            enable_custom_all_reduce(self.device, self.dtype)  # (only CUDA graphs use it: distributed.all_reduce)
+            enable_custom_all_reduce(
+                self.device, self.dtype
+            )  # (only CUDA graphs use it: distributed.all_reduce)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
@@ -95,13 +128,28 @@ class ModelRunner:
         self.decode_buffer = DecodeBuffer(self.config.max_num_seqs, max_blocks, self.device)
 
     def bind_kv_cache(self, num_blocks: int) -> torch.Tensor:
-        return kv_cache.bind_kv_cache(self.model, self.config, num_blocks, self.num_kv_heads, self.head_dim,
-                                      self.dtype, self.device)
+        return kv_cache.bind_kv_cache(
+            self.model,
+            self.config,
+            num_blocks,
+            self.num_kv_heads,
+            self.head_dim,
+            self.dtype,
+            self.device,
+        )
 
     def capture_graphs(self, largest_only: bool = False) -> DecodeGraphs:
         """Decode graphs for batch sizes up to min(max_num_seqs, 512) (see ``DecodeGraphs``)."""
-        return DecodeGraphs(self.model, self.decode_buffer, self.sampled, min(self.config.max_num_seqs, 512),
-                            self.dtype, self.device, self.sync, largest_only=largest_only)
+        return DecodeGraphs(
+            self.model,
+            self.decode_buffer,
+            self.sampled,
+            min(self.config.max_num_seqs, 512),
+            self.dtype,
+            self.device,
+            self.sync,
+            largest_only=largest_only,
+        )
 
     # ---- one step ----------------------------------------------------------------------------
 
@@ -136,7 +184,9 @@ class ModelRunner:
         prompt = None  # prompt log-probabilities (rank 0), with the step's output
         if step.prompt_scoring is not None:
             with phase("sample"):
-                prompt = score_prompt(self.model, hidden_states, step.prompt_scoring, self.vocab_size)
+                prompt = score_prompt(
+                    self.model, hidden_states, step.prompt_scoring, self.vocab_size
+                )
         output = None
         if self.rank == 0 and step.sampling is not None:
             if drawn:
@@ -150,8 +200,13 @@ class ModelRunner:
         return output
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, rows: SamplingRows, scoring: PromptScoring | None = None,
-               prompt: tuple[torch.Tensor, ...] | None = None) -> StepOutput:
+    def sample(
+        self,
+        logits: torch.Tensor,
+        rows: SamplingRows,
+        scoring: PromptScoring | None = None,
+        prompt: tuple[torch.Tensor, ...] | None = None,
+    ) -> StepOutput:
         with phase("sample"):
             out = self.sampler(logits, make_sampling_batch(rows, self.vocab_size, self._tensor))
             num_logprobs = None if out.logprobs is None else [p.logprobs for p in rows.params]
@@ -161,8 +216,12 @@ class ModelRunner:
         """A host list or NumPy array on this rank's device (pinned and non-blocking on a GPU)."""
         if self.device.type == "cpu":
             return torch.tensor(data, dtype=dtype)
-        if isinstance(data, np.ndarray):  # torch pins no tensor that NumPy owns: copy into a pinned one
-            pinned = torch.empty(data.shape, dtype=dtype, pin_memory=True).copy_(torch.from_numpy(data))
+        if isinstance(
+            data, np.ndarray
+        ):  # torch pins no tensor that NumPy owns: copy into a pinned one
+            pinned = torch.empty(data.shape, dtype=dtype, pin_memory=True).copy_(
+                torch.from_numpy(data)
+            )
         else:
             pinned = torch.tensor(data, dtype=dtype, pin_memory=True)
         return pinned.to(self.device, non_blocking=True)
@@ -176,12 +235,16 @@ class ModelRunner:
         fp8 = is_fp8_model(self.model)
         expected = expected_shapes(self.config.model, self.config.hf_config, fp8)
         where = " given to update_weights"
-        entries = plan_weights(self.model, [(name, tensor.shape) for name, tensor in weights], expected, where)
+        entries = plan_weights(
+            self.model, [(name, tensor.shape) for name, tensor in weights], expected, where
+        )
         fp8_names = {e.name for e in entries if weights[e.index][1].dtype == torch.float8_e4m3fn}
         return check_fp8_tensors(self.model, entries, fp8_names, where)
 
     @torch.no_grad()
-    def load_weights(self, entries: list[WeightEntry], tensors: list[torch.Tensor] | None = None) -> None:
+    def load_weights(
+        self, entries: list[WeightEntry], tensors: list[torch.Tensor] | None = None
+    ) -> None:
         """Copy planned tensors into the parameters in place, each rank its shard (``copy_weight``).
         Rank 0 has the ``tensors`` (one per entry); with tensor parallelism it broadcasts each one
         from its device, in the parameter's dtype, and the other ranks (called with the entries
@@ -200,7 +263,9 @@ class ModelRunner:
                     tensor = torch.empty(entry.shape, dtype=dtype, device=self.device)
                 else:
                     tensor = tensor.to(self.device, dtype).contiguous()
-                dist.broadcast(tensor.view(torch.uint8) if entry.fp8 else tensor, 0)  # gloo sends no float8
+                dist.broadcast(
+                    tensor.view(torch.uint8) if entry.fp8 else tensor, 0
+                )  # gloo sends no float8
             copy_weight(param, entry, tensor, " given to update_weights")
         self.sync()
 
@@ -268,7 +333,9 @@ class ModelRunner:
         if failed and self.owns_group and not abort_nccl(self._drop_graphs):
             return  # the device is stuck: freeing memory would wait on it forever
         self._drop_graphs()
-        self.model = self.kv_cache = self.sampled = self.offloaded = None  # the layers' cache views go with the model
+        self.model = self.kv_cache = self.sampled = self.offloaded = (
+            None  # the layers' cache views go with the model
+        )
         if torch.cuda.is_initialized():
             torch.cuda.empty_cache()
         if self.owns_group:

@@ -7,6 +7,7 @@ whose device copy the graphs read in place: the host fills a pinned copy and sen
 copy. A token the host does not know yet is read on the device from the previous step's sampled
 ids (``decode_inputs``).
 """
+
 from collections.abc import Callable
 
 import numpy as np
@@ -15,7 +16,9 @@ import torch
 from nanovllm.engine.step import Step
 from nanovllm.utils.context import Context
 
-ToDevice = Callable[[list | np.ndarray, torch.dtype], torch.Tensor]  # host data to a tensor on the rank's device
+ToDevice = Callable[
+    [list | np.ndarray, torch.dtype], torch.Tensor
+]  # host data to a tensor on the rank's device
 TORCH_DTYPES = {np.int64: torch.int64, np.int32: torch.int32, np.float32: torch.float32}
 NUM_STAGING = 2  # pinned host copies of the decode inputs, used in turn: one is filled while the last one's copy may be queued
 
@@ -25,16 +28,21 @@ def write_block_tables(out: np.ndarray, tables: list[list[int]]) -> np.ndarray:
     entries past each table keep their value."""
     lens = np.fromiter(map(len, tables), np.int64, len(tables))
     out[: len(tables)][np.arange(out.shape[1]) < lens[:, None]] = np.fromiter(
-        (b for t in tables for b in t), np.int32, int(lens.sum()))
+        (b for t in tables for b in t), np.int32, int(lens.sum())
+    )
     return out
 
 
 def block_table_array(tables: list[list[int]]) -> np.ndarray:
     """Block tables as one [rows, width] int32 array, padded with -1."""
-    return write_block_tables(np.full((len(tables), max(map(len, tables))), -1, dtype=np.int32), tables)
+    return write_block_tables(
+        np.full((len(tables), max(map(len, tables))), -1, dtype=np.int32), tables
+    )
 
 
-def slot_mapping(tables: np.ndarray, rows: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+def slot_mapping(
+    tables: np.ndarray, rows: np.ndarray, positions: np.ndarray, block_size: int
+) -> np.ndarray:
     """The cache slot of each token (token ``j`` of row ``rows[j]`` at ``positions[j]``): its
     block's id · block size + its offset in the block; -1 (not stored) where the row has no block."""
     if not tables.shape[1]:  # no cache yet (the warm-up)
@@ -43,7 +51,9 @@ def slot_mapping(tables: np.ndarray, rows: np.ndarray, positions: np.ndarray, bl
     return np.where(blocks >= 0, blocks * block_size + positions % block_size, -1)
 
 
-def prefill_inputs(step: Step, block_size: int, to_device: ToDevice) -> tuple[torch.Tensor, torch.Tensor, Context]:
+def prefill_inputs(
+    step: Step, block_size: int, to_device: ToDevice
+) -> tuple[torch.Tensor, torch.Tensor, Context]:
     """The ``num_new`` tokens after each sequence's ``num_computed``; block tables go to the
     attention layers when any sequence has a cached prefix."""
     n = step.num_seqs
@@ -73,7 +83,11 @@ def prefill_inputs(step: Step, block_size: int, to_device: ToDevice) -> tuple[to
 # of a padding row). Block tables, [rows, max_blocks] int32, come last.
 DECODE_FIELDS = (
     ("input_ids", np.int64, 0),
-    ("prev_rows", np.int64, -1),  # the row of the previous step's sampled ids that holds the input token, or -1
+    (
+        "prev_rows",
+        np.int64,
+        -1,
+    ),  # the row of the previous step's sampled ids that holds the input token, or -1
     ("positions", np.int64, 0),
     ("seeds", np.int64, 0),  # the draw seed of each row (a graph that draws, see cuda_graphs)
     ("slot_mapping", np.int32, -1),
@@ -104,9 +118,13 @@ class DecodeLayout:
         out = {}
         for name, dtype, _ in DECODE_FIELDS:
             start = self.offsets[name]
-            out[name] = view(buffer[start : start + self.max_rows * np.dtype(dtype).itemsize], dtype)
+            out[name] = view(
+                buffer[start : start + self.max_rows * np.dtype(dtype).itemsize], dtype
+            )
         start = self.offsets["block_tables"]
-        out["block_tables"] = view(buffer[start : self.nbytes], np.int32).reshape(self.max_rows, self.max_blocks)
+        out["block_tables"] = view(buffer[start : self.nbytes], np.int32).reshape(
+            self.max_rows, self.max_blocks
+        )
         return out
 
 
@@ -131,13 +149,19 @@ def fill_decode(fields: dict[str, np.ndarray], step: Step, rows: int, block_size
         fields[name][n:rows] = pad
 
 
-def decode_inputs(v: dict[str, torch.Tensor], sampled: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor, Context]:
+def decode_inputs(
+    v: dict[str, torch.Tensor], sampled: torch.Tensor, rows: int
+) -> tuple[torch.Tensor, torch.Tensor, Context]:
     """The model's inputs from the first ``rows`` rows of the device fields ``v``: each input
     token from the host or, where ``prev_rows`` names one, from the previous step's ``sampled`` ids."""
     prev = v["prev_rows"][:rows]
     input_ids = torch.where(prev >= 0, sampled[prev.clamp(min=0)], v["input_ids"][:rows])
-    context = Context(is_prefill=False, slot_mapping=v["slot_mapping"][:rows],
-                      context_lens=v["context_lens"][:rows], block_tables=v["block_tables"][:rows])
+    context = Context(
+        is_prefill=False,
+        slot_mapping=v["slot_mapping"][:rows],
+        context_lens=v["context_lens"][:rows],
+        block_tables=v["block_tables"][:rows],
+    )
     return input_ids, v["positions"][:rows], context
 
 
@@ -148,14 +172,26 @@ class DecodeBuffer:
     def __init__(self, max_rows: int, max_blocks: int, device: torch.device):
         self.layout = DecodeLayout(max_rows, max_blocks)
         self.buffer = torch.zeros(self.layout.nbytes, dtype=torch.uint8, device=device)
-        self.fields = self.layout.fields(self.buffer, lambda part, dtype: part.view(TORCH_DTYPES[dtype]))
-        for name, _, pad in DECODE_FIELDS:  # every row padding: a graph captured over it writes no cache slot
+        self.fields = self.layout.fields(
+            self.buffer, lambda part, dtype: part.view(TORCH_DTYPES[dtype])
+        )
+        for (
+            name,
+            _,
+            pad,
+        ) in DECODE_FIELDS:  # every row padding: a graph captured over it writes no cache slot
             self.fields[name].fill_(pad)
         if device.type == "cpu":
             self.staging = [self.buffer]
         else:
-            self.staging = [torch.zeros(self.layout.nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(NUM_STAGING)]
-        self.staged = [self.layout.fields(s.numpy(), lambda part, dtype: part.view(dtype)) for s in self.staging]
+            self.staging = [
+                torch.zeros(self.layout.nbytes, dtype=torch.uint8, pin_memory=True)
+                for _ in range(NUM_STAGING)
+            ]
+        self.staged = [
+            self.layout.fields(s.numpy(), lambda part, dtype: part.view(dtype))
+            for s in self.staging
+        ]
         self.copied: list[torch.cuda.Event | None] = [None] * len(self.staging)
         self.turn = 0
 

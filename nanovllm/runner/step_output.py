@@ -1,5 +1,6 @@
 """A launched step's sampled tokens on their way to the host (rank 0): copied from the device
 without blocking, and read when the engine resolves the step, which may be one step later."""
+
 from collections.abc import Callable
 
 import torch
@@ -8,8 +9,14 @@ from nanovllm.sampling import SamplerOutput
 
 
 class StepOutput:
-    def __init__(self, out: SamplerOutput, num_logprobs: list[int | None] | None,
-                 wait: Callable[[torch.cuda.Event], None], scoring=None, prompt: tuple | None = None):
+    def __init__(
+        self,
+        out: SamplerOutput,
+        num_logprobs: list[int | None] | None,
+        wait: Callable[[torch.cuda.Event], None],
+        scoring=None,
+        prompt: tuple | None = None,
+    ):
         """``num_logprobs``: each row's ``logprobs`` setting (when any row asked for them). ``wait``
         blocks until an event has passed on the device (and may raise when a rank died).
         ``scoring`` (``engine.step.PromptScoring``) and ``prompt``: the prompt tokens the step
@@ -17,7 +24,9 @@ class StepOutput:
         self.num_logprobs = num_logprobs
         self.device_token_ids = out.token_ids
         self.token_ids = out.token_ids.to("cpu", non_blocking=True)
-        self.logprobs = None if out.logprobs is None else [t.to("cpu", non_blocking=True) for t in out.logprobs]
+        self.logprobs = (
+            None if out.logprobs is None else [t.to("cpu", non_blocking=True) for t in out.logprobs]
+        )
         self.scoring = scoring
         self.prompt = None if prompt is None else [t.to("cpu", non_blocking=True) for t in prompt]
         self.ready = None

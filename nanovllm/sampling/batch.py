@@ -2,6 +2,7 @@
 
 A setting nobody in the batch uses adds no tensor and no work.
 """
+
 from collections.abc import Callable
 
 import numpy as np
@@ -13,13 +14,18 @@ from nanovllm.sampling.sampler import Filters, Penalties, SamplingBatch
 # kept set reaches past them is the whole vocabulary sorted
 NUM_CANDIDATES = 512
 
-ToDevice = Callable[[list | np.ndarray, torch.dtype], torch.Tensor]  # host data to a tensor on the rank's device
+ToDevice = Callable[
+    [list | np.ndarray, torch.dtype], torch.Tensor
+]  # host data to a tensor on the rank's device
 
 
 def make_sampling_batch(rows, vocab_size: int, to_device: ToDevice) -> SamplingBatch:
     all_greedy = not any(rows.temperatures)
-    batch = SamplingBatch(to_device(rows.temperatures, torch.float32),
-                          None if all_greedy else to_device(rows.seeds, torch.int64), all_greedy)
+    batch = SamplingBatch(
+        to_device(rows.temperatures, torch.float32),
+        None if all_greedy else to_device(rows.seeds, torch.int64),
+        all_greedy,
+    )
     if rows.plain:
         return batch
     params = rows.params
@@ -27,7 +33,10 @@ def make_sampling_batch(rows, vocab_size: int, to_device: ToDevice) -> SamplingB
         pairs = [(i, t) for i, ids in enumerate(rows.suppressed) for t in ids if t < vocab_size]
         if pairs:
             suppress_rows, ids = zip(*pairs)
-            batch.suppress = (to_device(list(suppress_rows), torch.int64), to_device(list(ids), torch.int64))
+            batch.suppress = (
+                to_device(list(suppress_rows), torch.int64),
+                to_device(list(ids), torch.int64),
+            )
     if rows.penalty_tokens is not None:
         penalised = [i for i, tokens in enumerate(rows.penalty_tokens) if tokens is not None]
         batch.penalties = _penalties(rows.penalty_tokens, penalised, params, to_device)
@@ -36,7 +45,10 @@ def make_sampling_batch(rows, vocab_size: int, to_device: ToDevice) -> SamplingB
         batch.filters = _filters([params[i] for i in filtered], filtered, vocab_size, to_device)
     if rows.token_bitmask is not None:
         grammar_rows, bitmask = rows.token_bitmask
-        batch.token_bitmask = (to_device(grammar_rows, torch.int64), to_device(bitmask, torch.int32))
+        batch.token_bitmask = (
+            to_device(grammar_rows, torch.int64),
+            to_device(bitmask, torch.int32),
+        )
     logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     if logprob_rows:
         batch.logprob_rows = to_device(logprob_rows, torch.int64)
@@ -71,7 +83,9 @@ def _filters(params: list, rows: list[int], vocab_size: int, to_device: ToDevice
         rows=to_device(rows, torch.int64),
         top_k=to_device(top_k, torch.int64),
         top_p=to_device([p.top_p for p in params], torch.float32),
-        min_p=to_device([p.min_p for p in params], torch.float32) if any(p.min_p for p in params) else None,
+        min_p=to_device([p.min_p for p in params], torch.float32)
+        if any(p.min_p for p in params)
+        else None,
         num_candidates=min(num_candidates, vocab_size),
         all_top_k=all_top_k,
     )

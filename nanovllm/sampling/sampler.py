@@ -5,6 +5,7 @@ top-k, top-p and the draw. Rows that use none of these pay nothing for them: the
 temperature draw is one fused pass on the GPU (``triton_draw``) and an inverse-CDF draw on the
 CPU (``torch_ops.cdf_draw``); log-probabilities come from the raw logits, before any of it.
 """
+
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +41,9 @@ class SamplingBatch:
     temperatures: torch.Tensor  # [B] float32, 0 = greedy
     seeds: torch.Tensor | None  # [B] int64 draw seeds in [0, 2**32); None when every row is greedy
     all_greedy: bool
-    suppress: tuple[torch.Tensor, torch.Tensor] | None = None  # (row, token id) pairs masked to -inf
+    suppress: tuple[torch.Tensor, torch.Tensor] | None = (
+        None  # (row, token id) pairs masked to -inf
+    )
     penalties: Penalties | None = None
     # (rows [G] int64, bitmask [G, words] int32): tokens a row's grammar does not allow are masked
     token_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -56,7 +59,9 @@ class SamplerOutput:
     logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
-def _plain_draw(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
+def _plain_draw(
+    logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor
+) -> torch.Tensor:
     """The temperature draw of every row (T = 0: argmax): the fused Gumbel-max kernel on the GPU,
     the inverse-CDF draw on the CPU (the per-token noise would cost twenty passes there)."""
     if logits.is_cuda:
@@ -69,13 +74,23 @@ def _plain_draw(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.T
 class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         raw = logits
-        if batch.suppress is not None or batch.penalties is not None or batch.token_bitmask is not None:
+        if (
+            batch.suppress is not None
+            or batch.penalties is not None
+            or batch.token_bitmask is not None
+        ):
             logits = logits.to(torch.float32, copy=True)  # never modify the raw logits in place
             if batch.suppress is not None:
                 logits[batch.suppress] = float("-inf")
             if (p := batch.penalties) is not None:
                 torch_ops.apply_penalties(
-                    logits, p.rows, p.repetition, p.presence, p.frequency, p.prompt_tokens, p.output_tokens
+                    logits,
+                    p.rows,
+                    p.repetition,
+                    p.presence,
+                    p.frequency,
+                    p.prompt_tokens,
+                    p.output_tokens,
                 )
             if batch.token_bitmask is not None:
                 torch_ops.apply_token_bitmask(logits, *batch.token_bitmask)
@@ -85,15 +100,30 @@ class Sampler(nn.Module):
             f = batch.filters
             if f is None:
                 token_ids = _plain_draw(logits, batch.temperatures, batch.seeds)
-            elif f.rows.numel() == logits.size(0):  # every row filters: no pass over the full vocabulary
+            elif f.rows.numel() == logits.size(
+                0
+            ):  # every row filters: no pass over the full vocabulary
                 token_ids = torch_ops.sample_filtered(
-                    logits, batch.temperatures, batch.seeds, f.top_k, f.top_p, f.min_p, f.num_candidates, f.all_top_k
+                    logits,
+                    batch.temperatures,
+                    batch.seeds,
+                    f.top_k,
+                    f.top_p,
+                    f.min_p,
+                    f.num_candidates,
+                    f.all_top_k,
                 )
             else:
                 token_ids = _plain_draw(logits, batch.temperatures, batch.seeds)
                 token_ids[f.rows] = torch_ops.sample_filtered(
-                    logits[f.rows], batch.temperatures[f.rows], batch.seeds[f.rows], f.top_k, f.top_p, f.min_p,
-                    f.num_candidates, f.all_top_k,
+                    logits[f.rows],
+                    batch.temperatures[f.rows],
+                    batch.seeds[f.rows],
+                    f.top_k,
+                    f.top_p,
+                    f.min_p,
+                    f.num_candidates,
+                    f.all_top_k,
                 )
         logprobs = None
         if batch.logprob_rows is not None:

@@ -10,6 +10,7 @@ Randomness is counter-based, so a row's draw depends on its draw seed (per row a
   inverts the row's cumulative distribution, held as exact integers. Hashing every (row, token)
   pair costs about twenty passes over the logits on the CPU; this costs about as much as an argmax.
 """
+
 import torch
 
 _MASK32 = 0xFFFFFFFF
@@ -17,7 +18,9 @@ _MASK64 = (1 << 64) - 1
 _MIX = 0x45D9F3B  # < 2**31: the int64 products below never overflow
 CDF_BITS = 60  # a probability p counts as the integer floor(p * 2**60): int64 sums are exact
 CDF_BLOCK = 128  # tokens per block of the two-level search of the cumulative distribution
-CDF_GROUP = 1 << 19  # logits per pass of ``cdf_draw`` (rows at a time): 2 MB of float32 stay in cache
+CDF_GROUP = (
+    1 << 19
+)  # logits per pass of ``cdf_draw`` (rows at a time): 2 MB of float32 stay in cache
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -41,7 +44,9 @@ def gumbel(seeds: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     return -torch.log(-torch.log(uniform_noise(seeds, token_ids)))
 
 
-def gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
+def gumbel_argmax(
+    logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor
+) -> torch.Tensor:
     """One token per row: argmax(logits / T + gumbel); rows with T = 0 take the plain argmax. The
     reference of ``triton_draw.gumbel_argmax`` (the CPU draws with ``cdf_draw``, much cheaper there).
     logits [rows, vocab] (any float dtype), temperatures [rows] float32, seeds [rows] int64."""
@@ -98,25 +103,40 @@ def cdf_draw(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tens
 def _cdf_search(x: torch.Tensor, inv_t: torch.Tensor, uniforms: list[int]) -> torch.Tensor:
     """``cdf_draw`` on a few rows: x [g, vocab] logits, inv_t [g, 1] float32 (1 / T)."""
     g, vocab = x.shape
-    q = torch.softmax(x.float() * inv_t, dim=1).mul_(2.0**CDF_BITS)  # [g, vocab], whole numbers once truncated
+    q = torch.softmax(x.float() * inv_t, dim=1).mul_(
+        2.0**CDF_BITS
+    )  # [g, vocab], whole numbers once truncated
     full = vocab - vocab % CDF_BLOCK
     blocks = q[:, :full].view(g, full // CDF_BLOCK, CDF_BLOCK).sum(dim=2, dtype=torch.int64)
     if full < vocab:  # a last, shorter block
         blocks = torch.cat([blocks, q[:, full:].sum(dim=1, dtype=torch.int64, keepdim=True)], dim=1)
     cum = blocks.cumsum_(dim=1)  # [g, blocks] int64
-    targets = torch.tensor([(u * s) >> 64 for u, s in zip(uniforms, cum[:, -1].tolist())], dtype=torch.int64)
+    targets = torch.tensor(
+        [(u * s) >> 64 for u, s in zip(uniforms, cum[:, -1].tolist())], dtype=torch.int64
+    )
     targets = targets.unsqueeze(1)  # [g, 1]
-    block = torch.searchsorted(cum, targets, right=True)  # [g, 1]: the first block whose cumulative sum > t
+    block = torch.searchsorted(
+        cum, targets, right=True
+    )  # [g, 1]: the first block whose cumulative sum > t
     before = torch.where(block > 0, cum.gather(1, (block - 1).clamp_(min=0)), 0)
     cols = block * CDF_BLOCK + torch.arange(CDF_BLOCK)  # [g, CDF_BLOCK]: the block's tokens
-    inside = q.gather(1, cols.clamp(max=vocab - 1)).to(torch.int64).masked_fill_(cols >= vocab, 0).cumsum_(dim=1)
+    inside = (
+        q.gather(1, cols.clamp(max=vocab - 1))
+        .to(torch.int64)
+        .masked_fill_(cols >= vocab, 0)
+        .cumsum_(dim=1)
+    )
     offset = torch.searchsorted(inside, targets - before, right=True)
     return (block * CDF_BLOCK + offset).squeeze(1)
 
 
 def apply_penalties(
-    logits: torch.Tensor, rows: torch.Tensor, repetition: torch.Tensor, presence: torch.Tensor,
-    frequency: torch.Tensor, prompt_tokens: tuple[torch.Tensor, torch.Tensor],
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    repetition: torch.Tensor,
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+    prompt_tokens: tuple[torch.Tensor, torch.Tensor],
     output_tokens: tuple[torch.Tensor, torch.Tensor],
 ) -> None:
     """In place on float32 ``logits`` [batch, vocab], for the penalised ``rows`` only. Over prompt and
@@ -182,8 +202,14 @@ def _candidates(logits, temperatures, top_k, top_p, min_p, num_candidates, all_t
 
 
 def sample_filtered(
-    logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, top_k: torch.Tensor,
-    top_p: torch.Tensor, min_p: torch.Tensor | None, num_candidates: int, all_top_k: bool,
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    seeds: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor | None,
+    num_candidates: int,
+    all_top_k: bool,
 ) -> torch.Tensor:
     """Draw one token per row among those min-p, top-k and top-p keep (in that order), with the same
     noise as ``gumbel_argmax``. Works on the ``num_candidates`` most likely tokens (no sort of the
@@ -193,14 +219,22 @@ def sample_filtered(
     ``num_candidates`` >= each top_k and no row needs the vocabulary, nor a device sync)."""
     vocab = logits.size(1)
     num_candidates = min(num_candidates, vocab)
-    vals, ids, keep, complete = _candidates(logits, temperatures, top_k, top_p, min_p, num_candidates, all_top_k)
+    vals, ids, keep, complete = _candidates(
+        logits, temperatures, top_k, top_p, min_p, num_candidates, all_top_k
+    )
     scores = (vals + gumbel(seeds, ids)).masked_fill(~keep, float("-inf"))
     tokens = ids.gather(1, scores.argmax(dim=-1, keepdim=True)).squeeze(1)
     if num_candidates < vocab and not all_top_k and not bool(complete.all()):
         redo = (~complete).nonzero().squeeze(1)
         tokens[redo] = sample_filtered(
-            logits[redo], temperatures[redo], seeds[redo], top_k[redo], top_p[redo],
-            None if min_p is None else min_p[redo], vocab, all_top_k,
+            logits[redo],
+            temperatures[redo],
+            seeds[redo],
+            top_k[redo],
+            top_p[redo],
+            None if min_p is None else min_p[redo],
+            vocab,
+            all_top_k,
         )
     return tokens
 

@@ -8,6 +8,7 @@ the other); a second small kernel picks each row's best of its chunks' winners. 
 parallelism each rank draws over its share of the vocabulary and the ranks exchange only those
 winners (``sharded_gumbel_argmax``).
 """
+
 import torch
 import torch.distributed as dist
 import triton
@@ -26,9 +27,21 @@ def _mix32(x):
 
 
 @triton.jit
-def _gumbel_argmax_kernel(logits_ptr, stride, temperatures_ptr, seeds_ptr, out_ptr, part_val_ptr, part_id_ptr,
-                          vocab, chunk, id_offset, NUM_CHUNKS: tl.constexpr, TO_PARTS: tl.constexpr,
-                          BLOCK: tl.constexpr):
+def _gumbel_argmax_kernel(
+    logits_ptr,
+    stride,
+    temperatures_ptr,
+    seeds_ptr,
+    out_ptr,
+    part_val_ptr,
+    part_id_ptr,
+    vocab,
+    chunk,
+    id_offset,
+    NUM_CHUNKS: tl.constexpr,
+    TO_PARTS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """One program: one chunk of one row, whose logits are the vocabulary's ids ``id_offset`` to
     ``id_offset + vocab`` (a tensor-parallel rank's share). With one chunk per row and not
     ``TO_PARTS`` it writes the token id; otherwise the chunk's best score and id, for
@@ -46,7 +59,9 @@ def _gumbel_argmax_kernel(logits_ptr, stride, temperatures_ptr, seeds_ptr, out_p
     for start in range(lo, hi, BLOCK):
         ids = start + tl.arange(0, BLOCK)
         mask = ids < hi
-        x = tl.load(logits_ptr + row.to(tl.int64) * stride + ids, mask=mask, other=float("-inf")).to(tl.float32)
+        x = tl.load(
+            logits_ptr + row.to(tl.int64) * stride + ids, mask=mask, other=float("-inf")
+        ).to(tl.float32)
         token_ids = ids + id_offset  # the noise and the answer are the vocabulary's ids
         if t > 0:
             bits = _mix32(_mix32(token_ids.to(tl.uint32)) ^ seed)
@@ -57,7 +72,9 @@ def _gumbel_argmax_kernel(logits_ptr, stride, temperatures_ptr, seeds_ptr, out_p
         best = tl.where(better, x, best)
         best_id = tl.where(better, token_ids, best_id)
     top = tl.max(best, axis=0)
-    first = tl.min(tl.where(best == top, best_id, id_offset + vocab), axis=0)  # the lowest id among equal maxima
+    first = tl.min(
+        tl.where(best == top, best_id, id_offset + vocab), axis=0
+    )  # the lowest id among equal maxima
     if NUM_CHUNKS == 1 and not TO_PARTS:
         tl.store(out_ptr + row, first.to(tl.int64))
     else:
@@ -66,8 +83,17 @@ def _gumbel_argmax_kernel(logits_ptr, stride, temperatures_ptr, seeds_ptr, out_p
 
 
 @triton.jit
-def _best_of_parts_kernel(temperatures_ptr, out_ptr, part_val_ptr, part_id_ptr, group_stride, no_id,
-                          NUM_PARTS: tl.constexpr, GROUPS: tl.constexpr, PARTS_PAD: tl.constexpr):
+def _best_of_parts_kernel(
+    temperatures_ptr,
+    out_ptr,
+    part_val_ptr,
+    part_id_ptr,
+    group_stride,
+    no_id,
+    NUM_PARTS: tl.constexpr,
+    GROUPS: tl.constexpr,
+    PARTS_PAD: tl.constexpr,
+):
     """Each row's token: the best of its parts' winners (``GROUPS`` groups of ``NUM_PARTS`` chunks,
     ``group_stride`` apart), the lowest id among equal scores (the parts cover increasing ids, so
     this is the lowest id of the whole row). grid: (rows,)"""
@@ -83,8 +109,13 @@ def _best_of_parts_kernel(temperatures_ptr, out_ptr, part_val_ptr, part_id_ptr, 
     tl.store(out_ptr + row, tl.min(tl.where(val == top, ids, no_id), axis=0).to(tl.int64))
 
 
-def gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor,
-                  out: torch.Tensor | None = None, chunk: int = CHUNK) -> torch.Tensor:
+def gumbel_argmax(
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    seeds: torch.Tensor,
+    out: torch.Tensor | None = None,
+    chunk: int = CHUNK,
+) -> torch.Tensor:
     """logits [rows, vocab] (last dim contiguous, any float dtype), temperatures [rows] float32 (0 =
     greedy; below 0: the row is skipped, its ``out`` entry left as it was), seeds [rows] int64 in
     [0, 2**32). ``chunk``: logits per program, a multiple of BLOCK. Returns ``out`` (or a new [rows]
@@ -96,14 +127,35 @@ def gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch
         return out
     if triton.cdiv(vocab, chunk) == 1:
         _check(logits, temperatures, seeds, chunk)
-        _gumbel_argmax_kernel[(rows, 1)](logits, logits.stride(0), temperatures, seeds, out, out, out, vocab, chunk, 0,
-                                         NUM_CHUNKS=1, TO_PARTS=False, BLOCK=BLOCK, num_warps=8)
+        _gumbel_argmax_kernel[(rows, 1)](
+            logits,
+            logits.stride(0),
+            temperatures,
+            seeds,
+            out,
+            out,
+            out,
+            vocab,
+            chunk,
+            0,
+            NUM_CHUNKS=1,
+            TO_PARTS=False,
+            BLOCK=BLOCK,
+            num_warps=8,
+        )
         return out
-    return best_of_parts(gumbel_parts(logits, temperatures, seeds, 0, chunk)[None], temperatures, vocab, out)
+    return best_of_parts(
+        gumbel_parts(logits, temperatures, seeds, 0, chunk)[None], temperatures, vocab, out
+    )
 
 
-def gumbel_parts(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, vocab_start: int,
-                 chunk: int = CHUNK) -> torch.Tensor:
+def gumbel_parts(
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    seeds: torch.Tensor,
+    vocab_start: int,
+    chunk: int = CHUNK,
+) -> torch.Tensor:
     """The first half of ``gumbel_argmax`` over logits of the vocabulary's ids ``vocab_start`` on
     (a tensor-parallel rank's share): each chunk's best score and id, as int32 [2, rows, chunks]
     (row 0: the scores' float32 bits). A skipped row's entries are left unwritten."""
@@ -113,27 +165,55 @@ def gumbel_parts(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.
     parts = torch.empty(2, rows, num_chunks, dtype=torch.int32, device=logits.device)
     if rows:
         _gumbel_argmax_kernel[(rows, num_chunks)](
-            logits, logits.stride(0), temperatures, seeds, parts, parts[0].view(torch.float32), parts[1], vocab, chunk,
-            vocab_start, NUM_CHUNKS=num_chunks, TO_PARTS=True, BLOCK=BLOCK, num_warps=8,
+            logits,
+            logits.stride(0),
+            temperatures,
+            seeds,
+            parts,
+            parts[0].view(torch.float32),
+            parts[1],
+            vocab,
+            chunk,
+            vocab_start,
+            NUM_CHUNKS=num_chunks,
+            TO_PARTS=True,
+            BLOCK=BLOCK,
+            num_warps=8,
         )
     return parts
 
 
-def best_of_parts(parts: torch.Tensor, temperatures: torch.Tensor, vocab_size: int, out: torch.Tensor) -> torch.Tensor:
+def best_of_parts(
+    parts: torch.Tensor, temperatures: torch.Tensor, vocab_size: int, out: torch.Tensor
+) -> torch.Tensor:
     """The second half: ``parts`` [groups, 2, rows, chunks] int32 (``gumbel_parts`` of each share of
     the vocabulary, in the order of their ids) into each row's token id, written to ``out`` [rows]."""
     groups, _, rows, num_chunks = parts.shape
     assert parts.is_contiguous() and parts.dtype == torch.int32
     if rows:
         _best_of_parts_kernel[(rows,)](
-            temperatures, out, parts[:, 0].view(torch.float32), parts[:, 1], 2 * rows * num_chunks, vocab_size,
-            NUM_PARTS=num_chunks, GROUPS=groups, PARTS_PAD=triton.next_power_of_2(groups * num_chunks), num_warps=1,
+            temperatures,
+            out,
+            parts[:, 0].view(torch.float32),
+            parts[:, 1],
+            2 * rows * num_chunks,
+            vocab_size,
+            NUM_PARTS=num_chunks,
+            GROUPS=groups,
+            PARTS_PAD=triton.next_power_of_2(groups * num_chunks),
+            num_warps=1,
         )
     return out
 
 
-def sharded_gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, vocab_start: int,
-                          vocab_size: int, out: torch.Tensor) -> torch.Tensor:
+def sharded_gumbel_argmax(
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    seeds: torch.Tensor,
+    vocab_start: int,
+    vocab_size: int,
+    out: torch.Tensor,
+) -> torch.Tensor:
     """``gumbel_argmax`` under tensor parallelism, every rank of the default process group
     holding ``logits`` of its share of the vocabulary (ids ``vocab_start`` on, shares in rank order):
     each rank finds its chunks' winners, the ranks exchange them (a few bytes a row), and every rank
@@ -145,6 +225,10 @@ def sharded_gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, seed
     return best_of_parts(gathered, temperatures, vocab_size, out)
 
 
-def _check(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, chunk: int) -> None:
-    assert logits.stride(1) == 1 and temperatures.dtype == torch.float32 and seeds.dtype == torch.int64
+def _check(
+    logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, chunk: int
+) -> None:
+    assert (
+        logits.stride(1) == 1 and temperatures.dtype == torch.float32 and seeds.dtype == torch.int64
+    )
     assert chunk % BLOCK == 0

@@ -3,6 +3,7 @@
 For running the whole pipeline without downloaded weights: the text it produces is random, but
 throughput and every code path are those of a real model of the same shape.
 """
+
 import json
 import math
 import os
@@ -11,46 +12,145 @@ import shutil
 import torch
 from safetensors.torch import save_file
 
-TOKENIZER_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "qwen3-tokenizer")
+TOKENIZER_DIR = os.path.join(
+    os.path.dirname(os.path.dirname(__file__)), "assets", "qwen3-tokenizer"
+)
 QWEN3_VOCAB_SIZE = 151936
 
-LLAMA3_ROPE = dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                   original_max_position_embeddings=8192)
+LLAMA3_ROPE = dict(
+    rope_type="llama3",
+    factor=32.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=8192,
+)
 
 # the config.json of each architecture, before a shape's values
 BASES = {
-    "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=QWEN3_VOCAB_SIZE,
-                  max_position_embeddings=40960, rope_theta=1000000.0, attention_bias=False),
-    "qwen3_moe": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=QWEN3_VOCAB_SIZE,
-                      max_position_embeddings=40960, rope_theta=1000000.0, attention_bias=False,
-                      norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
-    "qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=QWEN3_VOCAB_SIZE,
-                  max_position_embeddings=32768, rope_theta=1000000.0, use_sliding_window=False),
-    "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256,
-                  max_position_embeddings=131072, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE,
-                  attention_bias=False, mlp_bias=False),
+    "qwen3": dict(
+        architectures=["Qwen3ForCausalLM"],
+        model_type="qwen3",
+        vocab_size=QWEN3_VOCAB_SIZE,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+        attention_bias=False,
+    ),
+    "qwen3_moe": dict(
+        architectures=["Qwen3MoeForCausalLM"],
+        model_type="qwen3_moe",
+        vocab_size=QWEN3_VOCAB_SIZE,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+        attention_bias=False,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+    ),
+    "qwen2": dict(
+        architectures=["Qwen2ForCausalLM"],
+        model_type="qwen2",
+        vocab_size=QWEN3_VOCAB_SIZE,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+        use_sliding_window=False,
+    ),
+    "llama": dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        rope_scaling=LLAMA3_ROPE,
+        attention_bias=False,
+        mlp_bias=False,
+    ),
 }
 SHAPES = {
     # a few MB: fast on any CPU, with the real vocabulary so any text tokenizes
-    "tiny": dict(model_type="qwen3", num_hidden_layers=2, hidden_size=64, intermediate_size=128,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True),
-    "qwen3-0.6b": dict(model_type="qwen3", num_hidden_layers=28, hidden_size=1024, intermediate_size=3072,
-                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
-    "qwen3-4b": dict(model_type="qwen3", num_hidden_layers=36, hidden_size=2560, intermediate_size=9728,
-                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
-    "qwen3-8b": dict(model_type="qwen3", num_hidden_layers=36, hidden_size=4096, intermediate_size=12288,
-                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
-    "qwen3-30b-a3b": dict(model_type="qwen3_moe", num_hidden_layers=48, hidden_size=2048, intermediate_size=6144,
-                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, tie_word_embeddings=False,
-                          num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768),
-    "qwen2.5-0.5b": dict(model_type="qwen2", num_hidden_layers=24, hidden_size=896, intermediate_size=4864,
-                         num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True),
-    "llama3.2-1b": dict(model_type="llama", num_hidden_layers=16, hidden_size=2048, intermediate_size=8192,
-                        num_attention_heads=32, num_key_value_heads=8, head_dim=64, tie_word_embeddings=True),
+    "tiny": dict(
+        model_type="qwen3",
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=True,
+    ),
+    "qwen3-0.6b": dict(
+        model_type="qwen3",
+        num_hidden_layers=28,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+    ),
+    "qwen3-4b": dict(
+        model_type="qwen3",
+        num_hidden_layers=36,
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=False,
+    ),
+    "qwen3-8b": dict(
+        model_type="qwen3",
+        num_hidden_layers=36,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=False,
+    ),
+    "qwen3-30b-a3b": dict(
+        model_type="qwen3_moe",
+        num_hidden_layers=48,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        tie_word_embeddings=False,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+    ),
+    "qwen2.5-0.5b": dict(
+        model_type="qwen2",
+        num_hidden_layers=24,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    ),
+    "llama3.2-1b": dict(
+        model_type="llama",
+        num_hidden_layers=16,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        tie_word_embeddings=True,
+    ),
 }
 # config.json's quantization_config of Qwen's FP8 checkpoints (Qwen3-8B-FP8, Qwen3-30B-A3B-FP8)
-FP8_QUANTIZATION_CONFIG = dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic", weight_block_size=[128, 128])
-COMMON = dict(rms_norm_eps=1e-6, hidden_act="silu", bos_token_id=151643, eos_token_id=151645, torch_dtype="bfloat16")
+FP8_QUANTIZATION_CONFIG = dict(
+    quant_method="fp8", fmt="e4m3", activation_scheme="dynamic", weight_block_size=[128, 128]
+)
+COMMON = dict(
+    rms_norm_eps=1e-6,
+    hidden_act="silu",
+    bos_token_id=151643,
+    eos_token_id=151645,
+    torch_dtype="bfloat16",
+)
 
 
 def model_config(shape: str = "qwen3-0.6b", **overrides) -> dict:
@@ -74,7 +174,9 @@ def weight_bytes(config: dict, itemsize: int = 2, quantization: str | None = Non
     return sum(tensor_bytes(config, itemsize, quantization).values())
 
 
-def tensor_bytes(config: dict, itemsize: int = 2, quantization: str | None = None) -> dict[str, int]:
+def tensor_bytes(
+    config: dict, itemsize: int = 2, quantization: str | None = None
+) -> dict[str, int]:
     """Tensor name -> its bytes at ``itemsize`` bytes a value; with ``quantization="fp8"`` the
     quantized layers' weights take 1 byte a value plus 4 bytes per 128x128 block scale."""
     sizes = {}
@@ -104,12 +206,17 @@ def weight_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
     q_size = config["num_attention_heads"] * head_dim
     kv_size = config["num_key_value_heads"] * head_dim
-    shapes = {"model.embed_tokens.weight": (config["vocab_size"], hidden), "model.norm.weight": (hidden,)}
+    shapes = {
+        "model.embed_tokens.weight": (config["vocab_size"], hidden),
+        "model.norm.weight": (hidden,),
+    }
     if not config["tie_word_embeddings"]:
         shapes["lm_head.weight"] = (config["vocab_size"], hidden)
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = shapes[p + "post_attention_layernorm.weight"] = (hidden,)
+        shapes[p + "input_layernorm.weight"] = shapes[p + "post_attention_layernorm.weight"] = (
+            hidden,
+        )
         for name, size in (("q", q_size), ("k", kv_size), ("v", kv_size)):
             shapes[p + f"self_attn.{name}_proj.weight"] = (size, hidden)
             if model_type == "qwen2" or config.get("attention_bias"):
@@ -118,12 +225,16 @@ def weight_shapes(config: dict) -> dict[str, tuple[int, ...]]:
         if config.get("attention_bias"):
             shapes[p + "self_attn.o_proj.bias"] = (hidden,)
         if model_type in ("qwen3", "qwen3_moe"):
-            shapes[p + "self_attn.q_norm.weight"] = shapes[p + "self_attn.k_norm.weight"] = (head_dim,)
+            shapes[p + "self_attn.q_norm.weight"] = shapes[p + "self_attn.k_norm.weight"] = (
+                head_dim,
+            )
         if model_type == "qwen3_moe" and _is_sparse(config, i):
             inter = config["moe_intermediate_size"]
             shapes[p + "mlp.gate.weight"] = (config["num_experts"], hidden)
             for e in range(config["num_experts"]):
-                shapes[p + f"mlp.experts.{e}.gate_proj.weight"] = shapes[p + f"mlp.experts.{e}.up_proj.weight"] = (inter, hidden)
+                shapes[p + f"mlp.experts.{e}.gate_proj.weight"] = shapes[
+                    p + f"mlp.experts.{e}.up_proj.weight"
+                ] = (inter, hidden)
                 shapes[p + f"mlp.experts.{e}.down_proj.weight"] = (hidden, inter)
         else:
             inter = config["intermediate_size"]
@@ -145,8 +256,11 @@ def accepted_shapes(config: dict, fp8: bool = False) -> dict[str, tuple[int, ...
     shapes = weight_shapes(config)
     aliases = {}
     if fp8 or config.get("quantization_config"):
-        aliases |= {name + "_scale_inv": scale_shape(shape) for name, shape in shapes.items()
-                    if is_quantized_weight(name)}
+        aliases |= {
+            name + "_scale_inv": scale_shape(shape)
+            for name, shape in shapes.items()
+            if is_quantized_weight(name)
+        }
     if config["tie_word_embeddings"]:
         aliases["lm_head.weight"] = shapes["model.embed_tokens.weight"]
     for name, shape in shapes.items():
@@ -161,10 +275,16 @@ def accepted_shapes(config: dict, fp8: bool = False) -> dict[str, tuple[int, ...
 def _is_sparse(config: dict, layer_idx: int) -> bool:
     """Qwen3-MoE's rule (as ``models/qwen3_moe.py``): an MoE block unless listed in mlp_only_layers."""
     step = config.get("decoder_sparse_step") or 1
-    return layer_idx not in (config.get("mlp_only_layers") or []) and config["num_experts"] > 0 and (layer_idx + 1) % step == 0
+    return (
+        layer_idx not in (config.get("mlp_only_layers") or [])
+        and config["num_experts"] > 0
+        and (layer_idx + 1) % step == 0
+    )
 
 
-def random_weights(config: dict, dtype: torch.dtype, seed: int = 0, std: float = 0.02) -> dict[str, torch.Tensor]:
+def random_weights(
+    config: dict, dtype: torch.dtype, seed: int = 0, std: float = 0.02
+) -> dict[str, torch.Tensor]:
     """Random tensors of ``weight_shapes``: N(0, std) matrices and biases, norm weights 1 + N(0, 0.1)."""
     g = torch.Generator().manual_seed(seed)
     weights = {}
@@ -191,8 +311,14 @@ def quantize_checkpoint(weights: dict[str, torch.Tensor]) -> dict[str, torch.Ten
 
 
 def make_random_checkpoint(
-    path: str, shape: str = "tiny", dtype: torch.dtype = torch.bfloat16, seed: int = 0, std: float = 0.02,
-    weights: bool = True, quantization: str | None = None, **overrides,
+    path: str,
+    shape: str = "tiny",
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+    std: float = 0.02,
+    weights: bool = True,
+    quantization: str | None = None,
+    **overrides,
 ) -> str:
     """Write ``config.json``, ``model.safetensors`` (unless ``weights`` is False: then the folder
     is for ``load_format="dummy"``), the Qwen3 tokenizer files and Qwen3's ``generation_config.json``

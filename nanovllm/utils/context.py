@@ -1,4 +1,5 @@
 """Per-step attention metadata, set by the model runner around one forward pass."""
+
 from contextlib import contextmanager
 from dataclasses import dataclass
 

@@ -12,6 +12,7 @@ kernel still sees all earlier ones complete. A kernel launched without it (torch
 waits for the previous one to complete, as usual.
 
 ``ENABLED`` switches it off for every kernel (for measuring; it changes no result)."""
+
 import functools
 
 import torch
@@ -54,5 +55,11 @@ def wait_for_inputs(PDL: tl.constexpr):
 def prefetch_l2(ptrs):
     """Ask for the 256 bytes from each 16-byte aligned address of ``ptrs`` to be brought into L2;
     nothing waits for them."""
-    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], 256; mov.u32 $0, 0;",
-                              "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
+    tl.inline_asm_elementwise(
+        "cp.async.bulk.prefetch.L2.global [$1], 256; mov.u32 $0, 0;",
+        "=r,l",
+        [ptrs],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )

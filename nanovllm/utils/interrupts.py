@@ -1,5 +1,6 @@
 """Ctrl-C between engine steps, not inside one: a step that stopped half-way would leave its
 sequences scheduled but not computed (and tensor-parallel ranks out of step with each other)."""
+
 import signal
 import threading
 from contextlib import contextmanager
@@ -10,7 +11,10 @@ def deferred_interrupt():
     """Hold back SIGINT until the block ends, then raise KeyboardInterrupt; a second Ctrl-C
     interrupts at once. Only in the main thread, and only while Python's own handler is installed
     (a program with its own SIGINT handler keeps it)."""
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
         yield
         return
     received = []

@@ -1,6 +1,7 @@
 """Load a Hugging Face safetensors checkpoint into a model built from the parallel layers, from its
 files or from tensors in memory (``update_weights``): both go through ``plan_weights``, which
 checks every tensor before any is written, and ``copy_weight``, which writes one in place."""
+
 import os
 from collections.abc import Iterable, Mapping
 from contextlib import contextmanager
@@ -30,8 +31,12 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded)
 
 
-def plan_weights(model: nn.Module, shapes: Iterable[tuple[str, tuple[int, ...]]],
-                 expected: dict[str, tuple[int, ...]], where: str = "") -> list[WeightEntry]:
+def plan_weights(
+    model: nn.Module,
+    shapes: Iterable[tuple[str, tuple[int, ...]]],
+    expected: dict[str, tuple[int, ...]],
+    where: str = "",
+) -> list[WeightEntry]:
     """Where each ``(checkpoint name, shape)`` goes, every one checked before anything is written:
     a name the model does not have, or a shape that is not the one ``config.json`` implies
     (``expected``, from ``expected_shapes``), is a ValueError naming the tensor, ``where`` it
@@ -52,13 +57,17 @@ def plan_weights(model: nn.Module, shapes: Iterable[tuple[str, tuple[int, ...]]]
             raise ValueError(f"checkpoint tensor {name!r}{where} has no matching model parameter")
         shape = tuple(shape)
         if shape != expected[name]:
-            raise ValueError(f"checkpoint tensor {name!r}{where} has shape {shape}, but config.json implies "
-                             f"{expected[name]}: the tensor and the model's config.json disagree")
+            raise ValueError(
+                f"checkpoint tensor {name!r}{where} has shape {shape}, but config.json implies "
+                f"{expected[name]}: the tensor and the model's config.json disagree"
+            )
         entries.append(WeightEntry(index, name, target, args, shape))
     return entries
 
 
-def copy_weight(param: nn.Parameter, entry: WeightEntry, tensor: torch.Tensor, where: str = "") -> None:
+def copy_weight(
+    param: nn.Parameter, entry: WeightEntry, tensor: torch.Tensor, where: str = ""
+) -> None:
     """Copy this rank's shard of ``tensor`` into ``param`` in place (its storage is kept, so CUDA
     graphs stay valid), through the parameter's ``weight_loader``; the copy converts the dtype
     and the device."""
@@ -96,11 +105,17 @@ def load_model(model: nn.Module, path: str, hf_config=None) -> None:
             fp8 |= {name for name, s in slices.items() if s.get_dtype() == "F8_E4M3"}
         plan.append((file, plan_weights(model, shapes, expected, f" in {file}")))
     # a weight and its scales may lie in different files
-    check_fp8_tensors(model, [entry for _, entries in plan for entry in entries], fp8, f" in {path}")
+    check_fp8_tensors(
+        model, [entry for _, entries in plan for entry in entries], fp8, f" in {path}"
+    )
     # a tied weight loads under either name
     loaded_ids = {id(params[e.target]) for _, entries in plan for e in entries}
     # an FP8 layer's scales may come from the file or from quantizing a float weight: its ``missing()`` says
-    missing = [name for name, param in params.items() if id(param) not in loaded_ids and not name.endswith("scale_inv")]
+    missing = [
+        name
+        for name, param in params.items()
+        if id(param) not in loaded_ids and not name.endswith("scale_inv")
+    ]
     if missing:
         raise ValueError(f"checkpoint {path!r} lacks weights for: {', '.join(sorted(missing)[:8])}")
     for file, entries in plan:
@@ -111,7 +126,11 @@ def load_model(model: nn.Module, path: str, hf_config=None) -> None:
                 except Exception as e:
                     raise ValueError(f"cannot read tensor {entry.name!r} from {file}: {e}") from e
                 copy_weight(params[entry.target], entry, tensor, f" in {file}")
-    missing = [f"{name}.{m}" for name, module in model.named_modules() for m in getattr(module, "missing", lambda: [])()]
+    missing = [
+        f"{name}.{m}"
+        for name, module in model.named_modules()
+        for m in getattr(module, "missing", lambda: [])()
+    ]
     if missing:
         raise ValueError(f"checkpoint {path!r} lacks weights for: {', '.join(sorted(missing)[:8])}")
 
@@ -124,11 +143,15 @@ def named_tensors(weights) -> list[tuple[str, torch.Tensor]]:
     try:
         items = list(items)
     except TypeError:
-        raise TypeError(f"weights must be an iterable of (name, tensor) pairs, got {type(weights).__name__}") from None
+        raise TypeError(
+            f"weights must be an iterable of (name, tensor) pairs, got {type(weights).__name__}"
+        ) from None
     named = []
     for i, item in enumerate(items):
         if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)):
-            raise TypeError(f"weights[{i}] must be a (name, tensor) pair, got {type(item).__name__}")
+            raise TypeError(
+                f"weights[{i}] must be a (name, tensor) pair, got {type(item).__name__}"
+            )
         name, tensor = item
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"weight {name!r} must be a torch.Tensor, got {type(tensor).__name__}")
@@ -149,7 +172,9 @@ def expected_shapes(path: str, hf_config=None, fp8: bool = False) -> dict[str, t
 
         hf_config = AutoConfig.from_pretrained(path)
     values = hf_config.to_dict()  # under transformers' names, and under the aliases models read
-    values.update({alias: getattr(hf_config, alias) for alias in getattr(hf_config, "attribute_map", {})})
+    values.update(
+        {alias: getattr(hf_config, alias) for alias in getattr(hf_config, "attribute_map", {})}
+    )
     return {name: tuple(shape) for name, shape in accepted_shapes(values, fp8).items()}
 
 
@@ -157,8 +182,9 @@ def is_fp8_model(model: nn.Module) -> bool:
     return any(param.dtype == torch.float8_e4m3fn for param in model.parameters())
 
 
-def check_fp8_tensors(model: nn.Module, entries: list[WeightEntry], fp8: set[str],
-                      where: str = "") -> list[WeightEntry]:
+def check_fp8_tensors(
+    model: nn.Module, entries: list[WeightEntry], fp8: set[str], where: str = ""
+) -> list[WeightEntry]:
     """``entries`` with their ``fp8`` flag set (``fp8``: the names of those whose tensors are
     float8_e4m3fn), checked: in an FP8 model a float weight is quantized on load, a float8_e4m3fn
     one needs its ``weight_scale_inv`` among the entries and a scale needs its float8 weight (the
@@ -169,14 +195,20 @@ def check_fp8_tensors(model: nn.Module, entries: list[WeightEntry], fp8: set[str
     for entry in entries:
         is_scale = entry.name.endswith("_scale_inv")
         if entry.name in fp8 and params[entry.target].dtype != torch.float8_e4m3fn:
-            raise TypeError(f"weight {entry.name!r}{where} is float8_e4m3fn, but its parameter {entry.target!r} is "
-                            f"{params[entry.target].dtype}; give it in a float dtype")
+            raise TypeError(
+                f"weight {entry.name!r}{where} is float8_e4m3fn, but its parameter {entry.target!r} is "
+                f"{params[entry.target].dtype}; give it in a float dtype"
+            )
         if is_scale and entry.name.removesuffix("_scale_inv") not in fp8:
-            raise ValueError(f"scale {entry.name!r}{where} comes without its float8_e4m3fn weight "
-                             f"{entry.name.removesuffix('_scale_inv')!r}; give both, or the weight alone in a float dtype")
+            raise ValueError(
+                f"scale {entry.name!r}{where} comes without its float8_e4m3fn weight "
+                f"{entry.name.removesuffix('_scale_inv')!r}; give both, or the weight alone in a float dtype"
+            )
         if entry.name in fp8 and entry.name + "_scale_inv" not in names:
-            raise ValueError(f"weight {entry.name!r}{where} is float8_e4m3fn without its scales "
-                             f"{entry.name + '_scale_inv'!r}; give both, or the weight alone in a float dtype")
+            raise ValueError(
+                f"weight {entry.name!r}{where} is float8_e4m3fn without its scales "
+                f"{entry.name + '_scale_inv'!r}; give both, or the weight alone in a float dtype"
+            )
     return [replace(entry, fp8=entry.name in fp8) for entry in entries]
 
 

@@ -1,18 +1,31 @@
 """The files of a model folder other than the weights, read and checked at start-up: ``config.json``
 as plain JSON, the tokenizer and ``generation_config.json``. A broken file is a ValueError naming
 the file, the key and the value (an unreadable one is the OSError ``open`` raises)."""
+
 import json
 import os
 
 from nanovllm.sampling_params import SamplingParams
 
 # files one of which a Hugging Face tokenizer is built from (fast, SentencePiece, BPE, WordPiece)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
-                   "sentencepiece.bpe.model")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+)
 
 # generation_config.json key -> the SamplingParams field it sets a default for, as vLLM reads them
-GENERATION_CONFIG_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                            "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+GENERATION_CONFIG_FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
 
 
 def read_json(path: str) -> dict:
@@ -44,9 +57,13 @@ def load_tokenizer(model_dir: str):
     except OSError:
         raise
     except Exception as e:  # tokenizers' own errors name no file
-        raise ValueError(f"cannot load the tokenizer of {model_dir!r} (from {', '.join(present)}): {e}") from e
+        raise ValueError(
+            f"cannot load the tokenizer of {model_dir!r} (from {', '.join(present)}): {e}"
+        ) from e
     if not tokenizer.encode("hello", add_special_tokens=False):
-        raise ValueError(f"the tokenizer of {model_dir!r} (from {', '.join(present)}) encodes text to no tokens")
+        raise ValueError(
+            f"the tokenizer of {model_dir!r} (from {', '.join(present)}) encodes text to no tokens"
+        )
     return tokenizer
 
 
@@ -62,18 +79,27 @@ def read_generation_config(model_dir: str) -> dict:
     for key, field in GENERATION_CONFIG_FIELDS.items():
         if config.get(key) is not None:
             _check_defaults(path, key, {field: config[key]})
-    _check_defaults(path, ", ".join(GENERATION_CONFIG_FIELDS), sampling_defaults(config))  # together
+    _check_defaults(
+        path, ", ".join(GENERATION_CONFIG_FIELDS), sampling_defaults(config)
+    )  # together
     eos = config.get("eos_token_id")
     ids = eos if isinstance(eos, list) else [eos]
-    if eos is not None and not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
-        raise ValueError(f"{path}: eos_token_id must be a token id >= 0 or a list of them, got {json.dumps(eos)}")
+    if eos is not None and not all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids
+    ):
+        raise ValueError(
+            f"{path}: eos_token_id must be a token id >= 0 or a list of them, got {json.dumps(eos)}"
+        )
     return config
 
 
 def sampling_defaults(generation_config: dict) -> dict:
     """The SamplingParams keywords ``generation_config`` sets (null values left out)."""
-    return {field: generation_config[key] for key, field in GENERATION_CONFIG_FIELDS.items()
-            if generation_config.get(key) is not None}
+    return {
+        field: generation_config[key]
+        for key, field in GENERATION_CONFIG_FIELDS.items()
+        if generation_config.get(key) is not None
+    }
 
 
 def _check_defaults(path: str, key: str, kwargs: dict) -> None:

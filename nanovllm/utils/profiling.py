@@ -17,6 +17,7 @@ Phases (nested where the engine nests them):
     update    the engine core appends the tokens and finishes sequences
     outputs   the front end: text, stop strings, stream increments and result dicts
 """
+
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 

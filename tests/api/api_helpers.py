@@ -2,6 +2,7 @@
 transformers references (greedy loops with penalties, masked ids and stop conditions applied to its
 logits; log-softmax for logprobs), and checks that an engine is idle and still serves correctly.
 """
+
 import json
 import math
 import os
@@ -9,10 +10,9 @@ import shutil
 from collections import Counter
 
 import torch
-
 from hf_reference import BLOCK_SIZE, TIE_GAP, GreedyRef, assert_greedy_match, random_prompts
-from nanovllm import LLM, SamplingParams
 
+from nanovllm import LLM, SamplingParams
 
 MAX_MODEL_LEN = 256
 STOP_PROMPT = random_prompts(102, [12])[0]  # its greedy continuation has clean text to cut
@@ -20,7 +20,10 @@ STOP_MAX_TOKENS = 24
 
 
 def make_llm(path: str, **kwargs) -> LLM:
-    kwargs = dict(kvcache_block_size=BLOCK_SIZE, num_kvcache_blocks=96, max_model_len=MAX_MODEL_LEN) | kwargs
+    kwargs = (
+        dict(kvcache_block_size=BLOCK_SIZE, num_kvcache_blocks=96, max_model_len=MAX_MODEL_LEN)
+        | kwargs
+    )
     return LLM(path, **kwargs)
 
 
@@ -28,7 +31,9 @@ def greedy(max_tokens: int, **kwargs) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, **kwargs)
 
 
-def copy_checkpoint(src: str, dst: str, config_changes: dict | None = None, generation_config="keep") -> str:
+def copy_checkpoint(
+    src: str, dst: str, config_changes: dict | None = None, generation_config="keep"
+) -> str:
     """A copy of checkpoint ``src`` (same weights) with ``config_changes`` in config.json and
     ``generation_config`` (a dict, None = no file, "keep" = the source's) as generation_config.json."""
     shutil.copytree(src, dst, dirs_exist_ok=True)
@@ -50,8 +55,17 @@ def copy_checkpoint(src: str, dst: str, config_changes: dict | None = None, gene
 # ---- references and checks -------------------------------------------------------------------
 
 
-def hf_greedy_loop(model, prompt: list[int], max_tokens: int, *, adjust=None, suppress=(), min_tokens: int = 0,
-                   stop_ids=(), until_not=None) -> GreedyRef:
+def hf_greedy_loop(
+    model,
+    prompt: list[int],
+    max_tokens: int,
+    *,
+    adjust=None,
+    suppress=(),
+    min_tokens: int = 0,
+    stop_ids=(),
+    until_not=None,
+) -> GreedyRef:
     """A transformers greedy loop (full recompute each step) with vLLM's controls applied to its
     float64 logits: ``suppress`` ids masked to -inf while fewer than ``min_tokens`` tokens exist,
     then ``adjust(logits, prompt, output)`` (penalties, in place); ends after a token of
@@ -107,7 +121,9 @@ def hf_logprobs(model, prompt: list[int], completion: list[int]) -> torch.Tensor
     """log_softmax of transformers' float32 logits at each completion position: [len(completion), vocab]."""
     with torch.no_grad():
         logits = model(torch.tensor([prompt + completion])).logits[0].float()
-    return torch.log_softmax(logits[len(prompt) - 1 : len(prompt) - 1 + len(completion)], dim=-1).double()
+    return torch.log_softmax(
+        logits[len(prompt) - 1 : len(prompt) - 1 + len(completion)], dim=-1
+    ).double()
 
 
 def clean(text: str) -> bool:
@@ -125,7 +141,9 @@ def boundary_stop(tokenizer, tokens: list[int], first: int) -> tuple[int, str]:
             stop = before[-1] + text[0]
             if stop not in tokenizer.decode(tokens[:k]):
                 return k, stop
-    raise AssertionError(f"no stop string spanning two clean tokens from token {first} on: {tokens}")
+    raise AssertionError(
+        f"no stop string spanning two clean tokens from token {first} on: {tokens}"
+    )
 
 
 def first_new_token(ref: GreedyRef, start: int = 3) -> int:

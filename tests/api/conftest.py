@@ -2,16 +2,23 @@
 reference tokenizer, a continuation with stop strings in it, a checkpoint whose EOS the greedy
 continuation produces, and a tiny model with the whole Qwen3 vocabulary (for chat templates).
 """
+
 from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import AutoTokenizer
-
 from api_helpers import (
-    STOP_MAX_TOKENS, STOP_PROMPT, boundary_stop, copy_checkpoint, first_new_token, make_llm, run_to_completion,
+    STOP_MAX_TOKENS,
+    STOP_PROMPT,
+    boundary_stop,
+    copy_checkpoint,
+    first_new_token,
+    make_llm,
+    run_to_completion,
 )
 from hf_reference import TIE_GAP
+from transformers import AutoTokenizer
+
 from nanovllm.utils.checkpoint import make_random_checkpoint
 
 
@@ -48,8 +55,16 @@ def stop_case(ckpt_tied, hf_ref, tokenizer):
     at = text.find(stop)
     # the stop string starts in an earlier token and ends in token k
     assert at < len(tokenizer.decode(ref.tokens[:k])) < at + len(stop) < len(text), (text, stop)
-    return SimpleNamespace(tokens=ref.tokens, k=k, stop=stop, k2=k2, stop2=stop2, text=text, at=at,
-                           j=first_new_token(ref))
+    return SimpleNamespace(
+        tokens=ref.tokens,
+        k=k,
+        stop=stop,
+        k2=k2,
+        stop2=stop2,
+        text=text,
+        at=at,
+        j=first_new_token(ref),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +74,9 @@ def eos_case(ckpt_tied, hf_ref, tmp_path_factory):
     ref = hf_ref.greedy(ckpt_tied.path, STOP_PROMPT, 20)
     k = first_new_token(ref)
     eos = ref.tokens[k]
-    path = copy_checkpoint(ckpt_tied.path, str(tmp_path_factory.mktemp("qwen3-eos")), {"eos_token_id": eos})
+    path = copy_checkpoint(
+        ckpt_tied.path, str(tmp_path_factory.mktemp("qwen3-eos")), {"eos_token_id": eos}
+    )
     engine = make_llm(path, num_kvcache_blocks=32)
     yield SimpleNamespace(path=path, llm=engine, eos=eos, k=k, tokens=ref.tokens)
     engine.exit()

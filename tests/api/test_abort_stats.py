@@ -6,15 +6,15 @@ written in ``api_helpers.py`` (penalties, masked ids and stop conditions applied
 transformers log-softmax for logprobs, the Hugging Face tokenizer for texts and chat templates, and
 exact block ids on fresh engines.
 """
+
 import os
 import signal
 
 import pytest
-
 from api_helpers import assert_idle, assert_serves_correctly, greedy, make_llm, run_to_completion
 from hf_reference import assert_greedy_match, random_prompts
-from nanovllm import SamplingParams
 
+from nanovllm import SamplingParams
 
 # ---- abort and interrupted calls ---------------------------------------------------------------
 
@@ -35,7 +35,9 @@ def test_abort_request(llm, ckpt_tied, hf_ref):
     assert all(b in bm.free_block_ids and bm.blocks[b].ref_count == 0 for b in held)
     assert llm.abort_request(waiting_id) is True
     llm.step()  # the pair's first completion is admitted, the second waits for its prompt
-    assert [s.seq_id for s in sched.running] == [pair_id] and [s.seq_id for s in sched.waiting] == [pair_id + 1]
+    assert [s.seq_id for s in sched.running] == [pair_id] and [s.seq_id for s in sched.waiting] == [
+        pair_id + 1
+    ]
     assert llm.abort_request(pair_id + 1) is False, "a completion's id is not a request id"
     assert llm.abort_request(pair_id) is True
     assert_idle(llm)
@@ -70,17 +72,25 @@ def test_interrupted_generate_aborts_only_its_requests(llm, ckpt_tied, hf_ref, m
     monkeypatch.undo()
     # the queued request is not aborted (the failed step put it back at the head of waiting, to be
     # recomputed); the generate's requests are
-    assert [s.seq_id for s in llm.core.scheduler.waiting] == [queued_id] and not llm.core.scheduler.running
+    assert [s.seq_id for s in llm.core.scheduler.waiting] == [
+        queued_id
+    ] and not llm.core.scheduler.running
     assert llm.get_stats()["num_requests_waiting"] == 1
     finished = run_to_completion(llm)
     assert list(finished) == [queued_id]
-    assert_greedy_match(finished[queued_id], hf_ref.greedy(ckpt_tied.path, queued, 12), "queued request")
+    assert_greedy_match(
+        finished[queued_id], hf_ref.greedy(ckpt_tied.path, queued, 12), "queued request"
+    )
     assert_idle(llm)
 
     # without anything queued, the engine is idle right after the interruption
     failing_run(llm, monkeypatch, 2)
     with pytest.raises(KeyboardInterrupt):
-        llm.generate(random_prompts(93, [25, 7, 50]), SamplingParams(temperature=0.7, max_tokens=10), use_tqdm=False)
+        llm.generate(
+            random_prompts(93, [25, 7, 50]),
+            SamplingParams(temperature=0.7, max_tokens=10),
+            use_tqdm=False,
+        )
     monkeypatch.undo()
     assert_idle(llm)
     assert_serves_correctly(llm, ckpt_tied.path, hf_ref)
@@ -97,14 +107,19 @@ def test_error_in_prefill_step_spares_queued_request(llm, ckpt_tied, hf_ref, mon
     monkeypatch.undo()
     finished = run_to_completion(llm)
     assert list(finished) == [queued_id]
-    assert_greedy_match(finished[queued_id], hf_ref.greedy(ckpt_tied.path, queued, 8), "queued request")
+    assert_greedy_match(
+        finished[queued_id], hf_ref.greedy(ckpt_tied.path, queued, 8), "queued request"
+    )
     assert_idle(llm)
 
 
 @pytest.mark.skipif(
-    signal.getsignal(signal.SIGINT) is not signal.default_int_handler, reason="needs Python's SIGINT handler"
+    signal.getsignal(signal.SIGINT) is not signal.default_int_handler,
+    reason="needs Python's SIGINT handler",
 )
-@pytest.mark.parametrize("queued_max_tokens", [8, 1], ids=["queued-runs-on", "queued-finishes-in-that-step"])
+@pytest.mark.parametrize(
+    "queued_max_tokens", [8, 1], ids=["queued-runs-on", "queued-finishes-in-that-step"]
+)
 def test_ctrl_c_during_generate(llm, ckpt_tied, hf_ref, monkeypatch, queued_max_tokens):
     """A real Ctrl-C in the middle of a step takes effect when the step is complete: the queued
     add_request's request (prefilled in that step) keeps its result, the generate's are aborted."""
@@ -146,8 +161,14 @@ def test_get_stats(ckpt_tied, hf_ref):
 
         def counts():
             s = llm.get_stats()
-            return (s["num_requests_running"], s["num_requests_waiting"], s["kv_cache_usage"], s["prompt_tokens"],
-                    s["generation_tokens"], s["prefix_cache_hit_rate"])
+            return (
+                s["num_requests_running"],
+                s["num_requests_waiting"],
+                s["kv_cache_usage"],
+                s["prompt_tokens"],
+                s["generation_tokens"],
+                s["prefix_cache_hit_rate"],
+            )
 
         llm.step()  # prefill: short (1 block) and the first completion (3 blocks); the second waits
         assert counts() == (2, 1, 4 / 8, 50, 2, 0.0)
@@ -160,16 +181,24 @@ def test_get_stats(ckpt_tied, hf_ref):
 
         out = llm.generate([shared], greedy(4), use_tqdm=False)[0]
         assert out["num_cached_tokens"] == 32
-        assert_greedy_match(out["token_ids"], hf_ref.greedy(ckpt_tied.path, shared, 4), "repeated prompt")
+        assert_greedy_match(
+            out["token_ids"], hf_ref.greedy(ckpt_tied.path, shared, 4), "repeated prompt"
+        )
         assert counts() == (0, 0, 0.0, 66, 28, 64 / 130)
         stats = llm.get_stats()
-        assert stats["num_preemptions"] == 0 and stats["prefill_throughput"] > 0 and stats["decode_throughput"] > 0
+        assert (
+            stats["num_preemptions"] == 0
+            and stats["prefill_throughput"] > 0
+            and stats["decode_throughput"] > 0
+        )
 
         # four requests of 60 tokens (4 blocks each) in 8 blocks: preemption
         prompts = random_prompts(101, [30, 30, 30, 30])
         outputs = llm.generate(prompts, greedy(30), use_tqdm=False)
         for i, (o, p) in enumerate(zip(outputs, prompts)):
-            assert_greedy_match(o["token_ids"], hf_ref.greedy(ckpt_tied.path, p, 30), f"prompts[{i}]")
+            assert_greedy_match(
+                o["token_ids"], hf_ref.greedy(ckpt_tied.path, p, 30), f"prompts[{i}]"
+            )
         stats = llm.get_stats()
         assert stats["num_preemptions"] > 0
         assert stats["generation_tokens"] == 28 + 120

@@ -3,6 +3,7 @@ weight loads where it can be: missing tokenizer files, config.json without a key
 weights whose shapes disagree with config.json, a truncated safetensors file, a KV cache larger
 than the machine, generation_config.json values SamplingParams rejects, and a prompt that cannot
 be encoded."""
+
 import json
 import os
 import re
@@ -10,14 +11,19 @@ import shutil
 
 import pytest
 import torch
+from hf_reference import build_checkpoint, edit_json
 from safetensors.torch import load_file, save_file
 
-from hf_reference import build_checkpoint, edit_json
 from nanovllm.config import Config
 from nanovllm.engine.requests import prompt_token_ids
 from nanovllm.models.registry import model_class
 from nanovllm.utils.loader import load_model
-from nanovllm.utils.model_folder import TOKENIZER_FILES, load_tokenizer, read_generation_config, sampling_defaults
+from nanovllm.utils.model_folder import (
+    TOKENIZER_FILES,
+    load_tokenizer,
+    read_generation_config,
+    sampling_defaults,
+)
 
 # the tiny checkpoint of build_checkpoint: float32, 2 layers, 2 KV heads of 32, vocab 512
 LAYERS, KV_HEADS, HEAD_DIM, VOCAB = 2, 2, 32, 512
@@ -26,7 +32,9 @@ LAYERS, KV_HEADS, HEAD_DIM, VOCAB = 2, 2, 32, 512
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> str:
     path = str(tmp_path_factory.mktemp("good-folder"))
-    build_checkpoint(path, seed=5, rope_theta=10000.0, rope_style="top-level", tie_word_embeddings=True)
+    build_checkpoint(
+        path, seed=5, rope_theta=10000.0, rope_style="top-level", tie_word_embeddings=True
+    )
     return path
 
 
@@ -67,7 +75,9 @@ def test_folder_without_tokenizer_files(folder):
     with pytest.raises(ValueError) as e:
         load_tokenizer(folder)
     message = str(e.value)
-    assert folder in message and "tokenizer.json" in message and "tokenizer.model" in message, message
+    assert folder in message and "tokenizer.json" in message and "tokenizer.model" in message, (
+        message
+    )
     assert "tokenizer.json" in TOKENIZER_FILES
 
 
@@ -83,7 +93,8 @@ def test_unreadable_tokenizer_json_names_the_folder(folder):
 
 
 @pytest.mark.parametrize(
-    "key", ["num_attention_heads", "hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size"]
+    "key",
+    ["num_attention_heads", "hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size"],
 )
 def test_config_without_a_required_key(folder, key):
     edit_json(folder, "config.json", **{key: None})
@@ -151,7 +162,9 @@ def test_tensor_that_would_broadcast_silently(folder):
 
 def test_tensor_larger_than_the_model_is_not_cut(folder):
     weights = load_file(os.path.join(folder, "model.safetensors"))
-    wider = torch.zeros(64, 256)  # o_proj's input would silently be narrowed to its first 128 columns
+    wider = torch.zeros(
+        64, 256
+    )  # o_proj's input would silently be narrowed to its first 128 columns
     rewrite_weights(folder, **{"model.layers.1.self_attn.o_proj.weight": wider})
     assert weights["model.layers.1.self_attn.o_proj.weight"].shape == (64, 128)
     model = build_model(folder)
@@ -188,26 +201,61 @@ def machine_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-@pytest.mark.parametrize("kv_cache_dtype, row_bytes", [("auto", HEAD_DIM * 4), ("fp8", HEAD_DIM + 4)])
+@pytest.mark.parametrize(
+    "kv_cache_dtype, row_bytes", [("auto", HEAD_DIM * 4), ("fp8", HEAD_DIM + 4)]
+)
 def test_kv_cache_larger_than_the_machine(base, kv_cache_dtype, row_bytes):
-    block_bytes = 2 * LAYERS * 16 * KV_HEADS * row_bytes  # float32 on the CPU; fp8 adds a float32 scale per row
+    block_bytes = (
+        2 * LAYERS * 16 * KV_HEADS * row_bytes
+    )  # float32 on the CPU; fp8 adds a float32 scale per row
     with pytest.raises(ValueError) as e:
-        Config(base, device="cpu", kvcache_block_size=16, num_kvcache_blocks=10**9, kv_cache_dtype=kv_cache_dtype)
+        Config(
+            base,
+            device="cpu",
+            kvcache_block_size=16,
+            num_kvcache_blocks=10**9,
+            kv_cache_dtype=kv_cache_dtype,
+        )
     message = str(e.value)
-    for word in ("num_kvcache_blocks", "1000000000", str(machine_memory() // block_bytes), str(block_bytes)):
+    for word in (
+        "num_kvcache_blocks",
+        "1000000000",
+        str(machine_memory() // block_bytes),
+        str(block_bytes),
+    ):
         assert word in message, message
     fits = machine_memory() // block_bytes
-    Config(base, device="cpu", kvcache_block_size=16, num_kvcache_blocks=fits, kv_cache_dtype=kv_cache_dtype)
+    Config(
+        base,
+        device="cpu",
+        kvcache_block_size=16,
+        num_kvcache_blocks=fits,
+        kv_cache_dtype=kv_cache_dtype,
+    )
     with pytest.raises(ValueError, match="num_kvcache_blocks"):
-        Config(base, device="cpu", kvcache_block_size=16, num_kvcache_blocks=fits + 1, kv_cache_dtype=kv_cache_dtype)
+        Config(
+            base,
+            device="cpu",
+            kvcache_block_size=16,
+            num_kvcache_blocks=fits + 1,
+            kv_cache_dtype=kv_cache_dtype,
+        )
 
 
 def test_kv_cache_of_several_cpu_ranks_shares_the_machine(base):
     """Each of two CPU ranks holds one KV head of two: together they need what one rank would."""
     fits = machine_memory() // (2 * LAYERS * 16 * KV_HEADS * HEAD_DIM * 4)
-    Config(base, device="cpu", kvcache_block_size=16, num_kvcache_blocks=fits, tensor_parallel_size=2)
+    Config(
+        base, device="cpu", kvcache_block_size=16, num_kvcache_blocks=fits, tensor_parallel_size=2
+    )
     with pytest.raises(ValueError, match=f"at most {fits} "):
-        Config(base, device="cpu", kvcache_block_size=16, num_kvcache_blocks=fits + 1, tensor_parallel_size=2)
+        Config(
+            base,
+            device="cpu",
+            kvcache_block_size=16,
+            num_kvcache_blocks=fits + 1,
+            tensor_parallel_size=2,
+        )
 
 
 # ---- generation_config.json -----------------------------------------------------------------------
@@ -215,15 +263,26 @@ def test_kv_cache_of_several_cpu_ranks_shares_the_machine(base):
 
 @pytest.mark.parametrize(
     "key, value",
-    [("temperature", -1), ("top_p", 1.5), ("top_k", "20"), ("max_new_tokens", 0), ("repetition_penalty", 0),
-     ("eos_token_id", -3), ("eos_token_id", [1, "2"])],
+    [
+        ("temperature", -1),
+        ("top_p", 1.5),
+        ("top_k", "20"),
+        ("max_new_tokens", 0),
+        ("repetition_penalty", 0),
+        ("eos_token_id", -3),
+        ("eos_token_id", [1, "2"]),
+    ],
 )
 def test_generation_config_value_that_sampling_params_rejects(folder, key, value):
     edit_json(folder, "generation_config.json", **{key: value})
     with pytest.raises(ValueError) as e:
         read_generation_config(folder)
     message = str(e.value)
-    for word in ("generation_config.json", key, json.dumps(value) if isinstance(value, list) else repr(value)):
+    for word in (
+        "generation_config.json",
+        key,
+        json.dumps(value) if isinstance(value, list) else repr(value),
+    ):
         assert word in message, message
 
 
@@ -235,7 +294,9 @@ def test_generation_config_that_is_not_an_object(folder):
 
 
 def test_generation_config_defaults(folder):
-    edit_json(folder, "generation_config.json", max_new_tokens=12, top_k=None, temperature=0.0, min_p=None)
+    edit_json(
+        folder, "generation_config.json", max_new_tokens=12, top_k=None, temperature=0.0, min_p=None
+    )
     config = read_generation_config(folder)
     assert sampling_defaults(config) == dict(temperature=0.0, top_p=0.95, max_tokens=12)
     os.remove(os.path.join(folder, "generation_config.json"))

@@ -6,14 +6,14 @@ written in ``api_helpers.py`` (penalties, masked ids and stop conditions applied
 transformers log-softmax for logprobs, the Hugging Face tokenizer for texts and chat templates, and
 exact block ids on fresh engines.
 """
+
 import numpy as np
 import pytest
 import torch
-
 from api_helpers import assert_idle, copy_checkpoint, greedy, make_llm
 from hf_reference import assert_greedy_match, random_prompts
-from nanovllm import SamplingParams
 
+from nanovllm import SamplingParams
 
 # ---- default sampling params ----------------------------------------------------------------
 
@@ -23,28 +23,45 @@ from nanovllm import SamplingParams
     [
         pytest.param("keep", SamplingParams(temperature=0.6, top_p=0.95, top_k=20), id="qwen3"),
         pytest.param(None, SamplingParams(), id="no-file"),
-        pytest.param({"temperature": 0.3, "repetition_penalty": 1.2},
-                     SamplingParams(temperature=0.3, repetition_penalty=1.2), id="temperature-repetition"),
-        pytest.param({"temperature": 0.3, "top_k": None, "do_sample": True}, SamplingParams(temperature=0.3),
-                     id="null-values-skipped"),
-        pytest.param({"max_new_tokens": 7, "min_p": 0.05}, SamplingParams(max_tokens=7, min_p=0.05),
-                     id="max-new-tokens"),
+        pytest.param(
+            {"temperature": 0.3, "repetition_penalty": 1.2},
+            SamplingParams(temperature=0.3, repetition_penalty=1.2),
+            id="temperature-repetition",
+        ),
+        pytest.param(
+            {"temperature": 0.3, "top_k": None, "do_sample": True},
+            SamplingParams(temperature=0.3),
+            id="null-values-skipped",
+        ),
+        pytest.param(
+            {"max_new_tokens": 7, "min_p": 0.05},
+            SamplingParams(max_tokens=7, min_p=0.05),
+            id="max-new-tokens",
+        ),
     ],
 )
 def test_default_sampling_params(ckpt_tied, tmp_path, generation_config, expected):
-    path = copy_checkpoint(ckpt_tied.path, str(tmp_path / "model"), generation_config=generation_config)
+    path = copy_checkpoint(
+        ckpt_tied.path, str(tmp_path / "model"), generation_config=generation_config
+    )
     with make_llm(path, num_kvcache_blocks=8) as llm:
         assert llm.get_default_sampling_params() == expected
 
 
 def test_generate_without_params_uses_defaults(ckpt_tied, hf_ref, tmp_path):
-    path = copy_checkpoint(ckpt_tied.path, str(tmp_path / "model"), generation_config={"temperature": 0.0})
+    path = copy_checkpoint(
+        ckpt_tied.path, str(tmp_path / "model"), generation_config={"temperature": 0.0}
+    )
     prompt = random_prompts(110, [11])[0]
-    with make_llm(path, num_kvcache_blocks=8, max_model_len=24) as llm:  # max_model_len ends it early
+    with make_llm(
+        path, num_kvcache_blocks=8, max_model_len=24
+    ) as llm:  # max_model_len ends it early
         out = llm.generate([prompt], use_tqdm=False)[0]
     assert len(out["token_ids"]) == 24 - len(prompt) and out["finish_reason"] == "length"
     ref = hf_ref.greedy(ckpt_tied.path, prompt, 24 - len(prompt))
-    assert_greedy_match(out["token_ids"], ref, "generate(prompts) with the folder's defaults (temperature 0)")
+    assert_greedy_match(
+        out["token_ids"], ref, "generate(prompts) with the folder's defaults (temperature 0)"
+    )
 
 
 def test_generate_makes_each_output_when_its_request_finishes(llm):
@@ -88,7 +105,9 @@ def test_prompts_as_arrays_and_tensors(llm, ckpt_tied, hf_ref):
     outputs = llm.generate(forms, greedy(6), use_tqdm=False)
     ref = hf_ref.greedy(ckpt_tied.path, prompt, 6)
     for i, out in enumerate(outputs):
-        assert out["prompt_token_ids"] == prompt and all(type(t) is int for t in out["prompt_token_ids"]), f"form {i}"
+        assert out["prompt_token_ids"] == prompt and all(
+            type(t) is int for t in out["prompt_token_ids"]
+        ), f"form {i}"
         assert out["token_ids"] == outputs[0]["token_ids"], f"form {i}"
     assert_greedy_match(outputs[0]["token_ids"], ref, "list prompt")
     single = llm.generate(np.array(prompt), greedy(6), use_tqdm=False)  # one array: one prompt

@@ -3,11 +3,12 @@ every prompt position, on the tiny tied checkpoint. Each entry must hold exactly
 and the reference's top ``k`` ids, every value within 1e-4, whether the prompt is computed in one
 piece, in chunks, beside a cached prefix, after a preemption, or across tensor-parallel ranks.
 """
+
 import pytest
 import torch
-
 from api_helpers import greedy, make_llm
 from hf_reference import random_prompts
+
 from nanovllm import SamplingParams
 from nanovllm.engine.core import take_prompt_logprobs
 from nanovllm.engine.sequence import request_sequences
@@ -24,14 +25,20 @@ def reference(model, prompt: list[int]) -> torch.Tensor:
 
 
 def check_prompt_logprobs(entries, prompt: list[int], ref: torch.Tensor, k: int, what: str) -> None:
-    assert entries is not None and len(entries) == len(prompt), f"{what}: {entries and len(entries)} entries"
+    assert entries is not None and len(entries) == len(prompt), (
+        f"{what}: {entries and len(entries)} entries"
+    )
     assert entries[0] is None, what
     for i, entry in enumerate(entries[1:]):
         token = prompt[i + 1]
         top = ref[i].topk(k).indices.tolist() if k else []
-        assert set(entry) == {token, *top}, f"{what}: token {i + 1}: ids {sorted(entry)}, want {sorted({token, *top})}"
+        assert set(entry) == {token, *top}, (
+            f"{what}: token {i + 1}: ids {sorted(entry)}, want {sorted({token, *top})}"
+        )
         for t, value in entry.items():
-            assert abs(value - float(ref[i, t])) < TOL, f"{what}: token {i + 1}, id {t}: {value} vs {float(ref[i, t])}"
+            assert abs(value - float(ref[i, t])) < TOL, (
+                f"{what}: token {i + 1}, id {t}: {value} vs {float(ref[i, t])}"
+            )
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +55,9 @@ def test_prompt_logprobs_in_a_mixed_batch(ckpt_tied, hf_ref, model, async_schedu
     try:
         prompts = random_prompts(300, [1, 9, 70, 33, 45])
         ks = [2, 0, 5, None, 20]
-        params = [greedy(4, prompt_logprobs=k, logprobs=1 if i == 2 else None) for i, k in enumerate(ks)]
+        params = [
+            greedy(4, prompt_logprobs=k, logprobs=1 if i == 2 else None) for i, k in enumerate(ks)
+        ]
         outputs = llm.generate(prompts, params, use_tqdm=False)
         for prompt, k, out in zip(prompts, ks, outputs):
             want = hf_ref.greedy(ckpt_tied.path, prompt, 4).tokens
@@ -56,7 +65,9 @@ def test_prompt_logprobs_in_a_mixed_batch(ckpt_tied, hf_ref, model, async_schedu
             if k is None:
                 assert out["prompt_logprobs"] is None
             else:
-                check_prompt_logprobs(out["prompt_logprobs"], prompt, reference(model, prompt), k, f"k={k}")
+                check_prompt_logprobs(
+                    out["prompt_logprobs"], prompt, reference(model, prompt), k, f"k={k}"
+                )
         assert outputs[2]["logprobs"] is not None and len(outputs[2]["logprobs"]) == 4
     finally:
         llm.exit()
@@ -68,8 +79,12 @@ def test_prompt_logprobs_beside_a_cached_prefix(llm, model):
     base = random_prompts(301, [60])[0]
     llm.generate([base], greedy(1), use_tqdm=False)
     stats = llm.get_stats()
-    asking, plain = llm.generate([base[:55], base[:55]], [greedy(2, prompt_logprobs=3), greedy(2)], use_tqdm=False)
-    check_prompt_logprobs(asking["prompt_logprobs"], base[:55], reference(model, base[:55]), 3, "cached prefix")
+    asking, plain = llm.generate(
+        [base[:55], base[:55]], [greedy(2, prompt_logprobs=3), greedy(2)], use_tqdm=False
+    )
+    check_prompt_logprobs(
+        asking["prompt_logprobs"], base[:55], reference(model, base[:55]), 3, "cached prefix"
+    )
     assert asking["num_cached_tokens"] == 0
     assert plain["num_cached_tokens"] == 48 and plain["prompt_logprobs"] is None
     hits = llm.get_stats()["prefix_cache_hits"] - stats["prefix_cache_hits"]
@@ -87,8 +102,11 @@ def test_prompt_logprobs_with_n_and_stream(llm, model):
     check_prompt_logprobs(out["prompt_logprobs"], prompt, ref, 4, "n=3")
     increments = list(llm.stream([prompt], params))
     firsts = [inc for inc in increments if inc["prompt_logprobs"] is not None]
-    assert len(firsts) == 1 and firsts[0]["completion"] == 0 and firsts[0] is next(
-        inc for inc in increments if inc["completion"] == 0)
+    assert (
+        len(firsts) == 1
+        and firsts[0]["completion"] == 0
+        and firsts[0] is next(inc for inc in increments if inc["completion"] == 0)
+    )
     check_prompt_logprobs(firsts[0]["prompt_logprobs"], prompt, ref, 4, "stream")
     for c in range(3):
         tokens = [t for inc in increments if inc["completion"] == c for t in inc["token_ids"]]
@@ -101,15 +119,21 @@ def test_prompt_logprobs_after_preemption(ckpt_tied, model):
     llm = make_llm(ckpt_tied.path, num_kvcache_blocks=12, max_num_batched_tokens=64)
     try:
         prompts = random_prompts(303, [90, 85])
-        outputs = llm.generate(prompts, greedy(60, prompt_logprobs=1, ignore_eos=True), use_tqdm=False)
+        outputs = llm.generate(
+            prompts, greedy(60, prompt_logprobs=1, ignore_eos=True), use_tqdm=False
+        )
         assert llm.get_stats()["num_preemptions"] > 0
         for prompt, out in zip(prompts, outputs):
-            check_prompt_logprobs(out["prompt_logprobs"], prompt, reference(model, prompt), 1, "preempted")
+            check_prompt_logprobs(
+                out["prompt_logprobs"], prompt, reference(model, prompt), 1, "preempted"
+            )
     finally:
         llm.exit()
 
 
-@pytest.mark.parametrize("value, error", [(-1, ValueError), (1.5, TypeError), ("3", TypeError), (True, TypeError)])
+@pytest.mark.parametrize(
+    "value, error", [(-1, ValueError), (1.5, TypeError), ("3", TypeError), (True, TypeError)]
+)
 def test_bad_prompt_logprobs(llm, value, error):
     with pytest.raises(error, match=r"SamplingParams\.prompt_logprobs must be"):
         SamplingParams(prompt_logprobs=value)
@@ -150,6 +174,11 @@ def test_which_prompt_tokens_a_step_scores():
     s = prompt_scoring([first], [0], [6])
     assert (s.firsts, s.counts, s.indices, s.targets) == ([5], [2], [4, 5], prompt[5:7])
     take_prompt_logprobs(first, 5, [{prompt[5]: -2.0}])
-    take_prompt_logprobs(first, 5, [{prompt[5]: -9.0}, {prompt[6]: -3.0}])  # token 5 again: kept once
-    assert first.prompt_logprobs == [None] + [{t: -1.0} for t in prompt[1:5]] + [{prompt[5]: -2.0}, {prompt[6]: -3.0}]
+    take_prompt_logprobs(
+        first, 5, [{prompt[5]: -9.0}, {prompt[6]: -3.0}]
+    )  # token 5 again: kept once
+    assert first.prompt_logprobs == [None] + [{t: -1.0} for t in prompt[1:5]] + [
+        {prompt[5]: -2.0},
+        {prompt[6]: -3.0},
+    ]
     assert first.scores_prompt

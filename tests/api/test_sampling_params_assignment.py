@@ -1,5 +1,6 @@
 """Setting a SamplingParams field after construction is checked exactly as the constructor checks
 it: a bad value is an error naming the field and the value, and the old value stays."""
+
 import copy
 import importlib.util
 import math
@@ -143,7 +144,9 @@ def test_imports_without_torch():
 
 
 def _example_module():
-    spec = importlib.util.spec_from_file_location("nanovllm_example", os.path.join(ROOT, "example.py"))
+    spec = importlib.util.spec_from_file_location(
+        "nanovllm_example", os.path.join(ROOT, "example.py")
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

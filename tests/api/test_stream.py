@@ -6,14 +6,20 @@ written in ``api_helpers.py`` (penalties, masked ids and stop conditions applied
 transformers log-softmax for logprobs, the Hugging Face tokenizer for texts and chat templates, and
 exact block ids on fresh engines.
 """
+
 from collections import defaultdict
 
 from api_helpers import (
-    STOP_MAX_TOKENS, STOP_PROMPT, assert_idle, assert_serves_correctly, greedy, run_to_completion,
+    STOP_MAX_TOKENS,
+    STOP_PROMPT,
+    assert_idle,
+    assert_serves_correctly,
+    greedy,
+    run_to_completion,
 )
 from hf_reference import VOCAB_SIZE, assert_greedy_match, random_prompts
-from nanovllm import SamplingParams
 
+from nanovllm import SamplingParams
 
 # ---- stream ----------------------------------------------------------------------------------
 
@@ -25,7 +31,9 @@ def collect_stream(llm, prompts, params) -> dict[tuple[int, int], list[dict]]:
     return increments
 
 
-def check_increments(increments: list[dict], expected: dict, reference_text: str, what: str) -> None:
+def check_increments(
+    increments: list[dict], expected: dict, reference_text: str, what: str
+) -> None:
     """The increments of one completion add up to ``expected`` (a generate completion), only the
     last is final, and no text handed out before it ends inside a character: a running increment
     may end in U+FFFD only where the tokenizer's decoding of all the completion's tokens
@@ -33,7 +41,10 @@ def check_increments(increments: list[dict], expected: dict, reference_text: str
     first bytes of a character still coming."""
     *running, final = increments
     assert all(not inc["finished"] for inc in running) and final["finished"], what
-    assert (final["finish_reason"], final["stop_reason"]) == (expected["finish_reason"], expected["stop_reason"]), what
+    assert (final["finish_reason"], final["stop_reason"]) == (
+        expected["finish_reason"],
+        expected["stop_reason"],
+    ), what
     assert [t for inc in increments for t in inc["token_ids"]] == expected["token_ids"], what
     assert "".join(inc["text"] for inc in increments) == expected["text"], what
     sent = 0
@@ -62,9 +73,16 @@ def test_stream_adds_up_to_generate(llm, tokenizer, stop_case):
     assert sorted(increments) == [(0, 0), (0, 1), (1, 0), (2, 0)]
     for (index, completion), incs in increments.items():
         out = expected[index]["outputs"][completion]
-        check_increments(incs, out, tokenizer.decode(out["token_ids"]), f"prompts[{index}] completion {completion}")
+        check_increments(
+            incs,
+            out,
+            tokenizer.decode(out["token_ids"]),
+            f"prompts[{index}] completion {completion}",
+        )
     reasons = [c["stop_reason"] for o in expected for c in o["outputs"]]
-    assert any(isinstance(r, str) for r in reasons) and None in reasons, f"want both endings: {reasons}"
+    assert any(isinstance(r, str) for r in reasons) and None in reasons, (
+        f"want both endings: {reasons}"
+    )
     for o in expected:
         for c in o["outputs"]:
             if c["finish_reason"] == "length":
@@ -75,8 +93,10 @@ def test_stream_adds_up_to_generate(llm, tokenizer, stop_case):
 def byte_token_ids(tokenizer, text: str) -> list[int]:
     """``text`` as one byte-level token per UTF-8 byte (GPT-2's byte alphabet, which Qwen's first
     256 ids hold): its multi-byte characters are split over 2 to 4 tokens."""
-    alphabet = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) + list(
-        range(ord("\xae"), ord("\xff") + 1)
+    alphabet = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("\xa1"), ord("\xac") + 1))
+        + list(range(ord("\xae"), ord("\xff") + 1))
     )
     chars = {b: chr(b) for b in alphabet}
     chars |= {b: chr(256 + i) for i, b in enumerate(b for b in range(256) if b not in chars)}
@@ -101,8 +121,11 @@ def script_tokens(llm, monkeypatch, scripts: dict[tuple[int, ...], list[int]]) -
 
     def advance(seqs):
         output = launched.pop()
-        scripted = [(i, script[seq.num_completion_tokens]) for i, seq in enumerate(seqs)
-                    if (script := scripts.get(tuple(seq.prompt_token_ids))) is not None]
+        scripted = [
+            (i, script[seq.num_completion_tokens])
+            for i, seq in enumerate(seqs)
+            if (script := scripts.get(tuple(seq.prompt_token_ids))) is not None
+        ]
         real_result = output.result
 
         def result():
@@ -146,29 +169,40 @@ def test_stream_never_splits_a_character(llm, tokenizer, monkeypatch):
     for index, out in enumerate(expected):
         incs = increments[(index, 0)]
         check_increments(incs, out, tokenizer.decode(out["token_ids"]), f"prompts[{index}]")
-        assert all("\ufffd" not in inc["text"] for inc in incs), f"prompts[{index}]: {[i['text'] for i in incs]}"
+        assert all("\ufffd" not in inc["text"] for inc in incs), (
+            f"prompts[{index}]: {[i['text'] for i in incs]}"
+        )
     # without stop strings, each character is handed out in the step that completes it
     sent_text, sent_tokens = "", 0
     for inc in increments[(0, 0)]:
         sent_text += inc["text"]
         sent_tokens += len(inc["token_ids"])
-        assert sent_text == data[:sent_tokens].decode("utf-8", errors="ignore"), (sent_tokens, sent_text)
+        assert sent_text == data[:sent_tokens].decode("utf-8", errors="ignore"), (
+            sent_tokens,
+            sent_text,
+        )
 
 
 def test_stream_break_aborts_its_requests(llm, ckpt_tied, hf_ref):
     queued = random_prompts(72, [13])[0]
     queued_id = llm.add_request(queued, greedy(30))
     seen = 0
-    for _ in llm.stream(random_prompts(71, [5, 20, 35]), SamplingParams(temperature=0.8, max_tokens=40, n=2)):
+    for _ in llm.stream(
+        random_prompts(71, [5, 20, 35]), SamplingParams(temperature=0.8, max_tokens=40, n=2)
+    ):
         seen += 1
         if seen == 5:
             break
     assert seen == 5
     # the add_request's request goes on; the stream's are gone
-    assert [s.seq_id for s in llm.core.scheduler.running] + [s.seq_id for s in llm.core.scheduler.waiting] == [queued_id]
+    assert [s.seq_id for s in llm.core.scheduler.running] + [
+        s.seq_id for s in llm.core.scheduler.waiting
+    ] == [queued_id]
     finished = run_to_completion(llm)
     assert list(finished) == [queued_id]
-    assert_greedy_match(finished[queued_id], hf_ref.greedy(ckpt_tied.path, queued, 30), "queued request")
+    assert_greedy_match(
+        finished[queued_id], hf_ref.greedy(ckpt_tied.path, queued, 30), "queued request"
+    )
     assert_idle(llm)
 
     stream = llm.stream([queued], greedy(30))

@@ -1,4 +1,5 @@
 """bench_floor.py's byte counts, against sums written out independently of its loops."""
+
 import math
 import sys
 from pathlib import Path
@@ -6,17 +7,27 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # bench.py at the repo root, bench_floor.py in benchmarks/
+sys.path[:0] = [
+    str(ROOT),
+    str(ROOT / "benchmarks"),
+]  # bench.py at the repo root, bench_floor.py in benchmarks/
+
+from bench_floor import step_bytes, weight_bytes_by_kind, workload_floor  # noqa: E402
 
 from bench import workload  # noqa: E402
-from bench_floor import step_bytes, weight_bytes_by_kind, workload_floor  # noqa: E402
 from nanovllm.utils.checkpoint import model_config, weight_bytes  # noqa: E402
 
 
 def test_dense_weights_exclude_only_an_untied_embedding():
     tied, untied = model_config("qwen3-0.6b"), model_config("qwen3-4b")
-    assert weight_bytes_by_kind(tied) == (0, weight_bytes(tied))  # the LM head reads the tied matrix
-    assert weight_bytes_by_kind(untied) == (0, weight_bytes(untied) - untied["vocab_size"] * untied["hidden_size"] * 2)
+    assert weight_bytes_by_kind(tied) == (
+        0,
+        weight_bytes(tied),
+    )  # the LM head reads the tied matrix
+    assert weight_bytes_by_kind(untied) == (
+        0,
+        weight_bytes(untied) - untied["vocab_size"] * untied["hidden_size"] * 2,
+    )
 
 
 def test_moe_experts_and_routing():
@@ -38,8 +49,10 @@ def test_workload_kv_is_the_closed_form_sum():
     prompts, params = workload(256)
     per_token = 28 * 8 * 4 * 128  # layers * KV heads * (K and V, bf16, head_dim 128)
     # request i decodes max_tokens - 1 steps over contexts len(prompt) + 1 ... len(prompt) + max_tokens - 1
-    expected = sum(per_token * (len(p) * (sp.max_tokens - 1) + sp.max_tokens * (sp.max_tokens - 1) // 2)
-                   for p, sp in zip(prompts, params))
+    expected = sum(
+        per_token * (len(p) * (sp.max_tokens - 1) + sp.max_tokens * (sp.max_tokens - 1) // 2)
+        for p, sp in zip(prompts, params)
+    )
     weights, kv, steps = workload_floor(config, 256, 4 * 128)
     assert steps == max(sp.max_tokens for sp in params) - 1
     assert kv == expected
@@ -54,8 +67,12 @@ def test_fp8_weights_count_one_byte_plus_block_scales():
     # per layer: q 4096x4096, k and v 1024x4096, o 4096x4096, gate and up 12288x4096, down 4096x12288
     values = 2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 12288 * 4096
     blocks = 2 * 32 * 32 + 2 * 8 * 32 + 3 * 96 * 32  # 128x128 blocks of the same
-    assert dense - fp8 == 36 * (values * 2 - (values + 4 * blocks))  # embeddings, norms and LM head unchanged
+    assert dense - fp8 == 36 * (
+        values * 2 - (values + 4 * blocks)
+    )  # embeddings, norms and LM head unchanged
     moe = model_config("qwen3-30b-a3b")
     experts, _ = weight_bytes_by_kind(moe, quantization="fp8")
     assert experts == 48 * 128 * 3 * (768 * 2048 + 4 * 6 * 16)
-    assert weight_bytes(config, quantization="fp8") == weight_bytes(config) - 36 * (values - 4 * blocks)
+    assert weight_bytes(config, quantization="fp8") == weight_bytes(config) - 36 * (
+        values - 4 * blocks
+    )

@@ -1,11 +1,15 @@
 """bench_idle's attribution of idle gaps to the host's phases, on synthetic intervals (no GPU)."""
+
 import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # bench.py at the repo root, bench_idle.py in benchmarks/
+sys.path[:0] = [
+    str(ROOT),
+    str(ROOT / "benchmarks"),
+]  # bench.py at the repo root, bench_idle.py in benchmarks/
 
 from bench_idle import host_late_idle  # noqa: E402
 
@@ -20,7 +24,9 @@ def test_host_late_gap_split_among_nested_labels():
     late, by_stack, in_time = host_late_idle(gpu, launches, labels)
     assert late == 1 and in_time == 0
     assert by_stack.keys() == {"@run", "@run > @prepare"}
-    assert by_stack["@run"] == pytest.approx(1.5 * MS)  # [1, 2] and [3, 3.5]; after 3.5 the work was queued
+    assert by_stack["@run"] == pytest.approx(
+        1.5 * MS
+    )  # [1, 2] and [3, 3.5]; after 3.5 the work was queued
     assert by_stack["@run > @prepare"] == pytest.approx(1 * MS)
 
 

@@ -3,8 +3,16 @@
 Block size 4 throughout unless stated; expected block ids are worked out by hand from the free
 queue order (a fresh pool hands out 0, 1, 2, ...; freed blocks join the back of the queue).
 """
+
 import pytest
-from core_helpers import check_block_invariants, compute, expected_chain, expected_hash, free_queue, make_seq
+from core_helpers import (
+    check_block_invariants,
+    compute,
+    expected_chain,
+    expected_hash,
+    free_queue,
+    make_seq,
+)
 
 from nanovllm.engine.block_manager import BlockManager
 

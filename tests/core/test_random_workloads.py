@@ -2,14 +2,19 @@
 the scheduler's and block manager's invariants hold after every step, and every request finishes
 with the completion its plan implies, also when tokens are resolved one step late.
 """
+
 import math
 
-from core_helpers import check_block_invariants, check_scheduler_invariants, make_scheduler, make_seq
+from core_helpers import (
+    check_block_invariants,
+    check_scheduler_invariants,
+    make_scheduler,
+    make_seq,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nanovllm.engine.sequence import SequenceStatus
-
 
 WAITING, RUNNING, FINISHED = SequenceStatus.WAITING, SequenceStatus.RUNNING, SequenceStatus.FINISHED
 
@@ -87,7 +92,11 @@ def build_workload(config: dict, requests: list) -> tuple[list, dict]:
     """``(arrival, sequence, plan)`` in arrival order (so FIFO order is seq id order), and each
     sequence's plan by seq id."""
     seqs_by_arrival = [
-        (arrival, make_seq(prompt, block_size=config["block_size"], max_tokens=m, ignore_eos=ig), plan)
+        (
+            arrival,
+            make_seq(prompt, block_size=config["block_size"], max_tokens=m, ignore_eos=ig),
+            plan,
+        )
         for prompt, m, plan, ig, arrival in sorted(requests, key=lambda r: r[4])
     ]
     return seqs_by_arrival, {seq.seq_id: plan for _, seq, plan in seqs_by_arrival}
@@ -103,7 +112,12 @@ def check_workload_done(sched, config: dict, seqs_by_arrival: list) -> None:
     for _, seq, plan in seqs_by_arrival:
         assert seq.status == FINISHED and seq.num_pending == 0
         assert seq.completion_token_ids == expected_completion(
-            plan, seq.max_tokens, seq.ignore_eos, seq.num_prompt_tokens, config["max_model_len"], eos_ids
+            plan,
+            seq.max_tokens,
+            seq.ignore_eos,
+            seq.num_prompt_tokens,
+            config["max_model_len"],
+            eos_ids,
         )
 
 
@@ -154,7 +168,10 @@ def test_random_workloads_resolved_one_step_late(workload):
 
     def resolve():
         seqs, positions = launched
-        tokens = [plans[s.seq_id][p - s.num_prompt_tokens] if p >= 0 else -7 for s, p in zip(seqs, positions)]
+        tokens = [
+            plans[s.seq_id][p - s.num_prompt_tokens] if p >= 0 else -7
+            for s, p in zip(seqs, positions)
+        ]
         for seq in sched.resolve(seqs, positions, tokens):
             assert seq.is_finished and seq.block_table == [] and seq.num_pending == 0
             reported.append(seq.seq_id)

@@ -2,12 +2,17 @@
 with fake sampled tokens. Block size 4 unless stated; block ids worked out by hand from the free
 queue order (a fresh pool hands out 0, 1, 2, ...; freed blocks join the back, newest first).
 """
+
 from core_helpers import (
-    check_scheduler_invariants, expected_chain, expected_hash, free_queue, make_scheduler, make_seq,
+    check_scheduler_invariants,
+    expected_chain,
+    expected_hash,
+    free_queue,
+    make_scheduler,
+    make_seq,
 )
 
 from nanovllm.engine.sequence import Sequence, SequenceStatus
-
 
 WAITING, RUNNING, FINISHED = SequenceStatus.WAITING, SequenceStatus.RUNNING, SequenceStatus.FINISHED
 

@@ -1,18 +1,18 @@
 """``Sequence`` (its blocks and derived fields), the step description built from sequences, ``SamplingParams`` validation,
 and the engine core importing without torch, transformers or triton.
 """
+
 import pickle
-from random import Random
 import subprocess
 import sys
 from pathlib import Path
+from random import Random
 
 import pytest
 from core_helpers import make_seq
 
 from nanovllm.engine.step import build_step
 from nanovllm.sampling_params import SamplingParams
-
 
 # ---- Sequence ----------------------------------------------------------------------------------
 
@@ -40,7 +40,11 @@ def test_step_describes_only_what_it_computes():
     other = make_seq([7, 8], block_size=4)
     other.block_table, other.num_scheduled_tokens = [5], 2
     step = build_step([seq, other], True, Random(0))
-    assert (step.token_ids, step.num_computed, step.num_new) == ([4, 5, 6, 7, 8, 7, 8], [4, 0], [5, 2])
+    assert (step.token_ids, step.num_computed, step.num_new) == (
+        [4, 5, 6, 7, 8, 7, 8],
+        [4, 0],
+        [5, 2],
+    )
     assert step.block_tables == [[3, 1, 2], [5]] and step.prev_rows is None
     seq.num_cached_tokens, seq.num_scheduled_tokens = 10, 1
     seq.append_token(42)
@@ -53,9 +57,16 @@ def test_step_describes_only_what_it_computes():
     assert sent.token_ids == [42, -1] and sent.block_tables == [[3, 1, 2], [5]]
     assert decode.sampling.temperatures == [0.0, 0.0] and decode.sampling.plain
     rows = sent.sampling
-    assert (rows.temperatures, rows.seeds, rows.params, rows.plain) == ([0.0, 0.0], decode.sampling.seeds, [], True)
+    assert (rows.temperatures, rows.seeds, rows.params, rows.plain) == (
+        [0.0, 0.0],
+        decode.sampling.seeds,
+        [],
+        True,
+    )
     assert rows.suppressed is None and rows.penalty_tokens is None and rows.token_bitmask is None
-    seq.sampling_params = SamplingParams(temperature=0.5, logprobs=2)  # not plain: its rows stay on rank 0
+    seq.sampling_params = SamplingParams(
+        temperature=0.5, logprobs=2
+    )  # not plain: its rows stay on rank 0
     step = build_step([seq, other], False, Random(0))
     assert not step.sampling.plain and step.for_workers().sampling is None
 
@@ -70,7 +81,9 @@ def test_engine_core_does_not_import_torch():
         "sys.exit(1 if heavy else 0)\n"
     )
     root = Path(__file__).resolve().parents[2]  # the repository root
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=root)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=root
+    )
     assert result.returncode == 0, f"engine core imported {result.stdout.strip()} {result.stderr}"
 
 

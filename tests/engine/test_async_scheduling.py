@@ -3,18 +3,30 @@ learns step N's tokens one step late) against the serial path, on the CPU: the s
 finish reasons and logprobs, through chunked prefill, preemption, prefix-cache hits, stop strings
 and stop ids, min_tokens, seeds, n > 1, penalties, and two tensor-parallel ranks.
 The serial path itself is checked against transformers by the other end-to-end tests."""
-import pytest
 
+import pytest
 from hf_reference import BLOCK_SIZE, random_prompts
+
 from nanovllm import LLM, SamplingParams
 
-BASE = random_prompts(201, [40])[0]  # shared by several prompts: their first two blocks hit the cache
+BASE = random_prompts(201, [40])[
+    0
+]  # shared by several prompts: their first two blocks hit the cache
 
 
 def make_llm(path: str, async_scheduling: bool, **kwargs) -> LLM:
     # 64-token prefill budget: prompts over 64 tokens are chunked; 20 blocks of 16: decode preempts
-    kwargs = dict(device="cpu", kvcache_block_size=BLOCK_SIZE, num_kvcache_blocks=20, max_model_len=256,
-                  max_num_batched_tokens=64, max_num_seqs=6) | kwargs
+    kwargs = (
+        dict(
+            device="cpu",
+            kvcache_block_size=BLOCK_SIZE,
+            num_kvcache_blocks=20,
+            max_model_len=256,
+            max_num_batched_tokens=64,
+            max_num_seqs=6,
+        )
+        | kwargs
+    )
     return LLM(path, async_scheduling=async_scheduling, **kwargs)
 
 
@@ -42,8 +54,10 @@ def workload(tokenizer_text=None) -> tuple[list[list[int]], list[SamplingParams]
 
 
 def comparable(outputs: list[dict]) -> list[list[tuple]]:
-    return [[(c["token_ids"], c["text"], c["finish_reason"], c["stop_reason"]) for c in o["outputs"]]
-            for o in outputs]
+    return [
+        [(c["token_ids"], c["text"], c["finish_reason"], c["stop_reason"]) for c in o["outputs"]]
+        for o in outputs
+    ]
 
 
 def assert_logprobs_close(got: list[dict], want: list[dict], tol: float = 1e-5) -> None:
@@ -55,13 +69,21 @@ def assert_logprobs_close(got: list[dict], want: list[dict], tol: float = 1e-5) 
         for j, (cg, cw) in enumerate(zip(g["outputs"], w["outputs"])):
             assert (cg["logprobs"] is None) == (cw["logprobs"] is None), (i, j)
             for pos, (a, b) in enumerate(zip(cg["logprobs"] or [], cw["logprobs"] or [])):
-                assert a.keys() == b.keys() and all(abs(a[t] - b[t]) <= tol for t in a), (i, j, pos, a, b)
+                assert a.keys() == b.keys() and all(abs(a[t] - b[t]) <= tol for t in a), (
+                    i,
+                    j,
+                    pos,
+                    a,
+                    b,
+                )
 
 
 def run(path: str, prompts, params, async_scheduling: bool, **kwargs) -> tuple[list[dict], dict]:
     with make_llm(path, async_scheduling, **kwargs) as llm:
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        again = llm.generate(prompts[:3], params[:3], use_tqdm=False)  # served from the prefix cache
+        again = llm.generate(
+            prompts[:3], params[:3], use_tqdm=False
+        )  # served from the prefix cache
         assert llm.is_finished() and llm.get_stats()["kv_cache_usage"] == 0.0
         stats = llm.get_stats()
     return outputs + again, stats
@@ -78,9 +100,15 @@ def stop_workload(ckpt_tied) -> tuple[list[list[int]], list[SamplingParams]]:
     tokens = serial[6]["token_ids"]
     stop = tokenizer.decode(tokens[10:12])
     params[6] = SamplingParams(temperature=0.0, max_tokens=28, stop=[stop])
-    repeated = next(t for i, t in enumerate(serial[8]["token_ids"]) if t in serial[8]["token_ids"][:i])
-    params[8] = SamplingParams(temperature=0.0, max_tokens=28, stop_token_ids=[repeated], min_tokens=3)
-    params[9] = SamplingParams(temperature=0.0, max_tokens=28, stop=[stop], include_stop_str_in_output=True)
+    repeated = next(
+        t for i, t in enumerate(serial[8]["token_ids"]) if t in serial[8]["token_ids"][:i]
+    )
+    params[8] = SamplingParams(
+        temperature=0.0, max_tokens=28, stop_token_ids=[repeated], min_tokens=3
+    )
+    params[9] = SamplingParams(
+        temperature=0.0, max_tokens=28, stop=[stop], include_stop_str_in_output=True
+    )
     return prompts, params
 
 
@@ -95,12 +123,16 @@ def test_async_matches_serial(ckpt_tied, stop_workload, serial_run):
     overlapped, async_stats = run(ckpt_tied.path, prompts, params, True)
     assert comparable(overlapped) == comparable(serial)
     assert_logprobs_close(overlapped, serial)
-    assert [o["num_cached_tokens"] for o in overlapped[-3:]] == [o["num_cached_tokens"] for o in serial[-3:]]
+    assert [o["num_cached_tokens"] for o in overlapped[-3:]] == [
+        o["num_cached_tokens"] for o in serial[-3:]
+    ]
     # the workload reaches what it is meant to: preemption, prefix hits, chunked prompts, every ending
     for stats in (serial_stats, async_stats):
         assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_rate"] > 0
     assert max(len(p) for p in prompts) > 64
-    reasons = {(c["finish_reason"], type(c["stop_reason"]).__name__) for o in serial for c in o["outputs"]}
+    reasons = {
+        (c["finish_reason"], type(c["stop_reason"]).__name__) for o in serial for c in o["outputs"]
+    }
     assert reasons == {("length", "NoneType"), ("stop", "str"), ("stop", "int")}
     # the generation counter counts kept tokens, not the ones computed past an end
     kept = sum(len(c["token_ids"]) for o in serial for c in o["outputs"])
@@ -122,7 +154,9 @@ def test_async_stream_matches_serial_generate(ckpt_tied, stop_workload, serial_r
         assert llm.is_finished()
     for i, out in enumerate(serial[: len(prompts)]):
         for j, c in enumerate(out["outputs"]):
-            assert pieces[(i, j)] == [c["token_ids"], c["text"], c["finish_reason"]], f"prompts[{i}] completion {j}"
+            assert pieces[(i, j)] == [c["token_ids"], c["text"], c["finish_reason"]], (
+                f"prompts[{i}] completion {j}"
+            )
 
 
 def test_step_by_step_resolves_one_step_late(ckpt_tied):
@@ -130,14 +164,20 @@ def test_step_by_step_resolves_one_step_late(ckpt_tied):
     engine is idle (nothing in flight, every block free) once they all are."""
     prompts = random_prompts(204, [7, 20])
     with make_llm(ckpt_tied.path, True, num_kvcache_blocks=64) as llm:
-        ids = [llm.add_request(p, SamplingParams(temperature=0, max_tokens=m)) for p, m in zip(prompts, (1, 3))]
+        ids = [
+            llm.add_request(p, SamplingParams(temperature=0, max_tokens=m))
+            for p, m in zip(prompts, (1, 3))
+        ]
         steps = []
         while not llm.is_finished():
             outputs, num_tokens = llm.step()
             steps.append((sorted(seq_id for seq_id, _ in outputs), num_tokens))
         assert llm.get_stats()["kv_cache_usage"] == 0.0
     with make_llm(ckpt_tied.path, False, num_kvcache_blocks=64) as llm:
-        expected = {llm.add_request(p, SamplingParams(temperature=0, max_tokens=m)): None for p, m in zip(prompts, (1, 3))}
+        expected = {
+            llm.add_request(p, SamplingParams(temperature=0, max_tokens=m)): None
+            for p, m in zip(prompts, (1, 3))
+        }
         serial = []
         while not llm.is_finished():
             outputs, num_tokens = llm.step()

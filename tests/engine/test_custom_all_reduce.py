@@ -6,19 +6,30 @@ sum its own input and the peers' slots in rank order (every rank the same float3
 blocks each program loops over, put the sentinel back where it read, leave its own slot alone,
 count the calls, alternate halves, and give up a wait when the abort flag is set. The real
 exchange between GPUs runs in tests/gpu/test_gpu_tensor_parallel.py."""
+
 import json
 
 import pytest
 import torch
-
-from triton_interpreter import results_under_interpreter, round_interpreter_casts_to_nearest, run_cases
+from triton_interpreter import (
+    results_under_interpreter,
+    round_interpreter_casts_to_nearest,
+    run_cases,
+)
 
 BLOCKS = 5  # a slot of the buffer holds 5 blocks
 PROGRAMS = 2  # the most programs of a call (the library allows more): one per block up to that
 
 
-def simulate(world: int, rank: int, inputs: list[list[torch.Tensor]], dtype=torch.float32, abort: bool = False,
-             peers_write: bool = True, poll: int | None = None) -> dict:
+def simulate(
+    world: int,
+    rank: int,
+    inputs: list[list[torch.Tensor]],
+    dtype=torch.float32,
+    abort: bool = False,
+    peers_write: bool = True,
+    poll: int | None = None,
+) -> dict:
     """Run ``len(inputs)`` calls (each of one program per block, at most ``PROGRAMS``);
     ``inputs[k][r]`` is rank r's tensor in call k; ``poll``: spins between reads of the abort flag
     (default the library's). Returns what the tests check, as lists."""
@@ -44,9 +55,16 @@ def simulate(world: int, rank: int, inputs: list[list[torch.Tensor]], dtype=torc
         x = call[rank].clone()
         launch(x, data_ptrs, epochs, abort_flag, rank, world, slot, poll or POLL_ABORT_EVERY)
         out["sums"].append(x.float().tolist())
-        out["pushed"].append([torch.equal(data[r][slot_of(rank)].view(bits), canonical(call[rank]).view(bits))
-                              for r in range(world) if r != rank])
-        out["cleared"].append([bool((data[rank][slot_of(r)].view(bits) == value).all()) for r in range(world)])
+        out["pushed"].append(
+            [
+                torch.equal(data[r][slot_of(rank)].view(bits), canonical(call[rank]).view(bits))
+                for r in range(world)
+                if r != rank
+            ]
+        )
+        out["cleared"].append(
+            [bool((data[rank][slot_of(r)].view(bits) == value).all()) for r in range(world)]
+        )
         own = data[rank].view(bits).view(2, world, slot)[:, rank]  # its own slot, both halves
         out["own_slot_untouched"].append(bool((own == value).all()))
         out["epochs"].append(epochs.tolist())
@@ -65,7 +83,9 @@ def rank_order_sum(call: list[torch.Tensor]) -> list[float]:
     return total.to(call[0].dtype).float().tolist()
 
 
-def _inputs(world: int, sizes: list[int], dtype=torch.float32, seed: int = 0) -> list[list[torch.Tensor]]:
+def _inputs(
+    world: int, sizes: list[int], dtype=torch.float32, seed: int = 0
+) -> list[list[torch.Tensor]]:
     """Random tensors, every fifth element -0.0 (the sentinel's value) on every rank."""
     g = torch.Generator().manual_seed(seed)
     calls = [[torch.randn(n, generator=g).to(dtype) for _ in range(world)] for n in sizes]
@@ -122,7 +142,9 @@ def test_one_shot_sums_pushes_and_clears(interpreter_results, name):
     got = interpreter_results[name]
     assert "error" not in got, got
     assert got["sums"] == got["want"]  # exactly: the same float32 additions in rank order
-    assert got["pushed"] == [[True] * (world - 1)] * len(sizes)  # into its slot of every other buffer, -0.0 as +0.0
+    assert got["pushed"] == [[True] * (world - 1)] * len(
+        sizes
+    )  # into its slot of every other buffer, -0.0 as +0.0
     assert got["cleared"] == [[True] * world] * len(sizes)  # the sentinel back where it read
     assert got["own_slot_untouched"] == [True] * len(sizes)
     for k in range(1, len(sizes) + 1):

@@ -2,6 +2,7 @@
 seeded, streamed; chunked prefill, n > 1, prefix hits), requests go to the replica with the fewest
 outstanding tokens, an abort or an early break leaves every replica idle, a killed replica is a
 clear error that leaves nothing behind, and bad values are refused before anything starts."""
+
 import multiprocessing
 import os
 import signal
@@ -10,13 +11,18 @@ import time
 
 import pytest
 import torch
-
 from dp_helpers import assert_idle, seeded_params, streamed, summary, workload
 from hf_reference import BLOCK_SIZE, assert_greedy_match, random_prompts
+
 from nanovllm import LLM, SamplingParams
 
-CPU = dict(device="cpu", kvcache_block_size=BLOCK_SIZE, num_kvcache_blocks=64, max_model_len=256,
-           max_num_batched_tokens=64)  # 64 tokens a step: the longer prompts are chunked
+CPU = dict(
+    device="cpu",
+    kvcache_block_size=BLOCK_SIZE,
+    num_kvcache_blocks=64,
+    max_model_len=256,
+    max_num_batched_tokens=64,
+)  # 64 tokens a step: the longer prompts are chunked
 
 
 def shm_entries() -> set[str]:
@@ -43,27 +49,39 @@ def test_greedy_tokens_equal_one_engine_and_transformers(engines, ckpt_tied, hf_
     one, two = engines
     prompts, params = workload()
     first = [llm.generate(prompts, params, use_tqdm=False) for llm in engines]
-    again = [llm.generate(prompts, params, use_tqdm=False) for llm in engines]  # served from the prefix caches
+    again = [
+        llm.generate(prompts, params, use_tqdm=False) for llm in engines
+    ]  # served from the prefix caches
     assert summary(first[1]) == summary(first[0])
     assert summary(again[1]) == summary(first[0])
     for i, (out, prompt) in enumerate(zip(first[1], prompts)):
-        assert_greedy_match(out["token_ids"], hf_ref.greedy(ckpt_tied.path, prompt, params[i].max_tokens), f"prompt {i}")
+        assert_greedy_match(
+            out["token_ids"],
+            hf_ref.greedy(ckpt_tied.path, prompt, params[i].max_tokens),
+            f"prompt {i}",
+        )
     # a request returns to the replica that served it: every full block but the last is a hit
-    assert [o["num_cached_tokens"] for o in again[1]] == [BLOCK_SIZE * ((len(p) - 1) // BLOCK_SIZE) for p in prompts]
+    assert [o["num_cached_tokens"] for o in again[1]] == [
+        BLOCK_SIZE * ((len(p) - 1) // BLOCK_SIZE) for p in prompts
+    ]
     stats = two.get_stats()
     replicas = stats["replicas"]
     assert all(r["generation_tokens"] > 0 for r in replicas), "both replicas should have served"
     for key in ("generation_tokens", "prompt_tokens", "prefix_cache_hits", "prefix_cache_queries"):
         assert stats[key] == sum(r[key] for r in replicas)
-    assert stats["generation_tokens"] == 2 * sum(sum(len(c["token_ids"]) for c in o["outputs"]) for o in first[1])
+    assert stats["generation_tokens"] == 2 * sum(
+        sum(len(c["token_ids"]) for c in o["outputs"]) for o in first[1]
+    )
     assert_idle(two)
 
 
 def test_requests_go_to_the_replica_with_fewest_outstanding_tokens(engines):
     _, two = engines
     lengths, max_tokens, n = [10, 3, 3, 20, 4], [5, 5, 5, 5, 30], [1, 1, 1, 1, 2]
-    ids = [two.add_request(random_prompts(i, [k])[0], SamplingParams(temperature=0, max_tokens=m, n=c))
-           for i, (k, m, c) in enumerate(zip(lengths, max_tokens, n))]
+    ids = [
+        two.add_request(random_prompts(i, [k])[0], SamplingParams(temperature=0, max_tokens=m, n=c))
+        for i, (k, m, c) in enumerate(zip(lengths, max_tokens, n))
+    ]
     # outstanding tokens (n × (prompt + max_tokens)): 15 → r0; [15, 0]: 8 → r1; [15, 8]: 8 → r1;
     # [15, 16]: 25 → r0; [40, 16]: 68 → r1
     assert [two.core.requests[i].replica for i in ids] == [0, 1, 1, 0, 1]
@@ -72,7 +90,9 @@ def test_requests_go_to_the_replica_with_fewest_outstanding_tokens(engines):
     while not two.is_finished():
         outputs, _ = two.step()
         finished.update(outputs)
-    assert sorted(finished) == sorted(ids + [ids[-1] + 1])  # the n=2 request's second completion too
+    assert sorted(finished) == sorted(
+        ids + [ids[-1] + 1]
+    )  # the n=2 request's second completion too
     assert [len(finished[i]) for i in ids] == max_tokens
     assert two.core.load == [0, 0] and not two.core.requests
     assert_idle(two)
@@ -120,27 +140,46 @@ def test_a_killed_replica_is_a_clear_error_and_leaves_nothing_behind(ckpt_tied):
     prompts = [[1 + i, 2, 3] * 10 for i in range(4)]
     threading.Timer(0.5, os.kill, (victim.pid, signal.SIGKILL)).start()
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"data-parallel replica 1 \(pid \d+\) exited with code -9"):
+    with pytest.raises(
+        RuntimeError, match=r"data-parallel replica 1 \(pid \d+\) exited with code -9"
+    ):
         for _ in range(1000):
-            llm.generate(prompts, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True), use_tqdm=False)
+            llm.generate(
+                prompts,
+                SamplingParams(temperature=0, max_tokens=200, ignore_eos=True),
+                use_tqdm=False,
+            )
     assert time.monotonic() - start < 30
     assert children() == running  # the other replica has been stopped too
     with pytest.raises(RuntimeError, match="the engine has stopped"):
         llm.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False)
     llm.exit()
     assert shm_entries() <= before
-    with LLM(ckpt_tied.path, data_parallel_size=2, **CPU) as again:  # the process can start a new one
+    with LLM(
+        ckpt_tied.path, data_parallel_size=2, **CPU
+    ) as again:  # the process can start a new one
         out = again.generate(prompts, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
         assert [len(o["token_ids"]) for o in out] == [3] * 4
     assert children() == running
 
 
-@pytest.mark.parametrize("kwargs,error,match", [
-    (dict(data_parallel_size=0), ValueError, r"Config.data_parallel_size must be >= 1, got 0"),
-    (dict(data_parallel_size="two"), TypeError, r"Config.data_parallel_size must be an int, got 'two'"),
-    (dict(data_parallel_size=2.0), TypeError, r"Config.data_parallel_size must be an int"),
-    (dict(data_parallel_backend="mpi"), ValueError, r"Config.data_parallel_backend must be one of 'mp', 'ray', got 'mpi'"),
-])
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        (dict(data_parallel_size=0), ValueError, r"Config.data_parallel_size must be >= 1, got 0"),
+        (
+            dict(data_parallel_size="two"),
+            TypeError,
+            r"Config.data_parallel_size must be an int, got 'two'",
+        ),
+        (dict(data_parallel_size=2.0), TypeError, r"Config.data_parallel_size must be an int"),
+        (
+            dict(data_parallel_backend="mpi"),
+            ValueError,
+            r"Config.data_parallel_backend must be one of 'mp', 'ray', got 'mpi'",
+        ),
+    ],
+)
 def test_bad_values_are_refused_before_anything_starts(ckpt_tied, kwargs, error, match):
     running = children()
     with pytest.raises(error, match=match):
@@ -154,7 +193,9 @@ def test_more_gpus_than_visible_is_refused_before_anything_starts(ckpt_tied, mon
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     kwargs = CPU | dict(device="cuda", attention_backend="torch", num_kvcache_blocks=-1)
-    with pytest.raises(ValueError, match=r"data_parallel_size=2 × tensor_parallel_size=1 needs 2 GPUs, but only 1"):
+    with pytest.raises(
+        ValueError, match=r"data_parallel_size=2 × tensor_parallel_size=1 needs 2 GPUs, but only 1"
+    ):
         LLM(ckpt_tied.path, data_parallel_size=2, **kwargs)
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 needs 2 GPUs, but only 1"):
         LLM(ckpt_tied.path, tensor_parallel_size=2, **kwargs)

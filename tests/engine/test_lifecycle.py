@@ -1,6 +1,7 @@
 """An engine's life as a user meets it: calls after ``exit()``, a second engine beside a
 tensor-parallel one, and a real Ctrl-C sent to the whole process group of a tensor- or data-parallel
 engine (as a terminal does), after which the engine serves on with the same greedy tokens."""
+
 import json
 import multiprocessing
 import os
@@ -9,8 +10,8 @@ import sys
 import textwrap
 
 import pytest
-
 from hf_reference import BLOCK_SIZE, random_prompts
+
 from nanovllm import LLM, SamplingParams
 
 CPU = dict(device="cpu", kvcache_block_size=BLOCK_SIZE, num_kvcache_blocks=64, max_model_len=256)
@@ -55,7 +56,7 @@ def test_second_engine_beside_a_tensor_parallel_one(ckpt_tied):
         assert [o["token_ids"] for o in second.generate(prompts, greedy, use_tqdm=False)] == before
 
 
-CTRL_C_SCRIPT = textwrap.dedent('''
+CTRL_C_SCRIPT = textwrap.dedent("""
     import json, os, signal, sys, threading, time
     from nanovllm import LLM, SamplingParams
 
@@ -82,18 +83,26 @@ CTRL_C_SCRIPT = textwrap.dedent('''
         llm.exit()
         print(json.dumps({"interrupted": interrupted, "before": before, "after": after,
                           "left": stats["num_requests_running"] + stats["num_requests_waiting"]}))
-''')
+""")
 
 
-@pytest.mark.parametrize("parallel", [{"tensor_parallel_size": 2}, {"data_parallel_size": 2}], ids=["tp2", "dp2"])
+@pytest.mark.parametrize(
+    "parallel", [{"tensor_parallel_size": 2}, {"data_parallel_size": 2}], ids=["tp2", "dp2"]
+)
 def test_ctrl_c_to_the_process_group_of_a_parallel_engine(ckpt_tied, tmp_path, parallel):
     """Tensor-parallel workers, or data-parallel replicas: each process of the group gets the SIGINT."""
     script = tmp_path / "ctrl_c.py"
     script.write_text(CTRL_C_SCRIPT)
     prompts = random_prompts(7, [5, 40])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    proc = subprocess.run([sys.executable, str(script), ckpt_tied.path, json.dumps(prompts), json.dumps(parallel)],
-                          capture_output=True, text=True, timeout=300, start_new_session=True, env=env)  # its own group
+    proc = subprocess.run(
+        [sys.executable, str(script), ckpt_tied.path, json.dumps(prompts), json.dumps(parallel)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        start_new_session=True,
+        env=env,
+    )  # its own group
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["interrupted"], "the SIGINT did not reach the generate call"

@@ -5,24 +5,47 @@ rotary cos/sin caches kept on the host) and the model calls are refused; after `
 ``update_weights`` with the checkpoint's tensors too; the prefix cache is dropped. For Qwen3 and
 Qwen3-MoE on one rank, Qwen3 on two ranks (gloo) and through two data-parallel replicas; bad values
 and states (with async scheduling off); an engine that exits asleep."""
+
 import os
 
 import pytest
 import torch
+from hf_reference import VOCAB_SIZE, assert_greedy_match, random_prompts
 from safetensors.torch import load_file
 
-from hf_reference import VOCAB_SIZE, assert_greedy_match, random_prompts
 from nanovllm import LLM, SamplingParams
 from nanovllm.utils.checkpoint import make_random_checkpoint
 
-TINY = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=32, num_hidden_layers=2, max_position_embeddings=512, bos_token_id=0, eos_token_id=VOCAB_SIZE + 1)
+TINY = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=96,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    num_hidden_layers=2,
+    max_position_embeddings=512,
+    bos_token_id=0,
+    eos_token_id=VOCAB_SIZE + 1,
+)
 FAMILIES = {
     "qwen3": dict(shape="tiny", tie_word_embeddings=False),
-    "qwen3_moe": dict(shape="qwen3-30b-a3b", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                      mlp_only_layers=[1], tie_word_embeddings=False),
+    "qwen3_moe": dict(
+        shape="qwen3-30b-a3b",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        mlp_only_layers=[1],
+        tie_word_embeddings=False,
+    ),
 }
-CPU = dict(device="cpu", kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=256, enable_sleep_mode=True)
+CPU = dict(
+    device="cpu",
+    kvcache_block_size=16,
+    num_kvcache_blocks=64,
+    max_model_len=256,
+    enable_sleep_mode=True,
+)
 PROMPTS = random_prompts(7, [40, 7, 20, 33])
 HITS = [32, 0, 16, 32]  # prompt tokens the prefix cache serves when PROMPTS run again
 COLD = [0] * len(PROMPTS)
@@ -32,8 +55,14 @@ ASLEEP = r"the engine is asleep; call wake_up\(\)"
 
 def build(root, family: str) -> str:
     variant = dict(FAMILIES[family])
-    return make_random_checkpoint(str(root / family), variant.pop("shape"), dtype=torch.float32, seed=3, std=0.3,
-                                  **(TINY | variant))
+    return make_random_checkpoint(
+        str(root / family),
+        variant.pop("shape"),
+        dtype=torch.float32,
+        seed=3,
+        std=0.3,
+        **(TINY | variant),
+    )
 
 
 def tensors(path: str) -> dict[str, torch.Tensor]:
@@ -76,7 +105,12 @@ def assert_asleep(llm: LLM, level: int) -> None:
     are refused and queue nothing. Its buffers (rotary cos/sin) are kept on the host."""
     runner = llm.core.executor.runner
     assert llm.is_sleeping()
-    assert (runner.kv_cache, runner.graphs, runner.sampled, runner.decode_buffer) == (None, None, None, None)
+    assert (runner.kv_cache, runner.graphs, runner.sampled, runner.decode_buffer) == (
+        None,
+        None,
+        None,
+        None,
+    )
     layers = [m for m in runner.model.modules() if hasattr(m, "k_cache")]
     assert len(layers) == 2 and all(m.k_cache.numel() == m.v_cache.numel() == 0 for m in layers)
     params = list(runner.model.parameters())
@@ -85,10 +119,14 @@ def assert_asleep(llm: LLM, level: int) -> None:
     kept = {id(e.tensor): e.host for e in runner.offloaded}
     assert all((kept[id(p)] is not None) == (level == 1) for p in params)
     assert all(kept[id(b)] is not None for b in runner.model.buffers())
-    for call in (lambda: llm.generate(PROMPTS, GREEDY, use_tqdm=False), lambda: llm.add_request(PROMPTS[0], GREEDY),
-                 lambda: llm.stream(PROMPTS, GREEDY), lambda: llm.step(),
-                 lambda: llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False),
-                 lambda: llm.update_weights({})):
+    for call in (
+        lambda: llm.generate(PROMPTS, GREEDY, use_tqdm=False),
+        lambda: llm.add_request(PROMPTS[0], GREEDY),
+        lambda: llm.stream(PROMPTS, GREEDY),
+        lambda: llm.step(),
+        lambda: llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False),
+        lambda: llm.update_weights({}),
+    ):
         with pytest.raises(RuntimeError, match=ASLEEP):
             call()
     stats = llm.get_stats()
@@ -129,19 +167,34 @@ def test_bad_values_and_states(qwen3):
     with pytest.raises(TypeError, match=r"Config\.enable_sleep_mode must be a bool, got 'yes'"):
         LLM(path, **(CPU | {"enable_sleep_mode": "yes"}))
     with LLM(path, **(CPU | {"enable_sleep_mode": False})) as llm:
-        with pytest.raises(RuntimeError, match=r"sleep\(\) needs sleep mode: create the LLM with enable_sleep_mode=True"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"sleep\(\) needs sleep mode: create the LLM with enable_sleep_mode=True",
+        ):
             llm.sleep(1)
     with LLM(path, **(CPU | {"async_scheduling": False})) as llm:
         out = warm(llm, want)
-        for level, error in ((0, ValueError), (3, ValueError), (True, TypeError), ("1", TypeError), (1.0, TypeError)):
-            with pytest.raises(error, match=rf"sleep level must be (an int \(1 or 2\)|1 \(weights kept on the host\)"
-                                            rf" or 2 \(weights dropped\)), got {level!r}"):
+        for level, error in (
+            (0, ValueError),
+            (3, ValueError),
+            (True, TypeError),
+            ("1", TypeError),
+            (1.0, TypeError),
+        ):
+            with pytest.raises(
+                error,
+                match=rf"sleep level must be (an int \(1 or 2\)|1 \(weights kept on the host\)"
+                rf" or 2 \(weights dropped\)), got {level!r}",
+            ):
                 llm.sleep(level)
         llm.wake_up()  # awake: nothing happens
         assert not llm.is_sleeping() and generate(llm) == (out, HITS)
 
         request_id = llm.add_request(PROMPTS[0], GREEDY)
-        with pytest.raises(RuntimeError, match=r"sleep needs an idle engine, but sequences are queued \(running 0, waiting 1"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"sleep needs an idle engine, but sequences are queued \(running 0, waiting 1",
+        ):
             llm.sleep(1)
         finished = {}
         while not llm.is_finished():
@@ -158,7 +211,9 @@ def test_bad_values_and_states(qwen3):
         assert [got[i] for i in range(len(PROMPTS))] == out
 
         llm.sleep(1)
-        with pytest.raises(RuntimeError, match=r"the engine is already asleep \(level 1\); call wake_up\(\) first"):
+        with pytest.raises(
+            RuntimeError, match=r"the engine is already asleep \(level 1\); call wake_up\(\) first"
+        ):
             llm.sleep(2)
         assert llm.reset_prefix_cache() is True  # allowed while asleep
         llm.wake_up()
@@ -196,7 +251,10 @@ def test_data_parallel_replicas_sleep_too(qwen3):
     path, want = qwen3
     with LLM(path, data_parallel_size=2, **CPU) as llm:
         sleep_both_levels(llm, path, want)
-        assert all(r["generation_tokens"] > 0 for r in llm.get_stats()["replicas"]) and llm.is_sleeping()
+        assert (
+            all(r["generation_tokens"] > 0 for r in llm.get_stats()["replicas"])
+            and llm.is_sleeping()
+        )
 
 
 def test_moe_experts_sleep_too(qwen3_moe):

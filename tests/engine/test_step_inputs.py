@@ -4,15 +4,21 @@ against a token-by-token reference. Decode, eager or as a CUDA graph receives it
 ``fill_decode``, ``DecodeBuffer``, ``decode_inputs``): exact values for hand-built sequences,
 against a token-by-token reference, padding rows that write no cache slot, and placeholder tokens
 read from the previous step's sampled ids."""
-import numpy as np
-import torch
 
 from random import Random
+
+import numpy as np
+import torch
 
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step import build_step
 from nanovllm.runner.step_inputs import (
-    DECODE_FIELDS, DecodeBuffer, DecodeLayout, decode_inputs, fill_decode, prefill_inputs,
+    DECODE_FIELDS,
+    DecodeBuffer,
+    DecodeLayout,
+    decode_inputs,
+    fill_decode,
+    prefill_inputs,
 )
 from nanovllm.sampling_params import SamplingParams
 
@@ -21,7 +27,9 @@ BLOCK_SIZE = 4
 
 def decode_seq(num_tokens: int, block_table: list[int], pending_row: int | None = None) -> Sequence:
     """A running sequence of ``num_tokens`` tokens (the last a placeholder of ``pending_row``)."""
-    seq = Sequence(list(range(100, 100 + num_tokens - (pending_row is not None))), SamplingParams(), BLOCK_SIZE)
+    seq = Sequence(
+        list(range(100, 100 + num_tokens - (pending_row is not None))), SamplingParams(), BLOCK_SIZE
+    )
     if pending_row is not None:
         seq.append_placeholder(pending_row)
     seq.block_table = list(block_table)
@@ -54,25 +62,64 @@ def decode_step(seqs):
 def test_prepare_prefill_exact_values():
     seqs = [
         prefill_seq(6, [9, 2], cached=0, scheduled=6),  # positions 0-5: blocks 9 and 2
-        prefill_seq(10, [4, 7, 1], cached=4, scheduled=5),  # a cached block, then a chunk of 5 (positions 4-8)
+        prefill_seq(
+            10, [4, 7, 1], cached=4, scheduled=5
+        ),  # a cached block, then a chunk of 5 (positions 4-8)
         prefill_seq(3, [5], cached=2, scheduled=1),  # the last token after a cached prefix
     ]
     input_ids, positions, context = prepare_prefill(seqs, BLOCK_SIZE, to_tensor)
-    assert input_ids.tolist() == [1000, 1001, 1002, 1003, 1004, 1005, 1004, 1005, 1006, 1007, 1008, 1002]
+    assert input_ids.tolist() == [
+        1000,
+        1001,
+        1002,
+        1003,
+        1004,
+        1005,
+        1004,
+        1005,
+        1006,
+        1007,
+        1008,
+        1002,
+    ]
     assert positions.tolist() == [0, 1, 2, 3, 4, 5, 4, 5, 6, 7, 8, 2]
     assert context.slot_mapping.tolist() == [36, 37, 38, 39, 8, 9, 28, 29, 30, 31, 4, 22]
-    assert context.cu_seqlens_q.tolist() == [0, 6, 11, 12] and context.cu_seqlens_k.tolist() == [0, 6, 15, 18]
+    assert context.cu_seqlens_q.tolist() == [0, 6, 11, 12] and context.cu_seqlens_k.tolist() == [
+        0,
+        6,
+        15,
+        18,
+    ]
     assert (context.max_seqlen_q, context.max_seqlen_k) == (6, 9)
-    assert context.block_tables.tolist() == [[9, 2, -1], [4, 7, 1], [5, -1, -1]]  # a cached prefix: tables sent
-    assert input_ids.dtype == positions.dtype == torch.int64 and context.slot_mapping.dtype == torch.int32
+    assert context.block_tables.tolist() == [
+        [9, 2, -1],
+        [4, 7, 1],
+        [5, -1, -1],
+    ]  # a cached prefix: tables sent
+    assert (
+        input_ids.dtype == positions.dtype == torch.int64
+        and context.slot_mapping.dtype == torch.int32
+    )
     assert context.is_prefill
 
 
 def test_prepare_prefill_without_prefix_or_cache():
     """No cached prefix: no block tables; no block tables yet (the warm-up): every slot -1."""
-    _, _, context = prepare_prefill([prefill_seq(5, [3, 0], 0, 5), prefill_seq(2, [1], 0, 2)], BLOCK_SIZE, to_tensor)
-    assert context.block_tables is None and context.slot_mapping.tolist() == [12, 13, 14, 15, 0, 4, 5]
-    _, positions, context = prepare_prefill([prefill_seq(3, [], 0, 3), prefill_seq(2, [], 0, 2)], BLOCK_SIZE, to_tensor)
+    _, _, context = prepare_prefill(
+        [prefill_seq(5, [3, 0], 0, 5), prefill_seq(2, [1], 0, 2)], BLOCK_SIZE, to_tensor
+    )
+    assert context.block_tables is None and context.slot_mapping.tolist() == [
+        12,
+        13,
+        14,
+        15,
+        0,
+        4,
+        5,
+    ]
+    _, positions, context = prepare_prefill(
+        [prefill_seq(3, [], 0, 3), prefill_seq(2, [], 0, 2)], BLOCK_SIZE, to_tensor
+    )
     assert positions.tolist() == [0, 1, 2, 0, 1] and context.slot_mapping.tolist() == [-1] * 5
 
 
@@ -84,7 +131,9 @@ def test_prepare_prefill_matches_token_by_token_reference():
         cached = int(rng.integers(0, n // BLOCK_SIZE + 1)) * BLOCK_SIZE if n > BLOCK_SIZE else 0
         cached = min(cached, n - 1)
         scheduled = int(rng.integers(1, n - cached + 1))
-        seqs.append(prefill_seq(n, rng.permutation(300)[: -(-n // BLOCK_SIZE)].tolist(), cached, scheduled))
+        seqs.append(
+            prefill_seq(n, rng.permutation(300)[: -(-n // BLOCK_SIZE)].tolist(), cached, scheduled)
+        )
     input_ids, positions, context = prepare_prefill(seqs, BLOCK_SIZE, to_tensor)
     want_ids, want_pos, want_slots = [], [], []
     for seq in seqs:
@@ -98,7 +147,9 @@ def test_prepare_prefill_matches_token_by_token_reference():
 
 
 def host_fields(layout: DecodeLayout) -> tuple[np.ndarray, dict]:
-    buffer = np.full(layout.nbytes, 0xAB, dtype=np.uint8)  # garbage: every used byte must be written
+    buffer = np.full(
+        layout.nbytes, 0xAB, dtype=np.uint8
+    )  # garbage: every used byte must be written
     return buffer, layout.fields(buffer, lambda part, dtype: part.view(dtype))
 
 
@@ -129,7 +180,12 @@ def test_fill_decode_exact_values_and_padding():
     assert f["positions"][:4].tolist() == [4, 11, 0, 0]
     assert f["context_lens"][:4].tolist() == [5, 12, 1, 0]
     assert f["slot_mapping"][:4].tolist() == [28, 35, 20, -1]
-    assert f["block_tables"][:4].tolist() == [[3, 7, 0, 0], [1, 2, 8, 0], [5, 0, 0, 0], [0, 0, 0, 0]]
+    assert f["block_tables"][:4].tolist() == [
+        [3, 7, 0, 0],
+        [1, 2, 8, 0],
+        [5, 0, 0, 0],
+        [0, 0, 0, 0],
+    ]
     # rows past the padded batch are not touched
     assert f["input_ids"].view(np.uint8)[4 * 8 :].tolist() == [0xAB] * (4 * 8)
 
@@ -158,11 +214,15 @@ def test_decode_inputs_match_token_by_token_reference():
     input_ids, positions, context = decode_inputs(fields, sampled, 40)
     want_ids = [500 + s.pending_row if s.num_pending else s.last_token for s in seqs]
     want_pos = [len(s) - 1 for s in seqs]
-    want_slots = [s.block_table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for s, p in zip(seqs, want_pos)]
+    want_slots = [
+        s.block_table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for s, p in zip(seqs, want_pos)
+    ]
     assert input_ids.tolist() == want_ids + [0] * 3  # three padding rows
     assert positions.tolist() == want_pos + [0] * 3
     assert context.slot_mapping.tolist() == want_slots + [-1] * 3
     assert context.context_lens.tolist() == [len(s) for s in seqs] + [0] * 3
     for row, seq in zip(context.block_tables.tolist(), seqs):
-        assert row[: len(seq.block_table)] == seq.block_table and set(row[len(seq.block_table):]) <= {0}
+        assert row[: len(seq.block_table)] == seq.block_table and set(
+            row[len(seq.block_table) :]
+        ) <= {0}
     assert not context.is_prefill

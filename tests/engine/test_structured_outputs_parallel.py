@@ -2,6 +2,7 @@
 each compiles and matches its own grammars) give the tokens one engine gives; with two
 tensor-parallel ranks (the mask applied on rank 0, where sampling happens) every completion is in
 its grammar's language."""
+
 import multiprocessing
 
 import pytest
@@ -15,7 +16,9 @@ def model(tmp_path_factory):
 
 
 def completions(outputs: list[dict]) -> list:
-    return [[(c["token_ids"], c["text"], c["finish_reason"]) for c in o["outputs"]] for o in outputs]
+    return [
+        [(c["token_ids"], c["text"], c["finish_reason"]) for c in o["outputs"]] for o in outputs
+    ]
 
 
 def test_data_parallel_replicas_give_one_engines_constrained_tokens(model):
@@ -28,7 +31,9 @@ def test_data_parallel_replicas_give_one_engines_constrained_tokens(model):
     two = make_engine(model, data_parallel_size=2)
     try:
         got = two.generate(prompts, params, use_tqdm=False)
-        assert all(r["generation_tokens"] > 0 for r in two.get_stats()["replicas"]), "both replicas should serve"
+        assert all(r["generation_tokens"] > 0 for r in two.get_stats()["replicas"]), (
+            "both replicas should serve"
+        )
     finally:
         two.exit()
     assert not multiprocessing.active_children()

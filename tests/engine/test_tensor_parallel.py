@@ -1,6 +1,7 @@
 """Tensor parallelism on 2 CPU ranks (gloo): same greedy tokens as one rank and as transformers,
 and the fault cases: a worker killed mid-generate or at start, clean exit, engines that do not
 collide, and bad parallel sizes rejected before any process starts."""
+
 import multiprocessing
 import os
 import signal
@@ -11,8 +12,8 @@ import time
 
 import pytest
 import torch
-
 from hf_reference import BLOCK_SIZE, assert_greedy_match, mixed_prompts
+
 from nanovllm import LLM, SamplingParams
 
 MAX_TOKENS = 16
@@ -20,7 +21,10 @@ MAX_TOKENS = 16
 
 def make_llm(path: str, tp: int, **kwargs) -> LLM:
     # CPU ranks over gloo on every machine; NCCL on GPUs is covered by tests/gpu/test_gpu.py
-    kwargs = dict(device="cpu", kvcache_block_size=BLOCK_SIZE, num_kvcache_blocks=256, max_model_len=256) | kwargs
+    kwargs = (
+        dict(device="cpu", kvcache_block_size=BLOCK_SIZE, num_kvcache_blocks=256, max_model_len=256)
+        | kwargs
+    )
     return LLM(path, tensor_parallel_size=tp, **kwargs)
 
 
@@ -30,7 +34,9 @@ def shm_entries() -> set[str]:
 
 def check_against_reference(outputs, prompts, path, hf_ref, what):
     for i, (out, prompt) in enumerate(zip(outputs, prompts)):
-        assert_greedy_match(out["token_ids"], hf_ref.greedy(path, prompt, MAX_TOKENS), f"{what}, prompt {i}")
+        assert_greedy_match(
+            out["token_ids"], hf_ref.greedy(path, prompt, MAX_TOKENS), f"{what}, prompt {i}"
+        )
 
 
 @pytest.mark.parametrize("ckpt_name", ["ckpt_tied", "ckpt_untied"])
@@ -52,7 +58,9 @@ def test_tp2_matches_tp1_and_transformers(ckpt_name, request, hf_ref):
         with make_llm(path, tp) as llm:
             first = llm.generate(prompts, params, use_tqdm=False)
             again = llm.generate(prompts, params, use_tqdm=False)
-        assert [o["num_cached_tokens"] for o in again] == [BLOCK_SIZE * ((len(p) - 1) // BLOCK_SIZE) for p in prompts]
+        assert [o["num_cached_tokens"] for o in again] == [
+            BLOCK_SIZE * ((len(p) - 1) // BLOCK_SIZE) for p in prompts
+        ]
         check_against_reference(first, prompts, path, hf_ref, f"tp={tp}")
         check_against_reference(again, prompts, path, hf_ref, f"tp={tp}, prefix cached")
         results[tp] = [[o["token_ids"] for o in outs] for outs in (tight, first, again)]
@@ -68,7 +76,11 @@ def test_worker_killed_mid_generate(ckpt_tied):
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=r"worker rank 1 \(pid \d+\) exited with code -9"):
         for _ in range(1000):
-            llm.generate(prompts, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True), use_tqdm=False)
+            llm.generate(
+                prompts,
+                SamplingParams(temperature=0, max_tokens=200, ignore_eos=True),
+                use_tqdm=False,
+            )
     assert time.monotonic() - start < 30
     with pytest.raises(RuntimeError, match="the engine has stopped"):
         llm.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False)
@@ -85,11 +97,15 @@ def test_worker_killed_while_waiting_for_a_step(ckpt_tied):
     time.sleep(0.5)  # the idle worker waits on its event
     os.kill(worker.pid, signal.SIGKILL)
     worker.join()
-    signal_it = threading.Thread(target=llm.core.executor.channel.write, args=("exit",), daemon=True)
+    signal_it = threading.Thread(
+        target=llm.core.executor.channel.write, args=("exit",), daemon=True
+    )
     signal_it.start()
     signal_it.join(10)
     assert not signal_it.is_alive(), "signalling the dead worker blocked"
-    with pytest.raises(RuntimeError, match=r"worker rank 1 \(pid \d+\) exited with code -9; the engine has stopped"):
+    with pytest.raises(
+        RuntimeError, match=r"worker rank 1 \(pid \d+\) exited with code -9; the engine has stopped"
+    ):
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
     llm.exit()
     assert not multiprocessing.active_children()
@@ -119,7 +135,14 @@ def test_worker_dies_while_starting(ckpt_tied):
     assert shm_entries() <= before
     # the process is still fit to start an engine
     with make_llm(ckpt_tied.path, 2) as llm:
-        assert len(llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0]["token_ids"]) == 3
+        assert (
+            len(
+                llm.generate(
+                    [[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False
+                )[0]["token_ids"]
+            )
+            == 3
+        )
 
 
 def test_exit_releases_everything_and_engines_follow_each_other(ckpt_tied):
@@ -162,7 +185,12 @@ def test_two_processes_at_once_and_interpreter_exit(ckpt_tied, tmp_path):
     script = tmp_path / "engine.py"
     script.write_text(SCRIPT)
     procs = [
-        subprocess.Popen([sys.executable, str(script), ckpt_tied.path], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, str(script), ckpt_tied.path],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for _ in range(2)
     ]
     results = [p.communicate(timeout=120) for p in procs]
@@ -184,7 +212,9 @@ def test_control_message_too_large_is_a_clear_error(ckpt_tied):
 
 @pytest.mark.parametrize("tp,name", [(3, "num_attention_heads"), (8, "num_attention_heads")])
 def test_bad_tensor_parallel_size_rejected_before_start(ckpt_tied, tp, name):
-    with pytest.raises(ValueError, match=f"tensor_parallel_size={tp} must divide the model's {name}"):
+    with pytest.raises(
+        ValueError, match=f"tensor_parallel_size={tp} must divide the model's {name}"
+    ):
         make_llm(ckpt_tied.path, tp)
     assert not multiprocessing.active_children()
 
@@ -215,11 +245,26 @@ def test_sampling_controls_match_one_rank(ckpt_tied):
     prompts = mixed_prompts()[6:14]
     params = [
         SamplingParams(temperature=0.8, top_k=12, top_p=0.9, seed=1, max_tokens=12, logprobs=3),
-        SamplingParams(temperature=0, repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.3, max_tokens=12),
-        SamplingParams(temperature=1.0, min_p=0.05, seed=2, max_tokens=12, min_tokens=4, stop_token_ids=[7, 9, 11]),
+        SamplingParams(
+            temperature=0,
+            repetition_penalty=1.3,
+            presence_penalty=0.4,
+            frequency_penalty=0.3,
+            max_tokens=12,
+        ),
+        SamplingParams(
+            temperature=1.0,
+            min_p=0.05,
+            seed=2,
+            max_tokens=12,
+            min_tokens=4,
+            stop_token_ids=[7, 9, 11],
+        ),
         SamplingParams(temperature=0.7, seed=3, n=3, max_tokens=10, logprobs=0),
         SamplingParams(temperature=0.9, top_p=0.8, seed=4, max_tokens=12, stop=["a", "e"]),
-        SamplingParams(temperature=0.6, top_k=20, top_p=0.95, seed=5, max_tokens=12, frequency_penalty=0.5),
+        SamplingParams(
+            temperature=0.6, top_k=20, top_p=0.95, seed=5, max_tokens=12, frequency_penalty=0.5
+        ),
         SamplingParams(temperature=0, max_tokens=12, logprobs=2),
         SamplingParams(temperature=1.2, seed=6, max_tokens=12),
     ]
@@ -237,15 +282,17 @@ def test_sampling_controls_match_one_rank(ckpt_tied):
                     assert x.keys() == y.keys()
                     assert all(abs(x[t] - y[t]) < 1e-4 for t in x), (i, x, y)
     stopped = [o["stop_reason"] for o in results[1]]
-    assert {type(r) for r in stopped} >= {int, str}, f"the batch should end on a stop id and a stop string: {stopped}"
+    assert {type(r) for r in stopped} >= {int, str}, (
+        f"the batch should end on a stop id and a stop string: {stopped}"
+    )
 
 
 def test_leaving_an_aborted_group_drops_the_one_shot_all_reduce():
     """After a rank died, ``abort_nccl`` has ended the default group before rank 0 leaves it; the
     one-shot all-reduce must go all the same, or the process's next engine would capture it into its
     decode graphs (``distributed.all_reduce``) while its new workers sum through NCCL."""
-    from nanovllm.runner.executor import _free_port
     from nanovllm.parallel import distributed
+    from nanovllm.runner.executor import _free_port
 
     try:
         distributed.init_process_group(torch.device("cpu"), 0, 1, _free_port())
@@ -254,7 +301,9 @@ def test_leaving_an_aborted_group_drops_the_one_shot_all_reduce():
         assert not torch.distributed.is_initialized()
         distributed.leave_group()
         assert distributed._custom_all_reduce is None
-        distributed.init_process_group(torch.device("cpu"), 0, 1, _free_port())  # a next group starts
+        distributed.init_process_group(
+            torch.device("cpu"), 0, 1, _free_port()
+        )  # a next group starts
         distributed.leave_group()
         assert not torch.distributed.is_initialized()
     finally:
@@ -269,22 +318,28 @@ def test_symmetric_memory_is_seen(monkeypatch):
     from nanovllm.parallel import distributed
 
     assert distributed.has_symmetric_memory()
-    monkeypatch.setitem(sys.modules, "torch.distributed._symmetric_memory", None)  # its import now fails
+    monkeypatch.setitem(
+        sys.modules, "torch.distributed._symmetric_memory", None
+    )  # its import now fails
     assert not distributed.has_symmetric_memory()
 
 
 def test_without_symmetric_memory_the_ranks_agree_on_nccl(monkeypatch):
     """``enable_custom_all_reduce`` on a group (one gloo rank here; the GPUs' peer check stubbed):
     without symmetric memory it sets nothing up, returns False and warns why."""
-    from nanovllm.runner.executor import _free_port
     from nanovllm.parallel import distributed
+    from nanovllm.runner.executor import _free_port
 
     monkeypatch.setattr(distributed, "_reaches_peers", lambda device, world: True)
     monkeypatch.setattr(distributed, "has_symmetric_memory", lambda: False)
     try:
         distributed.init_process_group(torch.device("cpu"), 0, 1, _free_port())
-        with pytest.warns(UserWarning, match=r"torch .* has no symmetric memory\); NCCL sums everything"):
-            assert distributed.enable_custom_all_reduce(torch.device("cpu"), torch.bfloat16) is False
+        with pytest.warns(
+            UserWarning, match=r"torch .* has no symmetric memory\); NCCL sums everything"
+        ):
+            assert (
+                distributed.enable_custom_all_reduce(torch.device("cpu"), torch.bfloat16) is False
+            )
         assert distributed._custom_all_reduce is None and not distributed._set_up_before
     finally:
         distributed.leave_group()

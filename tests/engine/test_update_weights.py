@@ -4,25 +4,42 @@ loaded from that checkpoint, for Qwen3 (tied and untied), Qwen3-MoE and Llama, o
 (gloo), and through two data-parallel replicas; the prefix cache filled before the update serves
 nothing after it. Tensors in bfloat16, from a generator, from a transformers model's
 ``state_dict()``, or a subset; bad ones change nothing; an engine with requests queued refuses."""
+
 import os
 import re
 
 import pytest
 import torch
 import transformers
+from hf_reference import VOCAB_SIZE, random_prompts
 from safetensors.torch import load_file
 
-from hf_reference import VOCAB_SIZE, random_prompts
 from nanovllm import LLM, SamplingParams
 from nanovllm.utils.checkpoint import make_random_checkpoint
 
-TINY = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=32, num_hidden_layers=2, max_position_embeddings=512, bos_token_id=0, eos_token_id=VOCAB_SIZE + 1)
+TINY = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=96,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    num_hidden_layers=2,
+    max_position_embeddings=512,
+    bos_token_id=0,
+    eos_token_id=VOCAB_SIZE + 1,
+)
 FAMILIES = {
     "qwen3_tied": dict(shape="tiny", tie_word_embeddings=True),
     "qwen3_untied": dict(shape="tiny", tie_word_embeddings=False),
-    "qwen3_moe": dict(shape="qwen3-30b-a3b", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                      mlp_only_layers=[1], tie_word_embeddings=False),  # layer 0 sparse, layer 1 dense
+    "qwen3_moe": dict(
+        shape="qwen3-30b-a3b",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        mlp_only_layers=[1],
+        tie_word_embeddings=False,
+    ),  # layer 0 sparse, layer 1 dense
     "llama": dict(shape="llama3.2-1b", tie_word_embeddings=True),
 }
 CPU = dict(device="cpu", kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=256)
@@ -36,8 +53,14 @@ EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 def build(root, family: str, seed: int) -> str:
     variant = dict(FAMILIES[family])
-    return make_random_checkpoint(str(root / f"{family}-{seed}"), variant.pop("shape"), dtype=torch.float32,
-                                  seed=seed, std=0.3, **(TINY | variant))
+    return make_random_checkpoint(
+        str(root / f"{family}-{seed}"),
+        variant.pop("shape"),
+        dtype=torch.float32,
+        seed=seed,
+        std=0.3,
+        **(TINY | variant),
+    )
 
 
 def tensors(path: str) -> dict[str, torch.Tensor]:
@@ -67,8 +90,14 @@ def as_params(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             out[target] = torch.cat([p["gate"], p["up"]])
         else:
             experts = range(1 + max(e for e, _ in p))
-            out[target] = torch.stack([p[e, "down"] if target.endswith("down_proj") else
-                                       torch.cat([p[e, "gate"], p[e, "up"]]) for e in experts])
+            out[target] = torch.stack(
+                [
+                    p[e, "down"]
+                    if target.endswith("down_proj")
+                    else torch.cat([p[e, "gate"], p[e, "up"]])
+                    for e in experts
+                ]
+            )
     return out
 
 
@@ -161,7 +190,9 @@ def test_bfloat16_tensors_land_as_their_values(family):
 def test_a_subset_updates_only_those_tensors(family):
     """Only layer 0's MLP (Qwen3-MoE: its router and experts): those parameters take B's values,
     every other keeps A's."""
-    subset = {name: t for name, t in tensors(family.b).items() if name.startswith("model.layers.0.mlp.")}
+    subset = {
+        name: t for name, t in tensors(family.b).items() if name.startswith("model.layers.0.mlp.")
+    }
     assert len(subset) == (1 + 3 * 4 if family.name == "qwen3_moe" else 3)
     family.llm_a.update_weights(subset.items())
     assert_params(family.llm_a, as_params(tensors(family.a) | subset))
@@ -183,16 +214,32 @@ def test_tp2_update_gives_the_second_checkpoints_tokens(family, tp2):
 
 
 BAD = {
-    "unknown name": ([("model.layers.0.mlp.gate.weight2", torch.zeros(4, 64))], ValueError,
-                     r"'model\.layers\.0\.mlp\.gate\.weight2'.* no matching model parameter"),
-    "wrong shape": ([("model.layers.1.self_attn.o_proj.weight", torch.zeros(64, 64))], ValueError,
-                    r"'model\.layers\.1\.self_attn\.o_proj\.weight'.*shape \(64, 64\).*"
-                    r"config\.json implies \(64, 128\)"),
-    "not a tensor": ([("model.norm.weight", [1.0] * 64)], TypeError,
-                     r"'model\.norm\.weight' must be a torch\.Tensor, got list"),
-    "integer tensor": ([("model.norm.weight", torch.ones(64, dtype=torch.int64))], TypeError,
-                       r"'model\.norm\.weight' must be a floating-point tensor, got torch\.int64"),
-    "not a pair": ([("model.norm.weight",)], TypeError, r"weights\[1\] must be a \(name, tensor\) pair"),
+    "unknown name": (
+        [("model.layers.0.mlp.gate.weight2", torch.zeros(4, 64))],
+        ValueError,
+        r"'model\.layers\.0\.mlp\.gate\.weight2'.* no matching model parameter",
+    ),
+    "wrong shape": (
+        [("model.layers.1.self_attn.o_proj.weight", torch.zeros(64, 64))],
+        ValueError,
+        r"'model\.layers\.1\.self_attn\.o_proj\.weight'.*shape \(64, 64\).*"
+        r"config\.json implies \(64, 128\)",
+    ),
+    "not a tensor": (
+        [("model.norm.weight", [1.0] * 64)],
+        TypeError,
+        r"'model\.norm\.weight' must be a torch\.Tensor, got list",
+    ),
+    "integer tensor": (
+        [("model.norm.weight", torch.ones(64, dtype=torch.int64))],
+        TypeError,
+        r"'model\.norm\.weight' must be a floating-point tensor, got torch\.int64",
+    ),
+    "not a pair": (
+        [("model.norm.weight",)],
+        TypeError,
+        r"weights\[1\] must be a \(name, tensor\) pair",
+    ),
 }
 
 
@@ -212,10 +259,16 @@ def test_refused_while_a_request_is_queued_or_running(family, tp2):
     """A RuntimeError that leaves the request to finish as it would have; then the update goes."""
     for llm in (family.llm_a, tp2):
         request_id = llm.add_request(PROMPTS[0], GREEDY)
-        with pytest.raises(RuntimeError, match=r"needs an idle engine, but sequences are queued \(running 0, waiting 1"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"needs an idle engine, but sequences are queued \(running 0, waiting 1",
+        ):
             llm.update_weights(tensors(family.b))
         llm.step()
-        with pytest.raises(RuntimeError, match=r"needs an idle engine, but sequences are queued \(running 1, waiting 0"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"needs an idle engine, but sequences are queued \(running 1, waiting 0",
+        ):
             llm.update_weights(tensors(family.b))
         finished = {}
         while not llm.is_finished():

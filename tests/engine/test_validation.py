@@ -1,11 +1,12 @@
 """Bad input raises the right exception with a message naming the field or the prompt, and a
 failed ``generate`` queues nothing: the engine goes on serving correct (transformers-checked) output."""
+
 import math
 
 import pytest
 import torch
-
 from hf_reference import BLOCK_SIZE, VOCAB_SIZE, assert_greedy_match, random_prompts
+
 from nanovllm import LLM, SamplingParams
 from nanovllm.config import Config
 
@@ -15,7 +16,12 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6)
 
 @pytest.fixture(scope="module")
 def llm(ckpt_tied):
-    engine = LLM(ckpt_tied.path, kvcache_block_size=BLOCK_SIZE, num_kvcache_blocks=64, max_model_len=MAX_MODEL_LEN)
+    engine = LLM(
+        ckpt_tied.path,
+        kvcache_block_size=BLOCK_SIZE,
+        num_kvcache_blocks=64,
+        max_model_len=MAX_MODEL_LEN,
+    )
     yield engine
     engine.exit()
 
@@ -26,7 +32,9 @@ def assert_serves_correctly(llm, path, hf_ref, seed=7):
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     for i, (out, prompt) in enumerate(zip(outputs, prompts)):
         assert out["prompt_token_ids"] == prompt
-        assert_greedy_match(out["token_ids"], hf_ref.greedy(path, prompt, GREEDY.max_tokens), f"prompts[{i}]")
+        assert_greedy_match(
+            out["token_ids"], hf_ref.greedy(path, prompt, GREEDY.max_tokens), f"prompts[{i}]"
+        )
     assert llm.is_finished()
 
 
@@ -76,7 +84,9 @@ def test_invalid_config_value(ckpt_tied, field, value, exc):
     assert field in message and str(value) in message, message
 
 
-@pytest.mark.parametrize("field, value", [("device", "tpu"), ("dtype", "int8"), ("attention_backend", "foo")])
+@pytest.mark.parametrize(
+    "field, value", [("device", "tpu"), ("dtype", "int8"), ("attention_backend", "foo")]
+)
 def test_invalid_choice_lists_accepted_values(ckpt_tied, field, value):
     with pytest.raises(ValueError) as e:
         Config(ckpt_tied.path, **{field: value})
@@ -153,26 +163,48 @@ GOOD = random_prompts(3, [5, 17, 30, 9])
 def bad_batches():
     """(prompts, sampling_params, exception, bad index, words the message must contain)."""
     return [
-        pytest.param([GOOD[0], GOOD[1], []], GREEDY, ValueError, 2, ["empty"], id="empty-token-list"),
+        pytest.param(
+            [GOOD[0], GOOD[1], []], GREEDY, ValueError, 2, ["empty"], id="empty-token-list"
+        ),
         pytest.param([GOOD[0], ""], GREEDY, ValueError, 1, ["empty"], id="empty-string"),
         pytest.param(
-            [GOOD[0], [1] * MAX_MODEL_LEN, GOOD[1]], GREEDY, ValueError, 1, [str(MAX_MODEL_LEN)], id="too-long"
+            [GOOD[0], [1] * MAX_MODEL_LEN, GOOD[1]],
+            GREEDY,
+            ValueError,
+            1,
+            [str(MAX_MODEL_LEN)],
+            id="too-long",
         ),
         pytest.param(
-            [GOOD[0], GOOD[1], GOOD[2], [5] * (MAX_MODEL_LEN + 7)], GREEDY, ValueError, 3, ["max_model_len"],
+            [GOOD[0], GOOD[1], GOOD[2], [5] * (MAX_MODEL_LEN + 7)],
+            GREEDY,
+            ValueError,
+            3,
+            ["max_model_len"],
             id="longer-than-max-model-len",
         ),
         pytest.param([[3, -1, 4], GOOD[0]], GREEDY, ValueError, 0, ["-1"], id="negative-token"),
         pytest.param(
-            [GOOD[0], GOOD[1], GOOD[2], [7, VOCAB_SIZE]], GREEDY, ValueError, 3, [str(VOCAB_SIZE)], id="token-too-large"
+            [GOOD[0], GOOD[1], GOOD[2], [7, VOCAB_SIZE]],
+            GREEDY,
+            ValueError,
+            3,
+            [str(VOCAB_SIZE)],
+            id="token-too-large",
         ),
         pytest.param([GOOD[0], [1, 2.0, 3]], GREEDY, TypeError, 1, ["2.0"], id="float-token"),
         pytest.param([GOOD[0], [1, "7"]], GREEDY, TypeError, 1, ["'7'"], id="str-token"),
-        pytest.param([GOOD[0], GOOD[1], [True, 2]], GREEDY, TypeError, 2, ["True"], id="bool-token"),
+        pytest.param(
+            [GOOD[0], GOOD[1], [True, 2]], GREEDY, TypeError, 2, ["True"], id="bool-token"
+        ),
         # the bundled tokenizer knows ~150k tokens; this tiny model only 512
-        pytest.param([GOOD[0], "Hello, Nano-vLLM. Zebra"], GREEDY, ValueError, 1, [], id="text-outside-vocab"),
+        pytest.param(
+            [GOOD[0], "Hello, Nano-vLLM. Zebra"], GREEDY, ValueError, 1, [], id="text-outside-vocab"
+        ),
         pytest.param([GOOD[0], None], GREEDY, TypeError, 1, [], id="none-prompt"),
-        pytest.param(GOOD[:2], [GREEDY, "greedy"], TypeError, 1, ["SamplingParams"], id="bad-params-entry"),
+        pytest.param(
+            GOOD[:2], [GREEDY, "greedy"], TypeError, 1, ["SamplingParams"], id="bad-params-entry"
+        ),
     ]
 
 
@@ -197,18 +229,27 @@ def test_sampling_params_list_of_wrong_length(llm, ckpt_tied, hf_ref):
 
 
 def test_request_larger_than_kv_cache(ckpt_tied, hf_ref):
-    with LLM(ckpt_tied.path, kvcache_block_size=BLOCK_SIZE, num_kvcache_blocks=4, max_model_len=MAX_MODEL_LEN) as llm:
+    with LLM(
+        ckpt_tied.path,
+        kvcache_block_size=BLOCK_SIZE,
+        num_kvcache_blocks=4,
+        max_model_len=MAX_MODEL_LEN,
+    ) as llm:
         # 60 prompt tokens fit in 4 blocks of 16, but 60 + 10 completion tokens need 5
         batch = [GOOD[0], random_prompts(4, [60])[0]]
         with pytest.raises(ValueError) as e:
             llm.generate(batch, SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)
         message = str(e.value)
-        assert "prompts[1]" in message and "cache" in message and "5" in message and "4" in message, message
+        assert (
+            "prompts[1]" in message and "cache" in message and "5" in message and "4" in message
+        ), message
         assert_nothing_queued(llm)
         # the same prompt with a completion that fits is served (4 blocks = 64 tokens)
         outputs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
         for i, (out, prompt) in enumerate(zip(outputs, batch)):
-            assert_greedy_match(out["token_ids"], hf_ref.greedy(ckpt_tied.path, prompt, 4), f"prompts[{i}]")
+            assert_greedy_match(
+                out["token_ids"], hf_ref.greedy(ckpt_tied.path, prompt, 4), f"prompts[{i}]"
+            )
 
 
 def run_to_completion(llm) -> dict[int, list[int]]:
@@ -230,8 +271,12 @@ def test_add_request_survives_failed_generate(llm, ckpt_tied, hf_ref):
     assert [seq.seq_id for seq in llm.core.scheduler.waiting] == [first_id, second_id]
     finished = run_to_completion(llm)
     assert set(finished) == {first_id, second_id}
-    assert_greedy_match(finished[first_id], hf_ref.greedy(ckpt_tied.path, first, 6), "first request")
-    assert_greedy_match(finished[second_id], hf_ref.greedy(ckpt_tied.path, second, 9), "second request")
+    assert_greedy_match(
+        finished[first_id], hf_ref.greedy(ckpt_tied.path, first, 6), "first request"
+    )
+    assert_greedy_match(
+        finished[second_id], hf_ref.greedy(ckpt_tied.path, second, 9), "second request"
+    )
     assert_serves_correctly(llm, ckpt_tied.path, hf_ref)
 
 
@@ -242,20 +287,34 @@ def test_add_request_finished_during_generate_is_reported_by_step(llm, ckpt_tied
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)  # returns only its own requests
     assert [o["prompt_token_ids"] for o in outputs] == prompts
     for i, (out, prompt) in enumerate(zip(outputs, prompts)):
-        assert_greedy_match(out["token_ids"], hf_ref.greedy(ckpt_tied.path, prompt, 6), f"prompts[{i}]")
+        assert_greedy_match(
+            out["token_ids"], hf_ref.greedy(ckpt_tied.path, prompt, 6), f"prompts[{i}]"
+        )
     finished = run_to_completion(llm)
     assert list(finished) == [queued_id]
-    assert_greedy_match(finished[queued_id], hf_ref.greedy(ckpt_tied.path, queued, 30), "queued request")
+    assert_greedy_match(
+        finished[queued_id], hf_ref.greedy(ckpt_tied.path, queued, 30), "queued request"
+    )
 
 
 def test_with_statement_and_idempotent_exit(ckpt_tied, hf_ref):
-    with LLM(ckpt_tied.path, kvcache_block_size=BLOCK_SIZE, num_kvcache_blocks=16, max_model_len=MAX_MODEL_LEN) as llm:
+    with LLM(
+        ckpt_tied.path,
+        kvcache_block_size=BLOCK_SIZE,
+        num_kvcache_blocks=16,
+        max_model_len=MAX_MODEL_LEN,
+    ) as llm:
         assert isinstance(llm, LLM)
         assert_serves_correctly(llm, ckpt_tied.path, hf_ref, seed=21)
     llm.exit()  # already exited by the with-statement: a no-op
     llm.exit()
 
-    other = LLM(ckpt_tied.path, kvcache_block_size=BLOCK_SIZE, num_kvcache_blocks=16, max_model_len=MAX_MODEL_LEN)
+    other = LLM(
+        ckpt_tied.path,
+        kvcache_block_size=BLOCK_SIZE,
+        num_kvcache_blocks=16,
+        max_model_len=MAX_MODEL_LEN,
+    )
     other.exit()
     other.exit()
 

@@ -4,6 +4,7 @@
 
 ``python tests/golden/cases.py`` rewrites the file; the test compares every run with it.
 """
+
 import json
 import os
 import sys
@@ -17,9 +18,13 @@ from hf_reference import BLOCK_SIZE, build_checkpoint, mixed_prompts  # noqa: E4
 
 CHECKPOINTS = {
     "tied": dict(seed=1, rope_theta=12345.0, rope_style="top-level", tie_word_embeddings=True),
-    "untied": dict(seed=2, rope_theta=5432.1, rope_style="rope_parameters", tie_word_embeddings=False),
+    "untied": dict(
+        seed=2, rope_theta=5432.1, rope_style="rope_parameters", tie_word_embeddings=False
+    ),
 }
-BASE_CONFIG = dict(device="cpu", kvcache_block_size=BLOCK_SIZE, num_kvcache_blocks=256, max_model_len=256)
+BASE_CONFIG = dict(
+    device="cpu", kvcache_block_size=BLOCK_SIZE, num_kvcache_blocks=256, max_model_len=256
+)
 CONFIGS = {
     "roomy": {},
     "chunked_preempted": dict(max_num_batched_tokens=64, num_kvcache_blocks=14),
@@ -31,12 +36,27 @@ STOP_PROMPTS = [3, 9, 10]
 
 def summary(out: dict) -> dict:
     """What a run must reproduce exactly (logprobs rounded: float32 on the CPU)."""
+
     def completion(c):
-        logprobs = None if c["logprobs"] is None else [
-            sorted((int(t), round(v, 4)) for t, v in entry.items()) for entry in c["logprobs"]]
-        return {"text": c["text"], "token_ids": c["token_ids"], "finish_reason": c["finish_reason"],
-                "stop_reason": c["stop_reason"], "logprobs": logprobs}
-    return {"num_cached_tokens": out["num_cached_tokens"], "outputs": [completion(c) for c in out["outputs"]]}
+        logprobs = (
+            None
+            if c["logprobs"] is None
+            else [
+                sorted((int(t), round(v, 4)) for t, v in entry.items()) for entry in c["logprobs"]
+            ]
+        )
+        return {
+            "text": c["text"],
+            "token_ids": c["token_ids"],
+            "finish_reason": c["finish_reason"],
+            "stop_reason": c["stop_reason"],
+            "logprobs": logprobs,
+        }
+
+    return {
+        "num_cached_tokens": out["num_cached_tokens"],
+        "outputs": [completion(c) for c in out["outputs"]],
+    }
 
 
 def run_checkpoint(path: str, tp: int, stops: dict | None = None) -> dict:
@@ -53,15 +73,26 @@ def run_checkpoint(path: str, tp: int, stops: dict | None = None) -> dict:
             results[name] = [summary(o) for o in first]
             if name != "roomy":
                 continue
-            results["prefix_hits"] = [summary(o) for o in llm.generate(prompts, greedy, use_tqdm=False)]
+            results["prefix_hits"] = [
+                summary(o) for o in llm.generate(prompts, greedy, use_tqdm=False)
+            ]
             if stops is None:
                 stops = {i: first[i]["text"][4:7] for i in STOP_PROMPTS}
-            stop_params = [SamplingParams(temperature=0, max_tokens=16, stop=[stops[i]],
-                                          include_stop_str_in_output=bool(k % 2)) for k, i in enumerate(stops)]
+            stop_params = [
+                SamplingParams(
+                    temperature=0,
+                    max_tokens=16,
+                    stop=[stops[i]],
+                    include_stop_str_in_output=bool(k % 2),
+                )
+                for k, i in enumerate(stops)
+            ]
             outs = llm.generate([prompts[i] for i in stops], stop_params, use_tqdm=False)
             results["stop_strings"] = [summary(o) for o in outs]
-            n_params = [SamplingParams(temperature=0, n=2, max_tokens=10, logprobs=2),
-                        SamplingParams(temperature=0.8, seed=7, n=3, max_tokens=10)]
+            n_params = [
+                SamplingParams(temperature=0, n=2, max_tokens=10, logprobs=2),
+                SamplingParams(temperature=0.8, seed=7, n=3, max_tokens=10),
+            ]
             outs = llm.generate([prompts[8], prompts[10]], n_params, use_tqdm=False)
             results["n_greedy_logprobs_and_seeded"] = [summary(o) for o in outs]
     return {"stops": {str(i): s for i, s in stops.items()}, "results": results}

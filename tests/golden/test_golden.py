@@ -4,6 +4,7 @@ two tensor-parallel ranks. The file was written by ``cases.py`` before the engin
 re-structured into a front end, an engine core and workers, so it pins every behaviour across it.
 The seeded completions were recorded again when the CPU's plain temperature draw became the
 inverse-CDF draw (``sampling.torch_ops.cdf_draw``); every greedy output is the original."""
+
 import json
 
 import pytest
@@ -33,7 +34,9 @@ def assert_same(got: dict, want: dict, what: str) -> None:
                     continue
                 for got_entry, want_entry in zip(gc["logprobs"], wc["logprobs"], strict=True):
                     assert [t for t, _ in got_entry] == [t for t, _ in want_entry], where
-                    assert [v for _, v in got_entry] == pytest.approx([v for _, v in want_entry], abs=LOGPROB_TOLERANCE)
+                    assert [v for _, v in got_entry] == pytest.approx(
+                        [v for _, v in want_entry], abs=LOGPROB_TOLERANCE
+                    )
 
 
 # the untied checkpoint over two ranks is checked against transformers by

@@ -1,6 +1,7 @@
 """End-to-end checks on a CUDA GPU (skipped without one): every backend, with CUDA graphs on and
 off, agrees with the torch reference path under greedy decoding; memory stays within
 gpu_memory_utilization and is released by exit()."""
+
 import gc
 import importlib.util
 import random
@@ -37,9 +38,18 @@ def near_tie(logits: torch.Tensor) -> float:
 def model_dir(tmp_path_factory):
     # head_dim 128 (the only one the flash-attn build covers), real vocabulary, bf16
     return make_random_checkpoint(
-        str(tmp_path_factory.mktemp("gpu-qwen3")), "tiny", dtype=torch.bfloat16, seed=1, std=0.1,
-        hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
-        num_hidden_layers=3, vocab_size=4096,
+        str(tmp_path_factory.mktemp("gpu-qwen3")),
+        "tiny",
+        dtype=torch.bfloat16,
+        seed=1,
+        std=0.1,
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=128,
+        num_hidden_layers=3,
+        vocab_size=4096,
     )
 
 
@@ -47,7 +57,11 @@ def make_prompts() -> list[list[int]]:
     rng = random.Random(0)
     shared = [rng.randrange(4096) for _ in range(600)]
     prompts = [[rng.randrange(4096) for _ in range(n)] for n in (1, 7, 130, 255, 256, 257, 700)]
-    prompts += [shared[:300], shared[:520] + [5, 6, 7], shared]  # prefix-cache hits across 256-token blocks
+    prompts += [
+        shared[:300],
+        shared[:520] + [5, 6, 7],
+        shared,
+    ]  # prefix-cache hits across 256-token blocks
     return prompts
 
 
@@ -59,13 +73,21 @@ def run(model_dir, prompts, max_tokens=24, **kwargs) -> tuple[list[list[int]], l
         first = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
         again = llm.generate(prompts, params, use_tqdm=False)
         bs = llm.config.kvcache_block_size
-        assert [o["num_cached_tokens"] for o in again] == [bs * ((len(p) - 1) // bs) for p in prompts]
+        assert [o["num_cached_tokens"] for o in again] == [
+            bs * ((len(p) - 1) // bs) for p in prompts
+        ]
     return first, [o["token_ids"] for o in again]
 
 
 @pytest.fixture(scope="module")
 def reference(model_dir):
-    first, again = run(model_dir, make_prompts(), attention_backend="torch", enforce_eager=True, kvcache_block_size=256)
+    first, again = run(
+        model_dir,
+        make_prompts(),
+        attention_backend="torch",
+        enforce_eager=True,
+        kvcache_block_size=256,
+    )
     assert again == first
     return first
 
@@ -87,31 +109,70 @@ def assert_agree(hf_model, prompts, expected, got, tie=near_tie):
         with torch.no_grad():
             logits = hf_model(torch.tensor([prompt + exp[:j]], device="cuda")).logits[0, -1]
         gap, tol = (logits[exp[j]] - logits[out[j]]).abs().item(), tie(logits)
-        assert gap < tol, f"prompt of {len(prompt)} tokens diverges at {j} with logit gap {gap:.4f} (near tie < {tol:.4f})"
+        assert gap < tol, (
+            f"prompt of {len(prompt)} tokens diverges at {j} with logit gap {gap:.4f} (near tie < {tol:.4f})"
+        )
 
 
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
 @pytest.mark.parametrize(
     "backend,block_size",
-    [("triton", 16), ("triton", 256), pytest.param("flash-attn", 256, marks=pytest.mark.skipif(not HAS_FLASH_ATTN, reason="flash-attn not installed"))],
+    [
+        ("triton", 16),
+        ("triton", 256),
+        pytest.param(
+            "flash-attn",
+            256,
+            marks=pytest.mark.skipif(not HAS_FLASH_ATTN, reason="flash-attn not installed"),
+        ),
+    ],
 )
-def test_backend_matches_torch_reference(model_dir, reference, hf_model, backend, block_size, enforce_eager):
+def test_backend_matches_torch_reference(
+    model_dir, reference, hf_model, backend, block_size, enforce_eager
+):
     prompts = make_prompts()
-    got, again = run(model_dir, prompts, attention_backend=backend, kvcache_block_size=block_size, enforce_eager=enforce_eager)
+    got, again = run(
+        model_dir,
+        prompts,
+        attention_backend=backend,
+        kvcache_block_size=block_size,
+        enforce_eager=enforce_eager,
+    )
     assert_agree(hf_model, prompts, reference, got)
     assert_agree(hf_model, prompts, got, again)
 
 
-@pytest.mark.parametrize("backend", ["triton", pytest.param("flash-attn", marks=pytest.mark.skipif(not HAS_FLASH_ATTN, reason="flash-attn not installed"))])
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "triton",
+        pytest.param(
+            "flash-attn",
+            marks=pytest.mark.skipif(not HAS_FLASH_ATTN, reason="flash-attn not installed"),
+        ),
+    ],
+)
 def test_chunked_prefill_and_preemption(model_dir, reference, hf_model, backend):
     """A 300-token budget chunks the long prompts; 8 blocks force preemption in decode."""
     prompts = make_prompts()
-    with LLM(model_dir, max_model_len=1024, attention_backend=backend, kvcache_block_size=256,
-             max_num_batched_tokens=300, num_kvcache_blocks=8, **SMALL_BATCH) as llm:
+    with LLM(
+        model_dir,
+        max_model_len=1024,
+        attention_backend=backend,
+        kvcache_block_size=256,
+        max_num_batched_tokens=300,
+        num_kvcache_blocks=8,
+        **SMALL_BATCH,
+    ) as llm:
         preempted = []
         original = llm.core.scheduler.preempt
         llm.core.scheduler.preempt = lambda seq: (preempted.append(seq.seq_id), original(seq))
-        got = [o["token_ids"] for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)]
+        got = [
+            o["token_ids"]
+            for o in llm.generate(
+                prompts, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False
+            )
+        ]
     assert preempted, "the small cache should have forced a preemption"
     assert_agree(hf_model, prompts, reference, got)
 
@@ -119,7 +180,9 @@ def test_chunked_prefill_and_preemption(model_dir, reference, hf_model, backend)
 def test_odd_max_num_seqs_graphs(model_dir, reference, hf_model):
     """Decode graphs for a max_num_seqs that is not a multiple of 16: batches are padded."""
     prompts = make_prompts()
-    got, again = run(model_dir, prompts, attention_backend="triton", kvcache_block_size=256, max_num_seqs=5)
+    got, again = run(
+        model_dir, prompts, attention_backend="triton", kvcache_block_size=256, max_num_seqs=5
+    )
     assert_agree(hf_model, prompts, reference, got)
     assert_agree(hf_model, prompts, got, again)
 
@@ -145,26 +208,42 @@ def test_memory_within_utilization_and_released(model_dir):
     free2, _ = torch.cuda.mem_get_info()
     assert free2 >= free0 - (256 << 20)
     # a second engine in the same process works
-    with LLM(model_dir, max_model_len=2048, gpu_memory_utilization=util, kvcache_block_size=256) as llm2:
-        out = llm2.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    with LLM(
+        model_dir, max_model_len=2048, gpu_memory_utilization=util, kvcache_block_size=256
+    ) as llm2:
+        out = llm2.generate(
+            [[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False
+        )
         assert len(out[0]["token_ids"]) == 4
 
 
 # ---- sampling controls on the GPU --------------------------------------------------------------
 
 SAMPLING_PARAMS = [
-    SamplingParams(temperature=0, max_tokens=24, repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2),
+    SamplingParams(
+        temperature=0,
+        max_tokens=24,
+        repetition_penalty=1.3,
+        presence_penalty=0.4,
+        frequency_penalty=0.2,
+    ),
     SamplingParams(temperature=0.8, seed=11, max_tokens=24),
     SamplingParams(temperature=0.7, top_k=20, seed=12, max_tokens=24),
     SamplingParams(temperature=0, max_tokens=24, logprobs=3),
 ]
 
 
-def penalised(logits: torch.Tensor, prompt: list[int], output: list[int], sp: SamplingParams) -> torch.Tensor:
+def penalised(
+    logits: torch.Tensor, prompt: list[int], output: list[int], sp: SamplingParams
+) -> torch.Tensor:
     """The penalties written out plainly, for the near-tie check."""
     logits = logits.clone()
     for t in set(prompt) | set(output):
-        logits[t] = logits[t] / sp.repetition_penalty if logits[t] > 0 else logits[t] * sp.repetition_penalty
+        logits[t] = (
+            logits[t] / sp.repetition_penalty
+            if logits[t] > 0
+            else logits[t] * sp.repetition_penalty
+        )
     for t in set(output):
         logits[t] -= sp.frequency_penalty * output.count(t) + sp.presence_penalty
     return logits
@@ -190,13 +269,18 @@ def assert_sampled_agree(hf_model, prompts, params, expected, got):
             gap, tol = (logits[a] - logits[b]).abs().item(), near_tie(logits)
         else:
             ids = torch.arange(logits.numel(), device="cuda")
-            scores = logits / sp.temperature + gumbel(torch.tensor([draw_seed(sp.seed, j)], device="cuda"), ids)[0]
+            scores = (
+                logits / sp.temperature
+                + gumbel(torch.tensor([draw_seed(sp.seed, j)], device="cuda"), ids)[0]
+            )
             gap, tol = (scores[a] - scores[b]).abs().item(), near_tie(logits) / sp.temperature
             if sp.top_k and gap >= tol:
                 kth = logits.topk(sp.top_k).values[-1]
                 gap = min((logits[a] - kth).abs().item(), (logits[b] - kth).abs().item())
                 tol = near_tie(logits)
-        assert gap < tol, f"prompt of {len(prompt)} tokens, {sp}: diverges at {j} with gap {gap:.4f}"
+        assert gap < tol, (
+            f"prompt of {len(prompt)} tokens, {sp}: diverges at {j} with gap {gap:.4f}"
+        )
 
 
 def run_sampled(model_dir, prompts, **kwargs) -> list[dict]:
@@ -207,24 +291,52 @@ def run_sampled(model_dir, prompts, **kwargs) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def sampled_reference(model_dir):
-    return run_sampled(model_dir, make_prompts(), attention_backend="torch", enforce_eager=True, kvcache_block_size=256)
+    return run_sampled(
+        model_dir,
+        make_prompts(),
+        attention_backend="torch",
+        enforce_eager=True,
+        kvcache_block_size=256,
+    )
 
 
 @pytest.mark.parametrize(
-    "backend", ["triton", pytest.param("flash-attn", marks=pytest.mark.skipif(not HAS_FLASH_ATTN, reason="flash-attn not installed"))]
+    "backend",
+    [
+        "triton",
+        pytest.param(
+            "flash-attn",
+            marks=pytest.mark.skipif(not HAS_FLASH_ATTN, reason="flash-attn not installed"),
+        ),
+    ],
 )
-def test_sampling_controls_with_graphs_match_torch_reference(model_dir, sampled_reference, hf_model, backend):
+def test_sampling_controls_with_graphs_match_torch_reference(
+    model_dir, sampled_reference, hf_model, backend
+):
     """Greedy with penalties, seeded plain and top-k draws and logprobs, with CUDA graphs, agree
     with the torch reference path (near-ties aside); logprobs agree with the fp32 model's."""
     prompts = make_prompts()
     params = [SAMPLING_PARAMS[i % len(SAMPLING_PARAMS)] for i in range(len(prompts))]
-    got = run_sampled(model_dir, prompts, attention_backend=backend, kvcache_block_size=256, enforce_eager=False)
-    assert_sampled_agree(hf_model, prompts, params, [o["token_ids"] for o in sampled_reference], [o["token_ids"] for o in got])
+    got = run_sampled(
+        model_dir, prompts, attention_backend=backend, kvcache_block_size=256, enforce_eager=False
+    )
+    assert_sampled_agree(
+        hf_model,
+        prompts,
+        params,
+        [o["token_ids"] for o in sampled_reference],
+        [o["token_ids"] for o in got],
+    )
     for prompt, sp, out in zip(prompts, params, got):
         if sp.logprobs is None:
             continue
         with torch.no_grad():
-            ref = torch.log_softmax(hf_model(torch.tensor([prompt + out["token_ids"]], device="cuda")).logits[0].float(), -1)
+            ref = torch.log_softmax(
+                hf_model(torch.tensor([prompt + out["token_ids"]], device="cuda"))
+                .logits[0]
+                .float(),
+                -1,
+            )
         for j, (token, entry) in enumerate(zip(out["token_ids"], out["logprobs"])):
             row = ref[len(prompt) - 1 + j]
             assert token in entry and len(entry) >= sp.logprobs
@@ -253,7 +365,14 @@ def test_fused_draw_matches_torch():
 
 
 @pytest.mark.parametrize(
-    "backend", ["triton", pytest.param("flash-attn", marks=pytest.mark.skipif(not HAS_FLASH_ATTN, reason="flash-attn not installed"))]
+    "backend",
+    [
+        "triton",
+        pytest.param(
+            "flash-attn",
+            marks=pytest.mark.skipif(not HAS_FLASH_ATTN, reason="flash-attn not installed"),
+        ),
+    ],
 )
 def test_async_scheduling_matches_serial(model_dir, backend):
     """With CUDA graphs, chunked prefill (512-token budget), preemption (8 blocks of 256) and prefix
@@ -261,15 +380,25 @@ def test_async_scheduling_matches_serial(model_dir, backend):
     Every request ends by length, so both paths schedule the same batches: no tolerance needed."""
     prompts = make_prompts()
     params = [
-        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2 if i % 3 == 0 else None)
-        if i % 2 else SamplingParams(temperature=0.8, top_k=50, seed=i, max_tokens=33, ignore_eos=True)
+        SamplingParams(
+            temperature=0, max_tokens=40, ignore_eos=True, logprobs=2 if i % 3 == 0 else None
+        )
+        if i % 2
+        else SamplingParams(temperature=0.8, top_k=50, seed=i, max_tokens=33, ignore_eos=True)
         for i in range(len(prompts))
     ]
     results = {}
     for async_scheduling in (False, True):
-        with LLM(model_dir, max_model_len=2048, attention_backend=backend, kvcache_block_size=256,
-                 num_kvcache_blocks=8, max_num_batched_tokens=512, async_scheduling=async_scheduling,
-                 **SMALL_BATCH) as llm:
+        with LLM(
+            model_dir,
+            max_model_len=2048,
+            attention_backend=backend,
+            kvcache_block_size=256,
+            num_kvcache_blocks=8,
+            max_num_batched_tokens=512,
+            async_scheduling=async_scheduling,
+            **SMALL_BATCH,
+        ) as llm:
             first = llm.generate(prompts, params, use_tqdm=False)
             again = llm.generate(prompts, params, use_tqdm=False)
             stats = llm.get_stats()

@@ -5,6 +5,7 @@ engine's greedy tokens and logprobs on short sequences (see SHORT); a GPU MoE la
 at decode and prefill sizes; ``quantization="fp8"`` on a bf16 checkpoint runs in bf16 with CUDA
 graphs and gives the tokens of the FP8 checkpoint written from it; a prefill of a new token count
 compiles no kernel; kernels launched as programmatic dependents give the bits of plain launches."""
+
 import statistics
 
 import pytest
@@ -19,8 +20,16 @@ from nanovllm.utils.checkpoint import make_random_checkpoint
 
 pytestmark = pytest.mark.gpu  # skipped without a CUDA GPU (tests/conftest.py)
 
-SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
-             num_hidden_layers=3, vocab_size=4096, tie_word_embeddings=False)
+SHAPE = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=128,
+    num_hidden_layers=3,
+    vocab_size=4096,
+    tie_word_embeddings=False,
+)
 MOE = dict(SHAPE, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128)
 PROMPTS = [[(7 * i + 3 * n) % 4096 for i in range(n)] for n in (300, 40, 9)]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, logprobs=0)
@@ -81,7 +90,9 @@ def test_gpu_cublas_gemm_equals_cpu(m):
     error = ((got.float().cpu() - expected).abs().max() / expected.abs().max()).item()
     print(f"m={m}: max |cuBLAS - CPU| / max |CPU| = {error:.1e}")
     assert got.shape == (m, 384) and got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.float().cpu(), expected, rtol=2**-7, atol=1e-3 * expected.abs().max().item())
+    torch.testing.assert_close(
+        got.float().cpu(), expected, rtol=2**-7, atol=1e-3 * expected.abs().max().item()
+    )
     assert torch.equal(fp8_triton.fp8_linear_triton(*args, bias, cublas=True), got + bias)
     assert torch.equal(fp8_triton.fp8_linear_triton(*args), got) == (m >= fp8_cublas.MIN_ROWS)
     graph = torch.cuda.CUDAGraph()
@@ -112,11 +123,15 @@ def test_gpu_fused_quantization_equals_cpu(m):
     g = torch.Generator().manual_seed(m)
     x, r = (torch.randn(m, 1024, generator=g).bfloat16() for _ in range(2))
     w = (1 + 0.1 * torch.randn(1024, generator=g)).bfloat16()
-    (rows, total), (want, want_total) = rms_norm_quantized(x.cuda(), r.cuda(), w.cuda(), 1e-6), rms_norm_quantized(
-        x, r, w, 1e-6)
+    (rows, total), (want, want_total) = (
+        rms_norm_quantized(x.cuda(), r.cuda(), w.cuda(), 1e-6),
+        rms_norm_quantized(x, r, w, 1e-6),
+    )
     assert torch.equal(total.cpu(), want_total)
     _same_rows(rows, want)
-    _same_rows(rms_norm_quantized(x.cuda(), None, w.cuda(), 1e-6), rms_norm_quantized(x, None, w, 1e-6))
+    _same_rows(
+        rms_norm_quantized(x.cuda(), None, w.cuda(), 1e-6), rms_norm_quantized(x, None, w, 1e-6)
+    )
     h = torch.randn(m, 2048, generator=g).bfloat16() * 4
     _same_rows(silu_and_mul_quantized(h.cuda()), silu_and_mul_quantized(h))
 
@@ -164,20 +179,37 @@ def test_gpu_fp8_engine_equals_cpu(tmp_path, family, monkeypatch):
     activations across e4m3 steps often enough that short sequences differ too (see above)."""
     monkeypatch.setattr(fp8_triton, "PRECISE", True)
     shape, config = ("tiny", SHAPE) if family == "qwen3" else ("qwen3-30b-a3b", MOE)
-    path = make_random_checkpoint(str(tmp_path / family), shape, dtype=torch.bfloat16, seed=1, std=0.1,
-                                  quantization="fp8", **config)
+    path = make_random_checkpoint(
+        str(tmp_path / family),
+        shape,
+        dtype=torch.bfloat16,
+        seed=1,
+        std=0.1,
+        quantization="fp8",
+        **config,
+    )
     top2 = SamplingParams(temperature=0, max_tokens=8, logprobs=2)
-    cpu_tokens, cpu_logprobs = run(path, top2, SHORT, device="cpu", kvcache_block_size=16, num_kvcache_blocks=256)
+    cpu_tokens, cpu_logprobs = run(
+        path, top2, SHORT, device="cpu", kvcache_block_size=16, num_kvcache_blocks=256
+    )
     gpu_tokens, gpu_logprobs = run(path, top2, SHORT, dtype="float32")  # CUDA graphs, the MoE too
     errors = []
     for cpu, gpu, cpu_lps, gpu_lps in zip(cpu_tokens, gpu_tokens, cpu_logprobs, gpu_logprobs):
         for token, other, expected, got in zip(cpu, gpu, cpu_lps, gpu_lps):
             if token != other:  # the GPU's token is the CPU's runner-up, as likely within TIE
-                assert other in expected and expected[token] - expected[other] < TIE, (token, other, expected)
+                assert other in expected and expected[token] - expected[other] < TIE, (
+                    token,
+                    other,
+                    expected,
+                )
                 break
-            errors += [abs(got[t] - lp) for t, lp in expected.items() if t in got]  # the runners-up may differ at a tie
+            errors += [
+                abs(got[t] - lp) for t, lp in expected.items() if t in got
+            ]  # the runners-up may differ at a tie
     assert len(errors) >= 40
-    print(f"{len(errors)} logprobs, median error {statistics.median(errors):.1e}, largest {max(errors):.1e}")
+    print(
+        f"{len(errors)} logprobs, median error {statistics.median(errors):.1e}, largest {max(errors):.1e}"
+    )
     assert statistics.median(errors) < 1e-5, errors
 
 
@@ -187,14 +219,24 @@ def test_gpu_new_token_counts_compile_nothing(tmp_path, family, monkeypatch):
     multiple of 16) compiles no Triton kernel, as the kernels do not specialise on row counts. Before,
     the 8B benchmark's GPU sat 0.6 s idle in its first prefill steps while two kernels compiled."""
     shape, config = ("tiny", SHAPE) if family == "qwen3" else ("qwen3-30b-a3b", MOE)
-    path = make_random_checkpoint(str(tmp_path / family), shape, dtype=torch.bfloat16, seed=3, std=0.1,
-                                  quantization="fp8", **config)
+    path = make_random_checkpoint(
+        str(tmp_path / family),
+        shape,
+        dtype=torch.bfloat16,
+        seed=3,
+        std=0.1,
+        quantization="fp8",
+        **config,
+    )
     compiled = []
     with LLM(path, **ENGINE) as llm:
         params = SamplingParams(temperature=0, max_tokens=4)
         llm.generate([PROMPTS[0][:48]], params, use_tqdm=False)
-        monkeypatch.setattr(triton.knobs.runtime, "jit_post_compile_hook",
-                            lambda *args, **kwargs: compiled.append(kwargs["repr"]))
+        monkeypatch.setattr(
+            triton.knobs.runtime,
+            "jit_post_compile_hook",
+            lambda *args, **kwargs: compiled.append(kwargs["repr"]),
+        )
         llm.generate([PROMPTS[0][:61]], params, use_tqdm=False)
     assert compiled == []
 
@@ -206,13 +248,27 @@ def test_gpu_dependent_launches_change_nothing(tmp_path, enforce_eager, monkeypa
     tokens, FP8 weights and cache, greedy: tokens and logprobs the same with dependent launches off."""
     if not dependent_launch.pdl(torch.device("cuda")):
         pytest.skip("dependent launches need compute capability 9.0 and a Triton that has them")
-    path = make_random_checkpoint(str(tmp_path / "m"), "tiny", dtype=torch.bfloat16, seed=4, std=0.1,
-                                  quantization="fp8", **SHAPE)
+    path = make_random_checkpoint(
+        str(tmp_path / "m"),
+        "tiny",
+        dtype=torch.bfloat16,
+        seed=4,
+        std=0.1,
+        quantization="fp8",
+        **SHAPE,
+    )
     gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 4096, (int(n),), generator=gen).tolist()
-               for n in torch.randint(5, 700, (64,), generator=gen)]
-    kwargs = dict(kv_cache_dtype="fp8", attention_backend="triton", enforce_eager=enforce_eager, max_num_seqs=64,
-                  num_kvcache_blocks=160)
+    prompts = [
+        torch.randint(0, 4096, (int(n),), generator=gen).tolist()
+        for n in torch.randint(5, 700, (64,), generator=gen)
+    ]
+    kwargs = dict(
+        kv_cache_dtype="fp8",
+        attention_backend="triton",
+        enforce_eager=enforce_eager,
+        max_num_seqs=64,
+        num_kvcache_blocks=160,
+    )
     params = SamplingParams(temperature=0, max_tokens=32, logprobs=0, ignore_eos=True)
     on = run(path, params, prompts, **kwargs)
     monkeypatch.setattr(dependent_launch, "ENABLED", False)
@@ -220,10 +276,21 @@ def test_gpu_dependent_launches_change_nothing(tmp_path, enforce_eager, monkeypa
 
 
 def test_gpu_quantize_at_load_bf16(tmp_path):
-    bf16 = make_random_checkpoint(str(tmp_path / "bf16"), "tiny", dtype=torch.bfloat16, seed=2, std=0.1, **SHAPE)
-    fp8 = make_random_checkpoint(str(tmp_path / "fp8"), "tiny", dtype=torch.bfloat16, seed=2, std=0.1,
-                                 quantization="fp8", **SHAPE)
-    assert run(bf16, quantization="fp8")[0] == run(fp8)[0]  # the same bytes and scales, the same kernels
+    bf16 = make_random_checkpoint(
+        str(tmp_path / "bf16"), "tiny", dtype=torch.bfloat16, seed=2, std=0.1, **SHAPE
+    )
+    fp8 = make_random_checkpoint(
+        str(tmp_path / "fp8"),
+        "tiny",
+        dtype=torch.bfloat16,
+        seed=2,
+        std=0.1,
+        quantization="fp8",
+        **SHAPE,
+    )
+    assert (
+        run(bf16, quantization="fp8")[0] == run(fp8)[0]
+    )  # the same bytes and scales, the same kernels
 
 
 @pytest.mark.parametrize("num_tokens", [3, 300])
@@ -235,10 +302,24 @@ def test_gpu_fp8_moe_equals_cpu(num_tokens):
     g = torch.Generator().manual_seed(num_tokens)
     experts, hidden, inter = 128, 256, 256
     x = torch.randn(num_tokens, hidden, generator=g)
-    w13, w13_scale = map(torch.stack, zip(*(quantize_weight_blocks(torch.randn(2 * inter, hidden, generator=g) * 0.05)
-                                            for _ in range(experts))))
-    w2, w2_scale = map(torch.stack, zip(*(quantize_weight_blocks(torch.randn(hidden, inter, generator=g) * 0.05)
-                                          for _ in range(experts))))
+    w13, w13_scale = map(
+        torch.stack,
+        zip(
+            *(
+                quantize_weight_blocks(torch.randn(2 * inter, hidden, generator=g) * 0.05)
+                for _ in range(experts)
+            )
+        ),
+    )
+    w2, w2_scale = map(
+        torch.stack,
+        zip(
+            *(
+                quantize_weight_blocks(torch.randn(hidden, inter, generator=g) * 0.05)
+                for _ in range(experts)
+            )
+        ),
+    )
     weights, ids = select_experts(torch.randn(num_tokens, experts, generator=g), 8, True)
     cpu = fused_moe_torch_fp8(x, w13, w13_scale, w2, w2_scale, weights, ids)
     args = [t.cuda() for t in (x, w13, w13_scale, w2, w2_scale, weights, ids)]

@@ -2,6 +2,7 @@
 sizes (128 experts, top-8) from one decode token to a 16k-token prefill: the same ids and layouts as
 the torch references, and one MoE step (routing, grouping, grouped GEMMs) captured in a CUDA graph
 and replayed with new router logits."""
+
 import pytest
 import torch
 
@@ -11,7 +12,12 @@ from nanovllm.layers.moe.routing import group_by_expert_triton, select_experts_t
 
 pytestmark = pytest.mark.gpu  # skipped without a CUDA GPU (tests/conftest.py)
 
-NUM_EXPERTS, TOP_K, HIDDEN, INTER = 128, 8, 2048, 384  # Qwen3-30B-A3B, moe_intermediate_size at TP 2
+NUM_EXPERTS, TOP_K, HIDDEN, INTER = (
+    128,
+    8,
+    2048,
+    384,
+)  # Qwen3-30B-A3B, moe_intermediate_size at TP 2
 TOKENS = [1, 2, 7, 64, 333, 512, 1024, 4096, 16384]
 WEIGHT_TOL = 1e-6  # float32 probabilities; the GPU's exp differs from torch's by an ulp or two
 BF16_TOL = 1e-2  # fused_moe against fused_moe_torch in bf16 (see tests/layers/test_fused_moe.py)
@@ -56,7 +62,10 @@ def test_gpu_grouping_matches_group_by_expert(skew):
 def test_gpu_grouping_all_pairs_to_one_expert():
     ids = torch.full((16384, 1), 77, dtype=torch.int32, device="cuda")
     for block_m in (16, 128):
-        groups, ref = group_by_expert_triton(ids, NUM_EXPERTS, block_m), group_by_expert(ids, NUM_EXPERTS, block_m)
+        groups, ref = (
+            group_by_expert_triton(ids, NUM_EXPERTS, block_m),
+            group_by_expert(ids, NUM_EXPERTS, block_m),
+        )
         assert all(torch.equal(a, b) for a, b in zip(groups, ref)), block_m
 
 

@@ -6,6 +6,7 @@ sentinel after the calls, calls inside a CUDA graph replayed with new inputs, ma
 with the ranks arriving at different times, and an abort that frees a call whose peer never comes.
 Then tensor parallelism in the engine, with NCCL and with the one-shot kernel, the decode graphs'
 sharded draw, a worker killed mid-call included (test_gpu.py's checkpoint, prompts and torch reference)."""
+
 import faulthandler
 import json
 import multiprocessing
@@ -26,11 +27,23 @@ from test_gpu import SMALL_BATCH, assert_agree, hf_model, make_prompts, model_di
 
 from nanovllm import LLM, SamplingParams
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs"),
+]
 
 WORLD = 2
 STRESS_CALLS = 20_000
-SIZES = [1, 7, 1024, 1025, 4096, 3 * 4096 + 5, 256 * 4096, 4 << 20]  # elements; the last is 8 MiB of bf16
+SIZES = [
+    1,
+    7,
+    1024,
+    1025,
+    4096,
+    3 * 4096 + 5,
+    256 * 4096,
+    4 << 20,
+]  # elements; the last is 8 MiB of bf16
 
 
 def rank_input(rank: int, numel: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -61,9 +74,14 @@ def _checks(rank: int) -> None:
 
     group = torch.distributed.group.WORLD.group_name
     seed = 0
-    for dtype in (torch.float16, torch.float32):  # one kernel set-up per dtype (bf16: the engine's, below)
+    for dtype in (
+        torch.float16,
+        torch.float32,
+    ):  # one kernel set-up per dtype (bf16: the engine's, below)
         custom = CustomAllReduce(torch.device("cuda", rank), rank, WORLD, group, dtype)
-        assert not custom.fits(torch.zeros(4, dtype=torch.bfloat16, device="cuda"))  # another dtype: NCCL
+        assert not custom.fits(
+            torch.zeros(4, dtype=torch.bfloat16, device="cuda")
+        )  # another dtype: NCCL
         for numel in SIZES:
             if numel * dtype.itemsize > 8 << 20:
                 continue
@@ -110,7 +128,9 @@ def _checks(rank: int) -> None:
     x = torch.empty(16 * 4096, dtype=torch.bfloat16, device="cuda")
     wrong = torch.zeros((), dtype=torch.int64, device="cuda")
     a, out = torch.randn(1024, 1024, device="cuda"), torch.empty(1024, 1024, device="cuda")
-    delays = torch.randint(0, 3, (STRESS_CALLS,), generator=torch.Generator().manual_seed(rank)).tolist()
+    delays = torch.randint(
+        0, 3, (STRESS_CALLS,), generator=torch.Generator().manual_seed(rank)
+    ).tolist()
     for i, delay in enumerate(delays):
         for _ in range(delay):
             torch.mm(a, a, out=out)
@@ -163,6 +183,7 @@ def test_gpu_custom_all_reduce_two_ranks():
 
 # ---- tensor parallelism in the engine ----------------------------------------------------------
 
+
 def test_tp2_matches_tp1(model_dir):
     """NCCL tensor parallelism over two GPUs, with prefix-cache hits and chunked prefill, in float32
     with torch attention: the same tokens as one GPU. (Two ranks sum a row-parallel layer's partial
@@ -170,7 +191,12 @@ def test_tp2_matches_tp1(model_dir):
     relative per operation), orders of magnitude below any top-2 gap here, while in bf16 it can flip
     a near-tie.)"""
     prompts = make_prompts()
-    kwargs = dict(dtype="float32", attention_backend="torch", kvcache_block_size=256, max_num_batched_tokens=512)
+    kwargs = dict(
+        dtype="float32",
+        attention_backend="torch",
+        kvcache_block_size=256,
+        max_num_batched_tokens=512,
+    )
     want, _ = run(model_dir, prompts, **kwargs)
     got, again = run(model_dir, prompts, tensor_parallel_size=2, **kwargs)
     assert got == want
@@ -181,16 +207,30 @@ def test_tp2_graphs_match_torch_reference(model_dir, reference, hf_model):
     """bf16 with CUDA graphs (the all-reduce captured inside them) and the default backend agrees
     with the one-GPU torch reference, near-ties aside."""
     prompts = make_prompts()
-    got, again = run(model_dir, prompts, tensor_parallel_size=2, kvcache_block_size=256, max_num_batched_tokens=512)
+    got, again = run(
+        model_dir,
+        prompts,
+        tensor_parallel_size=2,
+        kvcache_block_size=256,
+        max_num_batched_tokens=512,
+    )
     assert_agree(hf_model, prompts, reference, got)
     assert_agree(hf_model, prompts, got, again)
 
 
 def _seeded_tokens(model_dir, logprobs: int | None) -> list[list[int]]:
     prompts = make_prompts()
-    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=24, ignore_eos=True, logprobs=logprobs)
-              for i in range(len(prompts))]
-    with LLM(model_dir, tensor_parallel_size=2, max_model_len=2048, max_num_batched_tokens=512, **SMALL_BATCH) as llm:
+    params = [
+        SamplingParams(temperature=0.8, seed=i, max_tokens=24, ignore_eos=True, logprobs=logprobs)
+        for i in range(len(prompts))
+    ]
+    with LLM(
+        model_dir,
+        tensor_parallel_size=2,
+        max_model_len=2048,
+        max_num_batched_tokens=512,
+        **SMALL_BATCH,
+    ) as llm:
         return [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
@@ -209,11 +249,18 @@ def in_fresh_process(fn, *args):
     interpreter, as rank 0 of the engines it starts, and return its result: torch sets the one-shot
     all-reduce up once per process, so every engine that is to use it starts from one. The process
     is a plain ``python``, as a user's script (a hang dumps its stacks at 170 s and ends)."""
-    code = ("import faulthandler, json, sys; faulthandler.dump_traceback_later(170, exit=True); "
-            "sys.path.insert(0, sys.argv[1]); import test_gpu_tensor_parallel as t; "
-            "print('RESULT ' + json.dumps(getattr(t, sys.argv[2])(*json.loads(sys.argv[3]))))")
-    proc = subprocess.Popen([sys.executable, "-c", code, str(Path(__file__).parent), fn.__name__, json.dumps(args)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    code = (
+        "import faulthandler, json, sys; faulthandler.dump_traceback_later(170, exit=True); "
+        "sys.path.insert(0, sys.argv[1]); import test_gpu_tensor_parallel as t; "
+        "print('RESULT ' + json.dumps(getattr(t, sys.argv[2])(*json.loads(sys.argv[3]))))"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(Path(__file__).parent), fn.__name__, json.dumps(args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=200)
     except subprocess.TimeoutExpired:
@@ -229,10 +276,19 @@ def _tp2_outputs(model_dir, enforce_eager: bool, nccl_only: bool) -> list:
 
     prompts = make_prompts()
     params = SamplingParams(temperature=0, max_tokens=24, logprobs=2)
-    with LLM(model_dir, tensor_parallel_size=2, max_model_len=2048, max_num_batched_tokens=512,
-             enforce_eager=enforce_eager, disable_custom_all_reduce=nccl_only, **SMALL_BATCH) as llm:
+    with LLM(
+        model_dir,
+        tensor_parallel_size=2,
+        max_model_len=2048,
+        max_num_batched_tokens=512,
+        enforce_eager=enforce_eager,
+        disable_custom_all_reduce=nccl_only,
+        **SMALL_BATCH,
+    ) as llm:
         assert (distributed._custom_all_reduce is None) == nccl_only
-        outputs = [(o["token_ids"], o["logprobs"]) for o in llm.generate(prompts, params, use_tqdm=False)]
+        outputs = [
+            (o["token_ids"], o["logprobs"]) for o in llm.generate(prompts, params, use_tqdm=False)
+        ]
         if not nccl_only:  # the decode graphs summed with it (its set-up made one call)
             assert distributed._custom_all_reduce.epochs[0].item() > 1
         return outputs
@@ -241,33 +297,54 @@ def _tp2_outputs(model_dir, enforce_eager: bool, nccl_only: bool) -> list:
 def test_tp2_one_shot_all_reduce_equals_nccl(model_dir):
     """With two ranks every sum is one addition, which NCCL and the one-shot kernel (the decode
     graphs' sums) round alike: the same tokens and log-probabilities, bit for bit, in bf16."""
-    want = json.loads(json.dumps(_tp2_outputs(model_dir, False, nccl_only=True)))  # as the other process reports it
+    want = json.loads(
+        json.dumps(_tp2_outputs(model_dir, False, nccl_only=True))
+    )  # as the other process reports it
     assert in_fresh_process(_tp2_outputs, model_dir, False, False) == want
 
 
 def _kill_a_worker(model_dir, enforce_eager: bool, nccl_only: bool) -> None:
-    kwargs = dict(tensor_parallel_size=2, max_model_len=2048, kvcache_block_size=256, enforce_eager=enforce_eager,
-                  disable_custom_all_reduce=nccl_only)
+    kwargs = dict(
+        tensor_parallel_size=2,
+        max_model_len=2048,
+        kvcache_block_size=256,
+        enforce_eager=enforce_eager,
+        disable_custom_all_reduce=nccl_only,
+    )
     llm = LLM(model_dir, **kwargs)
     worker = llm.core.executor.workers.processes[0]
     threading.Timer(1.0, os.kill, (worker.pid, signal.SIGKILL)).start()
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=r"worker rank 1 \(pid \d+\) exited with code -9"):
         for _ in range(1000):
-            llm.generate([[1, 2, 3] * 10] * 8, SamplingParams(temperature=0, max_tokens=300, ignore_eos=True), use_tqdm=False)
+            llm.generate(
+                [[1, 2, 3] * 10] * 8,
+                SamplingParams(temperature=0, max_tokens=300, ignore_eos=True),
+                use_tqdm=False,
+            )
     assert time.monotonic() - start < 30
     llm.exit()
     assert not multiprocessing.active_children()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with LLM(model_dir, **kwargs) as llm:
-            assert len(llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]["token_ids"]) == 4
+            assert (
+                len(
+                    llm.generate(
+                        [[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False
+                    )[0]["token_ids"]
+                )
+                == 4
+            )
     # a second engine of this process sums with NCCL, and says so
     assert any("once per process" in str(w.message) for w in caught) == (not nccl_only)
 
 
-@pytest.mark.parametrize("enforce_eager, nccl_only", [(True, True), (False, True), (False, False)],
-                         ids=["eager", "graphs", "graphs-one-shot-all-reduce"])
+@pytest.mark.parametrize(
+    "enforce_eager, nccl_only",
+    [(True, True), (False, True), (False, False)],
+    ids=["eager", "graphs", "graphs-one-shot-all-reduce"],
+)
 def test_tp2_worker_killed_mid_generate(model_dir, enforce_eager, nccl_only):
     """With NCCL, rank 0 may be waiting on a collective that the dead worker will never join (also
     inside a CUDA graph), or spinning in the one-shot all-reduce for it: the engine must raise,

@@ -3,6 +3,7 @@ updated with a second checkpoint's tensors gives the tokens of an engine loaded 
 parameter keeps its storage (so the graphs read the new values), and the prefix cache filled
 before serves nothing; on one GPU (tensors given on the CPU in float32) and on two over NCCL
 (tensors given on the GPU in bfloat16), for Qwen3 and Qwen3-MoE (the fused Triton MoE kernel)."""
+
 import os
 
 import pytest
@@ -14,12 +15,24 @@ from nanovllm.utils.checkpoint import make_random_checkpoint
 
 pytestmark = pytest.mark.gpu  # skipped without a CUDA GPU (tests/conftest.py)
 
-SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
-             num_hidden_layers=3, vocab_size=4096)
+SHAPE = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=128,
+    num_hidden_layers=3,
+    vocab_size=4096,
+)
 FAMILIES = {
     "qwen3": dict(shape="tiny"),
-    "qwen3_moe": dict(shape="qwen3-30b-a3b", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
-                      tie_word_embeddings=False),
+    "qwen3_moe": dict(
+        shape="qwen3-30b-a3b",
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        tie_word_embeddings=False,
+    ),
 }
 PROMPTS = [[(7 * i + 3 * n) % 4096 for i in range(n)] for n in (300, 40, 520, 9)]
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
@@ -33,8 +46,17 @@ def checkpoints(tmp_path_factory) -> dict[str, tuple[str, str]]:
     for family, variant in FAMILIES.items():
         variant = dict(variant)
         shape = variant.pop("shape")
-        paths[family] = tuple(make_random_checkpoint(str(root / f"{family}-{seed}"), shape, dtype=torch.bfloat16,
-                                                     seed=seed, std=0.1, **(SHAPE | variant)) for seed in (1, 2))
+        paths[family] = tuple(
+            make_random_checkpoint(
+                str(root / f"{family}-{seed}"),
+                shape,
+                dtype=torch.bfloat16,
+                seed=seed,
+                std=0.1,
+                **(SHAPE | variant),
+            )
+            for seed in (1, 2)
+        )
     return paths
 
 

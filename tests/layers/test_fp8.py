@@ -1,12 +1,17 @@
 """The FP8 block arithmetic (``layers/quantization/fp8.py``) against exact expected values, and
 the W8A8 products (dense and MoE) against float64 sums written out here."""
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from nanovllm.layers.moe.fused_fp8 import fused_moe_torch_fp8
-from nanovllm.quantization.fp8 import (dequantize_weight_blocks, fp8_linear, quantize_activation_groups,
-                                              quantize_weight_blocks)
+from nanovllm.quantization.fp8 import (
+    dequantize_weight_blocks,
+    fp8_linear,
+    quantize_activation_groups,
+    quantize_weight_blocks,
+)
 
 E4M3 = torch.float8_e4m3fn
 
@@ -19,7 +24,9 @@ def test_weight_scales_are_block_absmax_over_448_and_zero_blocks_get_1():
     q, scale = quantize_weight_blocks(w)
     assert q.dtype == E4M3 and q.shape == (256, 300)
     assert scale.dtype == torch.float32 and scale.shape == (2, 3)
-    expected = torch.tensor([[2.0, 1.0, 1.0], [1.0, torch.tensor(44.8) / 448, torch.tensor(1.0) / 448]])
+    expected = torch.tensor(
+        [[2.0, 1.0, 1.0], [1.0, torch.tensor(44.8) / 448, torch.tensor(1.0) / 448]]
+    )
     assert torch.equal(scale, expected)
     assert q[5, 7].item() == -448.0 and q[130, 129].item() == 448.0 and q[255, 299].item() == 448.0
     assert torch.count_nonzero(q.float()) == 3  # zero blocks (scale 1) stay zero
@@ -50,11 +57,17 @@ def test_activation_scales_per_token_and_group_of_128():
     q, scale = quantize_activation_groups(x)
     assert q.shape == (2, 200) and scale.shape == (2, 2)
     assert torch.equal(scale, torch.tensor([[torch.tensor(4.48) / 448, 2.0], [1.0, 0.5 / 448]]))
-    assert q.float()[0, 3].item() == 448.0 and q.float()[0, 150].item() == -448.0 and q.float()[1, 199].item() == 448.0
+    assert (
+        q.float()[0, 3].item() == 448.0
+        and q.float()[0, 150].item() == -448.0
+        and q.float()[1, 199].item() == 448.0
+    )
     # leading dims and batched weights: [experts, out, in]
     w = torch.randn(3, 130, 260)
     qb, sb = quantize_weight_blocks(w)
-    assert sb.shape == (3, 2, 3) and torch.equal(qb[1].float(), quantize_weight_blocks(w[1])[0].float())
+    assert sb.shape == (3, 2, 3) and torch.equal(
+        qb[1].float(), quantize_weight_blocks(w[1])[0].float()
+    )
 
 
 def _float64_w8a8(x, wq, ws):
@@ -64,7 +77,11 @@ def _float64_w8a8(x, wq, ws):
     for kb in range(-(-x.shape[1] // 128)):
         cols = slice(kb * 128, (kb + 1) * 128)
         partial = xq[:, cols].double() @ wq[:, cols].double().T
-        out += partial * xs[:, kb, None].double() * ws.double().repeat_interleave(128, 0)[: wq.shape[0], kb][None]
+        out += (
+            partial
+            * xs[:, kb, None].double()
+            * ws.double().repeat_interleave(128, 0)[: wq.shape[0], kb][None]
+        )
     return out
 
 
@@ -76,8 +93,10 @@ def test_fp8_linear_is_the_blockwise_w8a8_sum(dtype):
     bias = torch.randn(300, generator=g).to(dtype)
     y = fp8_linear(x, wq, ws, bias)
     assert y.dtype == dtype
-    expected = (_float64_w8a8(x, wq, ws).float().to(dtype) + bias)
-    torch.testing.assert_close(y, expected, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-5)
+    expected = _float64_w8a8(x, wq, ws).float().to(dtype) + bias
+    torch.testing.assert_close(
+        y, expected, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-5
+    )
     # the activation quantization matters: the float product of x and the dequantized weight differs
     plain = F.linear(x.float(), dequantize_weight_blocks(wq, ws))
     assert (plain - _float64_w8a8(x, wq, ws).float()).abs().max() > 1e-3

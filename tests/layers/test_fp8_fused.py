@@ -10,9 +10,14 @@ one e4m3 step (2^-3 of a value) on at most 1% of the values and wants the scales
 each other, the residual sums equal and the padding rows zero with scale 1. SiLU's exp is
 the interpreter's (NumPy's), not torch's, with the same allowance.
 """
+
 import pytest
 import torch
-from triton_interpreter import results_under_interpreter, round_interpreter_casts_to_nearest, run_cases
+from triton_interpreter import (
+    results_under_interpreter,
+    round_interpreter_casts_to_nearest,
+    run_cases,
+)
 
 F32, BF16 = torch.float32, torch.bfloat16
 
@@ -21,13 +26,18 @@ def compare(rows, want, total=None, want_total=None) -> dict:
     m = want.rows
     got_q, want_q = rows.q[:m].float(), want.q.float()
     got_s, want_s = rows.scales[:, :m], want.scales
-    got = got_q * got_s.T.repeat_interleave(128, dim=1)[:, :got_q.shape[1]]
-    ref = want_q * want_s.T.repeat_interleave(128, dim=1)[:, :want_q.shape[1]]
+    got = got_q * got_s.T.repeat_interleave(128, dim=1)[:, : got_q.shape[1]]
+    ref = want_q * want_s.T.repeat_interleave(128, dim=1)[:, : want_q.shape[1]]
     step = (got - ref).abs() > 2**-3 * ref.abs() + 1e-30
     padded = -(-m // 16) * 16
     return {
         "shapes": [list(rows.q.shape), list(rows.scales.shape), rows.rows, str(rows.dtype)],
-        "want_shapes": [[padded, want.q.shape[1]], [want.scales.shape[0], padded], m, str(want.dtype)],
+        "want_shapes": [
+            [padded, want.q.shape[1]],
+            [want.scales.shape[0], padded],
+            m,
+            str(want.dtype),
+        ],
         "q_equal_share": (got_q == want_q).float().mean().item() if m else 1.0,
         "beyond_one_step": int(step.sum()),
         "scale_rel_diff": ((got_s - want_s).abs() / want_s).max().item() if m else 0.0,
@@ -53,7 +63,9 @@ def check_norm(m: int, n: int, dtype, residual: bool, zero_row: bool = False) ->
         rows, total = rms_norm_quantized_triton(x, r, w, 1e-6)
         normed, want_total = add_rms_norm(x, r, w, 1e-6)
         return compare(rows, quantize_to_rows(normed), total, want_total)
-    return compare(rms_norm_quantized_triton(x, None, w, 1e-6), quantize_to_rows(rms_norm(x, w, 1e-6)))
+    return compare(
+        rms_norm_quantized_triton(x, None, w, 1e-6), quantize_to_rows(rms_norm(x, w, 1e-6))
+    )
 
 
 def check_silu(m: int, n: int, dtype) -> dict:
@@ -68,7 +80,9 @@ def check_silu(m: int, n: int, dtype) -> dict:
 CASES = {
     "norm_f32_one_row": dict(kind="norm", m=1, n=256, dtype=F32, residual=False),
     "norm_bf16_residual": dict(kind="norm", m=20, n=384, dtype=BF16, residual=True),
-    "norm_f32_residual_zero_row": dict(kind="norm", m=17, n=256, dtype=F32, residual=True, zero_row=True),
+    "norm_f32_residual_zero_row": dict(
+        kind="norm", m=17, n=256, dtype=F32, residual=True, zero_row=True
+    ),
     "norm_bf16_narrow_last_group": dict(kind="norm", m=5, n=200, dtype=BF16, residual=False),
     "silu_f32": dict(kind="silu", m=3, n=256, dtype=F32),
     "silu_bf16_past_16_rows": dict(kind="silu", m=33, n=384, dtype=BF16),
@@ -97,7 +111,9 @@ def test_fused_quantization_matches_the_torch_composition(results, case):
     r = results[case]
     assert "error" not in r, r["error"]
     assert r["shapes"] == r["want_shapes"] and r["padding_ok"], r
-    assert r["q_equal_share"] >= 0.99 and r["beyond_one_step"] == 0 and r["scale_rel_diff"] <= 1e-6, r
+    assert (
+        r["q_equal_share"] >= 0.99 and r["beyond_one_step"] == 0 and r["scale_rel_diff"] <= 1e-6
+    ), r
     assert r["total_equal"] in (None, True), r
 
 
@@ -116,7 +132,9 @@ def test_cpu_path_is_the_composition():
     assert torch.equal(total, fused_total) and rows.rows == 6 and rows.dtype == BF16
     assert torch.equal(fp8_linear(rows, wq, ws), fp8_linear(normed, wq, ws))
     h = torch.randn(6, 512, generator=g).to(BF16)
-    assert torch.equal(fp8_linear(SiluAndMul(quantize=True)(h), wq, ws), fp8_linear(SiluAndMul()(h), wq, ws))
+    assert torch.equal(
+        fp8_linear(SiluAndMul(quantize=True)(h), wq, ws), fp8_linear(SiluAndMul()(h), wq, ws)
+    )
 
 
 if __name__ == "__main__":

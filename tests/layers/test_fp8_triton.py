@@ -12,17 +12,30 @@ the two differ only by the order of the sums inside a k-block (and, split, of th
 within a few float32 ulps of the result's magnitude, and in bf16/fp16 by at most one rounding step
 of the result.
 """
+
 import pytest
 import torch
 from triton_interpreter import (
-    results_under_interpreter, round_interpreter_casts_to_nearest, run_cases, squeeze_interpreter_loop_bounds,
+    results_under_interpreter,
+    round_interpreter_casts_to_nearest,
+    run_cases,
+    squeeze_interpreter_loop_bounds,
 )
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 
 
-def check(m: int, n: int, k: int, dtype=F32, bias: bool = False, out_dtype=None, strided: bool = False,
-          zero_group: bool = False, splits: int | None = None) -> dict:
+def check(
+    m: int,
+    n: int,
+    k: int,
+    dtype=F32,
+    bias: bool = False,
+    out_dtype=None,
+    strided: bool = False,
+    zero_group: bool = False,
+    splits: int | None = None,
+) -> dict:
     from nanovllm.quantization.fp8 import fp8_linear, quantize_weight_blocks
     from nanovllm.quantization.fp8_triton import fp8_linear_triton
 
@@ -37,29 +50,60 @@ def check(m: int, n: int, k: int, dtype=F32, bias: bool = False, out_dtype=None,
     got = fp8_linear_triton(x, wq, ws, b, out_dtype, splits=splits)
     again = fp8_linear_triton(x, wq, ws, b, out_dtype, splits=splits)  # the counters were set back
     diff = (got.double() - ref.double()).abs()
-    return {"repeatable": bool(torch.equal(got, again)), "shape": list(got.shape), "want_shape": list(ref.shape),
-            "dtype": str(got.dtype), "want_dtype": str(ref.dtype), "max_diff": diff.max().item() if diff.numel() else 0.0,
-            "max_ref": ref.abs().max().item() if ref.numel() else 0.0, "finite": bool(got.isfinite().all())}
+    return {
+        "repeatable": bool(torch.equal(got, again)),
+        "shape": list(got.shape),
+        "want_shape": list(ref.shape),
+        "dtype": str(got.dtype),
+        "want_dtype": str(ref.dtype),
+        "max_diff": diff.max().item() if diff.numel() else 0.0,
+        "max_ref": ref.abs().max().item() if ref.numel() else 0.0,
+        "finite": bool(got.isfinite().all()),
+    }
 
 
-def check_moe(num_tokens: int, num_experts: int, top_k: int, hidden: int, inter: int, dtype=F32) -> dict:
+def check_moe(
+    num_tokens: int, num_experts: int, top_k: int, hidden: int, inter: int, dtype=F32
+) -> dict:
     from nanovllm.layers.moe.fused_fp8 import fused_moe_fp8, fused_moe_torch_fp8
     from nanovllm.layers.moe.layer import select_experts
     from nanovllm.quantization.fp8 import quantize_weight_blocks
 
     g = torch.Generator().manual_seed(num_tokens * 100 + num_experts)
     x = torch.randn(num_tokens, hidden, generator=g).to(dtype)
-    w13, w13_scale = map(torch.stack, zip(*(quantize_weight_blocks(torch.randn(2 * inter, hidden, generator=g) * 0.05)
-                                            for _ in range(num_experts))))
-    w2, w2_scale = map(torch.stack, zip(*(quantize_weight_blocks(torch.randn(hidden, inter, generator=g) * 0.05)
-                                          for _ in range(num_experts))))
-    weights, ids = select_experts(torch.randn(num_tokens, num_experts, generator=g) * 3, top_k, True)
+    w13, w13_scale = map(
+        torch.stack,
+        zip(
+            *(
+                quantize_weight_blocks(torch.randn(2 * inter, hidden, generator=g) * 0.05)
+                for _ in range(num_experts)
+            )
+        ),
+    )
+    w2, w2_scale = map(
+        torch.stack,
+        zip(
+            *(
+                quantize_weight_blocks(torch.randn(hidden, inter, generator=g) * 0.05)
+                for _ in range(num_experts)
+            )
+        ),
+    )
+    weights, ids = select_experts(
+        torch.randn(num_tokens, num_experts, generator=g) * 3, top_k, True
+    )
     ref = fused_moe_torch_fp8(x, w13, w13_scale, w2, w2_scale, weights, ids)
     got = fused_moe_fp8(x, w13, w13_scale, w2, w2_scale, weights, ids)
     diff = (got.double() - ref.double()).abs()
-    return {"shape": list(got.shape), "want_shape": list(ref.shape), "dtype": str(got.dtype),
-            "want_dtype": str(ref.dtype), "max_diff": diff.max().item() if diff.numel() else 0.0,
-            "max_ref": ref.abs().max().item() if ref.numel() else 0.0, "finite": bool(got.isfinite().all())}
+    return {
+        "shape": list(got.shape),
+        "want_shape": list(ref.shape),
+        "dtype": str(got.dtype),
+        "want_dtype": str(ref.dtype),
+        "max_diff": diff.max().item() if diff.numel() else 0.0,
+        "max_ref": ref.abs().max().item() if ref.numel() else 0.0,
+        "finite": bool(got.isfinite().all()),
+    }
 
 
 def check_padded_quantization(m: int, k: int, row_multiple: int) -> dict:
@@ -71,13 +115,19 @@ def check_padded_quantization(m: int, k: int, row_multiple: int) -> dict:
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(BF16)
     q, scales = quantize_rows(x, row_multiple)
     want_q, want_scales = quantize_activation_groups(x)
-    return {"shape": [list(q.shape), list(scales.shape)],
-            "rows_equal": bool(torch.equal(q[:m].view(torch.uint8), want_q.view(torch.uint8))),
-            "scales_equal": bool(torch.equal(scales[:, :m], want_scales.T)),
-            "padding_zero": bool((q[m:].float() == 0).all()), "padding_scale_one": bool((scales[:, m:] == 1).all())}
+    return {
+        "shape": [list(q.shape), list(scales.shape)],
+        "rows_equal": bool(torch.equal(q[:m].view(torch.uint8), want_q.view(torch.uint8))),
+        "scales_equal": bool(torch.equal(scales[:, :m], want_scales.T)),
+        "padding_zero": bool((q[m:].float() == 0).all()),
+        "padding_scale_one": bool((scales[:, m:] == 1).all()),
+    }
 
 
-PADDED_CASES = {"pad_5_to_16": dict(m=5, k=256, row_multiple=16), "pad_33_to_48": dict(m=33, k=200, row_multiple=16)}
+PADDED_CASES = {
+    "pad_5_to_16": dict(m=5, k=256, row_multiple=16),
+    "pad_33_to_48": dict(m=33, k=200, row_multiple=16),
+}
 
 MOE_CASES = {
     "moe_decode": dict(num_tokens=3, num_experts=8, top_k=2, hidden=256, inter=128),
@@ -123,7 +173,9 @@ def test_kernel_matches_the_torch_path(results, case):
     assert r["shape"] == r["want_shape"] and r["dtype"] == r["want_dtype"] and r["finite"], r
     assert r["repeatable"], r
     out_dtype = CASES[case].get("out_dtype") or CASES[case].get("dtype", F32)
-    step = {F32: 2**-23 * 8, BF16: 2**-7, F16: 2**-10}[out_dtype]  # a few ulps, or one rounding step
+    step = {F32: 2**-23 * 8, BF16: 2**-7, F16: 2**-10}[
+        out_dtype
+    ]  # a few ulps, or one rounding step
     assert r["max_diff"] <= step * max(r["max_ref"], 1e-30), r
 
 
@@ -152,9 +204,22 @@ def test_tiles_cover_decode_and_prefill():
 
     tiles = {m: tile(m) for m in (1, 16, 17, 32, 33, 64, 65, 256, 257, 512, 513, 8192)}
     assert {m: t[:2] for m, t in tiles.items()} == {
-        1: (16, 64), 16: (16, 64), 17: (32, 64), 32: (32, 64), 33: (64, 64), 64: (64, 64), 65: (64, 128),
-        256: (64, 128), 257: (64, 128), 512: (64, 128), 513: (128, 128), 8192: (128, 128)}
-    assert all(128 % t.block_n == 0 for t in tiles.values())  # one weight scale per tile and k-block
+        1: (16, 64),
+        16: (16, 64),
+        17: (32, 64),
+        32: (32, 64),
+        33: (64, 64),
+        64: (64, 64),
+        65: (64, 128),
+        256: (64, 128),
+        257: (64, 128),
+        512: (64, 128),
+        513: (128, 128),
+        8192: (128, 128),
+    }
+    assert all(
+        128 % t.block_n == 0 for t in tiles.values()
+    )  # one weight scale per tile and k-block
 
 
 def test_split_k_at_the_qwen3_8b_shapes_on_132_sms():
@@ -162,17 +227,30 @@ def test_split_k_at_the_qwen3_8b_shapes_on_132_sms():
     1 µs of it but at two points): qkv, o and down cut into ranges at decode sizes, gate_up (many
     tiles) never, fewer ranges as the rows grow."""
     import triton
+
     from nanovllm.quantization.fp8_triton import split_k, tile
 
-    layers = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
+    layers = {
+        "qkv": (6144, 4096),
+        "o": (4096, 4096),
+        "gate_up": (24576, 4096),
+        "down": (4096, 12288),
+    }
 
     def splits(m, n, k):
         t = tile(m)
         return split_k(m, k, triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n), 132)
 
-    got = {name: [splits(m, n, k) for m in (1, 16, 32, 64, 128, 256, 2048)] for name, (n, k) in layers.items()}
-    assert got == {"qkv": [4, 4, 4, 2, 1, 1, 1], "o": [4, 4, 4, 2, 1, 1, 1], "gate_up": [1] * 7,
-                   "down": [4, 4, 4, 4, 4, 2, 1]}
+    got = {
+        name: [splits(m, n, k) for m in (1, 16, 32, 64, 128, 256, 2048)]
+        for name, (n, k) in layers.items()
+    }
+    assert got == {
+        "qkv": [4, 4, 4, 2, 1, 1, 1],
+        "o": [4, 4, 4, 2, 1, 1, 1],
+        "gate_up": [1] * 7,
+        "down": [4, 4, 4, 4, 4, 2, 1],
+    }
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ script), in float32 with small dims that are not multiples of any tile. On a CUD
 shapes against ``fused_moe_torch`` in float32 and bf16, and a CUDA-graph capture with new routings
 replayed through the static buffers.
 """
+
 import json
 import re
 
@@ -14,7 +15,13 @@ import torch
 from triton_interpreter import results_under_interpreter, run_cases, squeeze_interpreter_loop_bounds
 
 from nanovllm.layers.moe.fused import (
-    MoeTile, fused_moe, fused_moe_torch, group_by_expert, max_padded_rows, moe_tile, shared_memory_estimate,
+    MoeTile,
+    fused_moe,
+    fused_moe_torch,
+    group_by_expert,
+    max_padded_rows,
+    moe_tile,
+    shared_memory_estimate,
 )
 
 I32, I64 = torch.int32, torch.int64
@@ -29,7 +36,9 @@ def reference_moe(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
     """float64, straight from the definition, for every (token, k) pair at once."""
     inter = w13.shape[1] // 2
     ids = topk_ids.long()
-    gate_up = torch.einsum("tkoh,th->tko", w13.double()[ids], x.double())  # [tokens, top_k, 2 * inter]
+    gate_up = torch.einsum(
+        "tkoh,th->tko", w13.double()[ids], x.double()
+    )  # [tokens, top_k, 2 * inter]
     gate, up = gate_up[..., :inter], gate_up[..., inter:]
     h = gate / (1.0 + torch.exp(-gate)) * up
     y = torch.einsum("tkhi,tki->tkh", w2.double()[ids], h)  # [tokens, top_k, hidden]
@@ -59,13 +68,28 @@ def make_weights(num_experts, hidden, inter, dtype, device="cpu", transposed=Fal
     return (w13 * hidden**-0.5).to(dtype), (w2 * inter**-0.5).to(dtype)
 
 
-def check_fused(num_tokens, top_k, *, hidden=40, inter=24, num_experts=16, dtype=torch.float32, tile=None,
-                id_dtype=I64, skew=True, routing=None, strided=False, transposed=False) -> dict:
+def check_fused(
+    num_tokens,
+    top_k,
+    *,
+    hidden=40,
+    inter=24,
+    num_experts=16,
+    dtype=torch.float32,
+    tile=None,
+    id_dtype=I64,
+    skew=True,
+    routing=None,
+    strided=False,
+    transposed=False,
+) -> dict:
     """fused_moe against ``reference_moe``. ``strided``: hidden_states a column view of a wider tensor."""
     w13, w2 = make_weights(num_experts, hidden, inter, dtype, transposed=transposed)
     x = torch.randn(num_tokens, 2 * hidden if strided else hidden).to(dtype)
     x = x[:, ::2] if strided else x
-    topk_weights, topk_ids = routing or make_routing(num_tokens, top_k, num_experts, skew=skew, id_dtype=id_dtype)
+    topk_weights, topk_ids = routing or make_routing(
+        num_tokens, top_k, num_experts, skew=skew, id_dtype=id_dtype
+    )
     out = fused_moe(x, w13, w2, topk_weights, topk_ids, tile=tile)
     ref = reference_moe(x, w13, w2, topk_weights, topk_ids)
     loads = torch.bincount(topk_ids.flatten(), minlength=num_experts)  # pairs per expert
@@ -77,9 +101,13 @@ def check_fused(num_tokens, top_k, *, hidden=40, inter=24, num_experts=16, dtype
     }
 
 
-SMALL_TILE = MoeTile(16, 16, 16, 4, 1)  # several N tiles and K steps, with partial edges, on the small dims
+SMALL_TILE = MoeTile(
+    16, 16, 16, 4, 1
+)  # several N tiles and K steps, with partial edges, on the small dims
 CPU_TOL = 1e-5  # float32 against float64
-FP16_TOL = 2e-3  # fp16 rounding of x, weights, intermediate and per-pair outputs: a few units of 2**-11
+FP16_TOL = (
+    2e-3  # fp16 rounding of x, weights, intermediate and per-pair outputs: a few units of 2**-11
+)
 INTERPRETER_CASES = {
     "tokens1_top1": lambda: check_fused(1, 1),
     "tokens1_top2": lambda: check_fused(1, 2),
@@ -93,7 +121,9 @@ INTERPRETER_CASES = {
     "tokens300_top8": lambda: check_fused(300, 8, id_dtype=I32),
     "tokens700_top2": lambda: check_fused(700, 2),
     "tokens0": lambda: check_fused(0, 2),
-    "all_to_one_expert": lambda: check_fused(64, 1, routing=(torch.ones(64, 1), torch.full((64, 1), 5, dtype=I32))),
+    "all_to_one_expert": lambda: check_fused(
+        64, 1, routing=(torch.ones(64, 1), torch.full((64, 1), 5, dtype=I32))
+    ),
     "small_tile_tokens7_top8": lambda: check_fused(7, 8, tile=SMALL_TILE),
     "small_tile_tokens64_top8": lambda: check_fused(64, 8, tile=SMALL_TILE),
     "small_tile_tokens300_top2": lambda: check_fused(300, 2, tile=SMALL_TILE, id_dtype=I32),
@@ -117,7 +147,10 @@ def check_sum_pairs(num_tokens=5, top_k=8, hidden=1100) -> dict:
     for k in range(1, top_k):
         expected = expected + pairs[k::top_k]
     out = sum_pairs(pairs, top_k, torch.float32)
-    return {"equal": torch.equal(out, expected), "empty_shape": list(sum_pairs(pairs[:0], top_k, torch.float32).shape)}
+    return {
+        "equal": torch.equal(out, expected),
+        "empty_shape": list(sum_pairs(pairs[:0], top_k, torch.float32).shape),
+    }
 
 
 def run_interpreter_cases() -> dict:
@@ -195,7 +228,12 @@ def test_group_by_expert_layout(block_m):
     num_rows = max_padded_rows(num_pairs, num_experts, block_m)
     expected += [num_pairs] * (num_rows - len(expected))
     block_experts += [num_experts] * (num_rows // block_m - len(block_experts))
-    assert groups.sorted_pairs.dtype == groups.block_experts.dtype == groups.expert_ends.dtype == torch.int32
+    assert (
+        groups.sorted_pairs.dtype
+        == groups.block_experts.dtype
+        == groups.expert_ends.dtype
+        == torch.int32
+    )
     assert groups.sorted_pairs.tolist() == expected
     assert groups.block_experts.tolist() == block_experts
     assert groups.expert_ends.tolist() == ends
@@ -203,12 +241,16 @@ def test_group_by_expert_layout(block_m):
 
 def test_max_padded_rows_is_the_worst_case():
     """Every expert that gets a pair may leave block_m - 1 rows of padding."""
-    assert max_padded_rows(8, 128, 16) == 8 + 8 * 15  # one decode token, top-8: at most 8 experts used
+    assert (
+        max_padded_rows(8, 128, 16) == 8 + 8 * 15
+    )  # one decode token, top-8: at most 8 experts used
     assert max_padded_rows(4096, 128, 64) == 4096 + 128 * 63
     assert max_padded_rows(46, 6, 16) == 128  # 46 + 6 * 15 = 136 rows, of which whole blocks: 8
     _, topk_ids = make_routing(1, 8, 128, skew=False)
     groups = group_by_expert(topk_ids, 128, 16)
-    assert groups.expert_ends[-1].item() == groups.sorted_pairs.numel() == 128  # 8 groups of 1 pair, all padded
+    assert (
+        groups.expert_ends[-1].item() == groups.sorted_pairs.numel() == 128
+    )  # 8 groups of 1 pair, all padded
 
 
 def test_moe_tile_choice():
@@ -219,37 +261,96 @@ def test_moe_tile_choice():
     assert moe_tile(1, 2, 16, 4) == MoeTile(16, 32, 128, 4, 2)
     for n in (1, 300, 1024, 4096, 16384):
         for itemsize in (2, 4):
-            assert shared_memory_estimate(moe_tile(n, 8, 128, itemsize), itemsize) <= 232448, (n, itemsize)
+            assert shared_memory_estimate(moe_tile(n, 8, 128, itemsize), itemsize) <= 232448, (
+                n,
+                itemsize,
+            )
 
 
 def valid_inputs() -> dict:
     """3 tokens, hidden 8, inter 4, 4 experts, top-2."""
     w13, w2 = make_weights(4, 8, 4, torch.float32)
     topk_weights, topk_ids = make_routing(3, 2, 4, skew=False)
-    return dict(hidden_states=torch.randn(3, 8), w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids)
+    return dict(
+        hidden_states=torch.randn(3, 8),
+        w13=w13,
+        w2=w2,
+        topk_weights=topk_weights,
+        topk_ids=topk_ids,
+    )
 
 
 DTYPES = "(torch.bfloat16, torch.float16, torch.float32)"
 # (argument, bad value over valid_inputs(), the message it must raise)
 BAD_INPUTS = [
-    ("hidden_states", torch.randn(3, 8, 1), "hidden_states must be [num_tokens, hidden], got shape (3, 8, 1)"),
-    ("hidden_states", torch.ones(3, 8, dtype=I32), f"hidden_states.dtype must be one of {DTYPES}, got torch.int32"),
-    ("w13", torch.randn(4, 8, 9), "w13 must be [num_experts, 2 * inter, hidden=8], got shape (4, 8, 9)"),
-    ("w13", torch.randn(4, 7, 8), "w13 must be [num_experts, 2 * inter, hidden=8], got shape (4, 7, 8)"),
-    ("w13", torch.randn(4, 8, 8).half(), "w13.dtype must equal hidden_states.dtype (torch.float32), got torch.float16"),
-    ("w2", torch.randn(4, 8, 5), "w2 must be [num_experts=4, hidden=8, inter=4] like w13, got shape (4, 8, 5)"),
-    ("w2", torch.randn(3, 8, 4), "w2 must be [num_experts=4, hidden=8, inter=4] like w13, got shape (3, 8, 4)"),
-    ("topk_ids", torch.zeros(2, 2, dtype=I64), "topk_ids must be [num_tokens=3, top_k], got shape (2, 2)"),
-    ("topk_ids", torch.zeros(3, 2), "topk_ids.dtype must be torch.int32 or torch.int64, got torch.float32"),
-    ("topk_ids", torch.zeros(3, 5, dtype=I64), "top_k must be between 1 and num_experts (4), got 5"),
-    ("topk_ids", torch.zeros(3, 0, dtype=I64), "top_k must be between 1 and num_experts (4), got 0"),
+    (
+        "hidden_states",
+        torch.randn(3, 8, 1),
+        "hidden_states must be [num_tokens, hidden], got shape (3, 8, 1)",
+    ),
+    (
+        "hidden_states",
+        torch.ones(3, 8, dtype=I32),
+        f"hidden_states.dtype must be one of {DTYPES}, got torch.int32",
+    ),
+    (
+        "w13",
+        torch.randn(4, 8, 9),
+        "w13 must be [num_experts, 2 * inter, hidden=8], got shape (4, 8, 9)",
+    ),
+    (
+        "w13",
+        torch.randn(4, 7, 8),
+        "w13 must be [num_experts, 2 * inter, hidden=8], got shape (4, 7, 8)",
+    ),
+    (
+        "w13",
+        torch.randn(4, 8, 8).half(),
+        "w13.dtype must equal hidden_states.dtype (torch.float32), got torch.float16",
+    ),
+    (
+        "w2",
+        torch.randn(4, 8, 5),
+        "w2 must be [num_experts=4, hidden=8, inter=4] like w13, got shape (4, 8, 5)",
+    ),
+    (
+        "w2",
+        torch.randn(3, 8, 4),
+        "w2 must be [num_experts=4, hidden=8, inter=4] like w13, got shape (3, 8, 4)",
+    ),
+    (
+        "topk_ids",
+        torch.zeros(2, 2, dtype=I64),
+        "topk_ids must be [num_tokens=3, top_k], got shape (2, 2)",
+    ),
+    (
+        "topk_ids",
+        torch.zeros(3, 2),
+        "topk_ids.dtype must be torch.int32 or torch.int64, got torch.float32",
+    ),
+    (
+        "topk_ids",
+        torch.zeros(3, 5, dtype=I64),
+        "top_k must be between 1 and num_experts (4), got 5",
+    ),
+    (
+        "topk_ids",
+        torch.zeros(3, 0, dtype=I64),
+        "top_k must be between 1 and num_experts (4), got 0",
+    ),
     ("topk_weights", torch.ones(3, 1), "topk_weights must have topk_ids' shape (3, 2), got (3, 1)"),
-    ("topk_weights", torch.ones(3, 2).half(), "topk_weights.dtype must be torch.float32, got torch.float16"),
+    (
+        "topk_weights",
+        torch.ones(3, 2).half(),
+        "topk_weights.dtype must be torch.float32, got torch.float16",
+    ),
 ]
 
 
 @pytest.mark.parametrize("fn", [fused_moe, fused_moe_torch], ids=["fused_moe", "fused_moe_torch"])
-@pytest.mark.parametrize("name,value,message", BAD_INPUTS, ids=[f"{i}-{case[0]}" for i, case in enumerate(BAD_INPUTS)])
+@pytest.mark.parametrize(
+    "name,value,message", BAD_INPUTS, ids=[f"{i}-{case[0]}" for i, case in enumerate(BAD_INPUTS)]
+)
 def test_rejects_bad_inputs(fn, name, value, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         fn(**{**valid_inputs(), name: value})
@@ -275,7 +376,9 @@ def _gpu_weights(inter: int, dtype: torch.dtype):
 
 @gpu
 @pytest.mark.parametrize(
-    "dtype,tol", [(torch.float32, GPU_FP32_TOL), (torch.bfloat16, GPU_BF16_TOL)], ids=["fp32", "bf16"]
+    "dtype,tol",
+    [(torch.float32, GPU_FP32_TOL), (torch.bfloat16, GPU_BF16_TOL)],
+    ids=["fp32", "bf16"],
 )
 @pytest.mark.parametrize("inter", [768, 384])  # Qwen3-30B-A3B's moe_intermediate_size at TP 1 and 2
 def test_gpu_fused_moe(dtype, tol, inter):
@@ -283,7 +386,9 @@ def test_gpu_fused_moe(dtype, tol, inter):
     for num_tokens in GPU_TOKENS:
         for skew in (False, True):
             x = torch.randn(num_tokens, HIDDEN, device="cuda").to(dtype)
-            routing = make_routing(num_tokens, TOP_K, NUM_EXPERTS, skew=skew, id_dtype=I32, device="cuda")
+            routing = make_routing(
+                num_tokens, TOP_K, NUM_EXPERTS, skew=skew, id_dtype=I32, device="cuda"
+            )
             out = fused_moe(x, w13, w2, *routing)
             ref = fused_moe_torch(x, w13, w2, *routing)
             assert out.shape == x.shape and out.dtype == dtype and out.isfinite().all()
@@ -296,14 +401,18 @@ def test_gpu_fused_moe_cuda_graph(num_tokens):
     """Capture once over static inputs, then replay with new hidden states and routings copied in."""
     w13, w2 = _gpu_weights(384, torch.bfloat16)
     x = torch.zeros(num_tokens, HIDDEN, dtype=torch.bfloat16, device="cuda")
-    topk_weights, topk_ids = make_routing(num_tokens, TOP_K, NUM_EXPERTS, id_dtype=I32, device="cuda")
+    topk_weights, topk_ids = make_routing(
+        num_tokens, TOP_K, NUM_EXPERTS, id_dtype=I32, device="cuda"
+    )
     fused_moe(x, w13, w2, topk_weights, topk_ids)  # compile before capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = fused_moe(x, w13, w2, topk_weights, topk_ids)
     for skew in (False, True, False):
-        new_weights, new_ids = make_routing(num_tokens, TOP_K, NUM_EXPERTS, skew=skew, id_dtype=I32, device="cuda")
+        new_weights, new_ids = make_routing(
+            num_tokens, TOP_K, NUM_EXPERTS, skew=skew, id_dtype=I32, device="cuda"
+        )
         x.copy_(torch.randn_like(x))
         topk_weights.copy_(new_weights)
         topk_ids.copy_(new_ids)

@@ -6,6 +6,7 @@ Also the reference's own tie rule, and input validation.
 The Triton cases run under the Triton interpreter in one subprocess (this file run as a script),
 on small sizes; the Qwen3-30B-A3B sizes run on a GPU in ``tests/gpu/test_gpu_moe_routing.py``.
 """
+
 import json
 import re
 
@@ -15,14 +16,20 @@ from triton_interpreter import results_under_interpreter, run_cases, squeeze_int
 
 from nanovllm.layers.moe.fused import fused_moe, fused_moe_torch, group_by_expert
 from nanovllm.layers.moe.layer import select_experts
-from nanovllm.layers.moe.routing import group_by_expert_triton, grouping_chunks, select_experts_triton
+from nanovllm.layers.moe.routing import (
+    group_by_expert_triton,
+    grouping_chunks,
+    select_experts_triton,
+)
 
 WEIGHT_TOL = 1e-6  # float32 softmax: exp and the division may round differently, by an ulp or two
 
 
 def tied_logits(num_tokens: int, num_experts: int, seed: int) -> torch.Tensor:
     """Integer logits in [0, 4): most tokens have several experts tied at their top-k boundary."""
-    return torch.randint(0, 4, (num_tokens, num_experts), generator=torch.Generator().manual_seed(seed)).float()
+    return torch.randint(
+        0, 4, (num_tokens, num_experts), generator=torch.Generator().manual_seed(seed)
+    ).float()
 
 
 def check_routing(logits: torch.Tensor, top_k: int, renormalize: bool) -> dict:
@@ -31,9 +38,12 @@ def check_routing(logits: torch.Tensor, top_k: int, renormalize: bool) -> dict:
     ref_weights, ref_ids = select_experts(logits, top_k, renormalize)
     top = logits.float().sort(dim=-1, descending=True).values
     return {
-        "ids": ids.tolist(), "ref_ids": ref_ids.tolist(), "dtypes": [str(weights.dtype), str(ids.dtype)],
+        "ids": ids.tolist(),
+        "ref_ids": ref_ids.tolist(),
+        "dtypes": [str(weights.dtype), str(ids.dtype)],
         "max_err": (weights - ref_weights).abs().max().item() if weights.numel() else 0.0,
-        "boundary_tie": top_k < logits.shape[1] and bool((top[:, top_k - 1] == top[:, top_k]).any()),
+        "boundary_tie": top_k < logits.shape[1]
+        and bool((top[:, top_k - 1] == top[:, top_k]).any()),
     }
 
 
@@ -44,15 +54,29 @@ def routing_cases() -> dict:
             for renormalize in (True, False):
                 name = f"e{num_experts}_top{top_k}_{'renorm' if renormalize else 'plain'}"
                 seed = num_experts * 100 + top_k * 2 + renormalize
-                cases[f"random_{name}"] = (lambda n=num_tokens, e=num_experts, k=top_k, r=renormalize, s=seed:
-                                           check_routing(torch.randn(n, e, generator=torch.Generator().manual_seed(s)), k, r))
-                cases[f"ties_{name}"] = (lambda n=num_tokens, e=num_experts, k=top_k, r=renormalize, s=seed:
-                                         check_routing(tied_logits(n, e, s), k, r))
+                cases[f"random_{name}"] = (
+                    lambda n=num_tokens, e=num_experts, k=top_k, r=renormalize, s=seed: (
+                        check_routing(
+                            torch.randn(n, e, generator=torch.Generator().manual_seed(s)), k, r
+                        )
+                    )
+                )
+                cases[f"ties_{name}"] = (
+                    lambda n=num_tokens, e=num_experts, k=top_k, r=renormalize, s=seed: (
+                        check_routing(tied_logits(n, e, s), k, r)
+                    )
+                )
     cases["all_equal_e60_top8"] = lambda: check_routing(torch.zeros(2, 60), 8, True)
-    cases["bf16_logits_e128_top8"] = lambda: check_routing(torch.randn(4, 128).mul(0.1).bfloat16(), 8, True)
-    cases["fp16_logits_strided_e60_top2"] = lambda: check_routing(torch.randn(3, 120).half()[:, ::2], 2, False)
+    cases["bf16_logits_e128_top8"] = lambda: check_routing(
+        torch.randn(4, 128).mul(0.1).bfloat16(), 8, True
+    )
+    cases["fp16_logits_strided_e60_top2"] = lambda: check_routing(
+        torch.randn(3, 120).half()[:, ::2], 2, False
+    )
     masked = torch.randn(3, 8)
-    masked[:, [0, 3, 4]] = float("-inf")  # five experts left: the top 6 take one of the -inf ones, lowest id
+    masked[:, [0, 3, 4]] = float(
+        "-inf"
+    )  # five experts left: the top 6 take one of the -inf ones, lowest id
     cases["minus_inf_e8_top6"] = lambda: check_routing(masked, 6, False)
     cases["e256_top8"] = lambda: check_routing(tied_logits(2, 256, 7), 8, True)
     cases["e5_top5"] = lambda: check_routing(torch.randn(3, 5), 5, True)
@@ -60,7 +84,9 @@ def routing_cases() -> dict:
     return cases
 
 
-def check_grouping(topk_ids: torch.Tensor, num_experts: int, block_m: int, max_chunks: int | None = None) -> dict:
+def check_grouping(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int, max_chunks: int | None = None
+) -> dict:
     """Both layouts as lists; ``max_chunks`` lowers ``routing.MAX_CHUNKS`` so that a small batch
     takes several tiles per chunk."""
     from nanovllm.layers.moe import routing
@@ -74,13 +100,21 @@ def check_grouping(topk_ids: torch.Tensor, num_experts: int, block_m: int, max_c
         routing.MAX_CHUNKS = saved
     ref = group_by_expert(topk_ids, num_experts, block_m)
     return {
-        "fields": [t.tolist() for t in groups], "ref_fields": [t.tolist() for t in ref],
-        "dtypes": [str(t.dtype) for t in groups], "chunks": chunks,
+        "fields": [t.tolist() for t in groups],
+        "ref_fields": [t.tolist() for t in ref],
+        "dtypes": [str(t.dtype) for t in groups],
+        "chunks": chunks,
     }
 
 
-def routed_ids(num_tokens: int, top_k: int, num_experts: int, used: int | None = None, seed: int = 0,
-               dtype: torch.dtype = torch.int32) -> torch.Tensor:
+def routed_ids(
+    num_tokens: int,
+    top_k: int,
+    num_experts: int,
+    used: int | None = None,
+    seed: int = 0,
+    dtype: torch.dtype = torch.int32,
+) -> torch.Tensor:
     """Distinct experts per token drawn from the first ``used`` experts (the others stay empty)."""
     gen = torch.Generator().manual_seed(seed)
     used = used or num_experts
@@ -90,19 +124,39 @@ def routed_ids(num_tokens: int, top_k: int, num_experts: int, used: int | None =
 
 def grouping_cases() -> dict:
     cases = {}
-    sizes = ((1, 8, 128, (16, 32, 64)), (7, 2, 8, (16, 32, 64)), (64, 8, 60, (16, 32, 64)), (100, 8, 128, (32, 64)),
-             (300, 8, 128, (16,)))  # (tokens, top_k, experts, block_m): the interpreter is slow on many rows
+    sizes = (
+        (1, 8, 128, (16, 32, 64)),
+        (7, 2, 8, (16, 32, 64)),
+        (64, 8, 60, (16, 32, 64)),
+        (100, 8, 128, (32, 64)),
+        (300, 8, 128, (16,)),
+    )  # (tokens, top_k, experts, block_m): the interpreter is slow on many rows
     for num_tokens, top_k, num_experts, block_ms in sizes:
         for block_m in block_ms:
             cases[f"tokens{num_tokens}_top{top_k}_e{num_experts}_bm{block_m}"] = (
-                lambda n=num_tokens, k=top_k, e=num_experts, b=block_m: check_grouping(routed_ids(n, k, e, seed=n + b), e, b))
-    cases["empty_experts_int64"] = lambda: check_grouping(routed_ids(50, 4, 60, used=9, dtype=torch.int64), 60, 16)
-    cases["all_to_one_expert"] = lambda: check_grouping(torch.full((100, 1), 5, dtype=torch.int32), 8, 32)
-    cases["all_to_last_expert_top1"] = lambda: check_grouping(torch.full((3, 1), 127, dtype=torch.int32), 128, 16)
+                lambda n=num_tokens, k=top_k, e=num_experts, b=block_m: check_grouping(
+                    routed_ids(n, k, e, seed=n + b), e, b
+                )
+            )
+    cases["empty_experts_int64"] = lambda: check_grouping(
+        routed_ids(50, 4, 60, used=9, dtype=torch.int64), 60, 16
+    )
+    cases["all_to_one_expert"] = lambda: check_grouping(
+        torch.full((100, 1), 5, dtype=torch.int32), 8, 32
+    )
+    cases["all_to_last_expert_top1"] = lambda: check_grouping(
+        torch.full((3, 1), 127, dtype=torch.int32), 128, 16
+    )
     cases["tokens1_top1"] = lambda: check_grouping(torch.tensor([[0]], dtype=torch.int32), 128, 64)
-    cases["many_tiles_per_chunk"] = lambda: check_grouping(routed_ids(300, 8, 60, used=40, seed=3), 60, 16, max_chunks=4)
-    cases["more_chunks_than_a_tile"] = lambda: check_grouping(routed_ids(140, 8, 256, seed=4), 256, 16)
-    cases["grouping_tokens0"] = lambda: check_grouping(torch.zeros(0, 8, dtype=torch.int32), 128, 16)
+    cases["many_tiles_per_chunk"] = lambda: check_grouping(
+        routed_ids(300, 8, 60, used=40, seed=3), 60, 16, max_chunks=4
+    )
+    cases["more_chunks_than_a_tile"] = lambda: check_grouping(
+        routed_ids(140, 8, 256, seed=4), 256, 16
+    )
+    cases["grouping_tokens0"] = lambda: check_grouping(
+        torch.zeros(0, 8, dtype=torch.int32), 128, 16
+    )
     cases["block_m_1"] = lambda: check_grouping(routed_ids(20, 2, 8, seed=5), 8, 1)
     return cases
 
@@ -151,7 +205,12 @@ def test_routing_kernel_matches_select_experts(interpreter_results, case):
 def test_routing_cases_tie_at_the_boundary(interpreter_results):
     """The crafted ties matter: the integer and bf16 logits tie at the top-k boundary."""
     tied = [name for name, result in interpreter_results.items() if result.get("boundary_tie")]
-    assert {"ties_e60_top8_plain", "ties_e128_top2_renorm", "all_equal_e60_top8", "e256_top8"} <= set(tied), tied
+    assert {
+        "ties_e60_top8_plain",
+        "ties_e128_top2_renorm",
+        "all_equal_e60_top8",
+        "e256_top8",
+    } <= set(tied), tied
     assert not interpreter_results["random_e128_top8_plain"]["boundary_tie"]
     assert interpreter_results["all_equal_e60_top8"]["ids"] == [list(range(8))] * 2
 
@@ -202,15 +261,39 @@ def test_grouping_chunk_sizes():
 
 
 BAD_CALLS = [
-    (lambda: select_experts_triton(torch.randn(3), 1, True), "router_logits must be a floating-point [num_tokens, num_experts] tensor, got shape (3,)"),
-    (lambda: select_experts_triton(torch.ones(3, 4, dtype=torch.int32), 1, True), "dtype torch.int32"),
-    (lambda: select_experts_triton(torch.randn(3, 257), 1, True), "num_experts must be in [1, 256] for the routing kernel, got 257"),
-    (lambda: select_experts_triton(torch.randn(3, 4), 5, True), "top_k must be an int in [1, num_experts=4], got 5"),
-    (lambda: select_experts_triton(torch.randn(3, 4), 0, True), "top_k must be an int in [1, num_experts=4], got 0"),
-    (lambda: group_by_expert_triton(torch.zeros(3, 2), 4, 16), "topk_ids must be an int32 or int64 [num_tokens, top_k] tensor"),
+    (
+        lambda: select_experts_triton(torch.randn(3), 1, True),
+        "router_logits must be a floating-point [num_tokens, num_experts] tensor, got shape (3,)",
+    ),
+    (
+        lambda: select_experts_triton(torch.ones(3, 4, dtype=torch.int32), 1, True),
+        "dtype torch.int32",
+    ),
+    (
+        lambda: select_experts_triton(torch.randn(3, 257), 1, True),
+        "num_experts must be in [1, 256] for the routing kernel, got 257",
+    ),
+    (
+        lambda: select_experts_triton(torch.randn(3, 4), 5, True),
+        "top_k must be an int in [1, num_experts=4], got 5",
+    ),
+    (
+        lambda: select_experts_triton(torch.randn(3, 4), 0, True),
+        "top_k must be an int in [1, num_experts=4], got 0",
+    ),
+    (
+        lambda: group_by_expert_triton(torch.zeros(3, 2), 4, 16),
+        "topk_ids must be an int32 or int64 [num_tokens, top_k] tensor",
+    ),
     (lambda: group_by_expert_triton(torch.zeros(6, dtype=torch.int32), 4, 16), "got shape (6,)"),
-    (lambda: group_by_expert_triton(torch.zeros(3, 2, dtype=torch.int32), 300, 16), "num_experts must be in [1, 256] for the grouping kernels, got 300"),
-    (lambda: group_by_expert_triton(torch.zeros(3, 2, dtype=torch.int32), 4, 0), "block_m must be a positive int, got 0"),
+    (
+        lambda: group_by_expert_triton(torch.zeros(3, 2, dtype=torch.int32), 300, 16),
+        "num_experts must be in [1, 256] for the grouping kernels, got 300",
+    ),
+    (
+        lambda: group_by_expert_triton(torch.zeros(3, 2, dtype=torch.int32), 4, 0),
+        "block_m must be a positive int, got 0",
+    ),
 ]
 
 

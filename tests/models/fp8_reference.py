@@ -2,14 +2,14 @@
 block-dequantized weights, every decoder projection (and each MoE expert's) fed activations that
 are quantized per token and group of 128 channels and dequantized again. Written from the format's
 definition, without the library's quantization code."""
+
 import os
 import shutil
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
-
 from hf_reference import edit_json
+from safetensors.torch import load_file, save_file
 
 E4M3 = torch.float8_e4m3fn
 
@@ -17,7 +17,9 @@ E4M3 = torch.float8_e4m3fn
 def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[out, in] (multiples of 128) -> (e4m3 values, float32 [out/128, in/128] scales)."""
     out_features, in_features = w.shape
-    blocks = w.float().reshape(out_features // 128, 128, in_features // 128, 128).permute(0, 2, 1, 3)
+    blocks = (
+        w.float().reshape(out_features // 128, 128, in_features // 128, 128).permute(0, 2, 1, 3)
+    )
     scale = blocks.abs().amax(dim=(-1, -2)) / 448.0
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = (blocks / scale[..., None, None]).clamp(-448.0, 448.0).to(E4M3)
@@ -48,8 +50,15 @@ def write_fp8_from(src: str, dst: str) -> str:
         else:
             out[name] = t
     save_file(out, os.path.join(dst, "model.safetensors"))
-    edit_json(dst, quantization_config={"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                           "weight_block_size": [128, 128]})
+    edit_json(
+        dst,
+        quantization_config={
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128],
+        },
+    )
     return dst
 
 
@@ -57,8 +66,13 @@ def write_dequantized(src: str, dst: str) -> str:
     """Copy FP8 checkpoint ``src`` to ``dst`` in float32, each weight times its block scales."""
     shutil.copytree(src, dst, dirs_exist_ok=True)
     tensors = load_file(os.path.join(src, "model.safetensors"))
-    out = {name: dequantize_blocks(t, tensors[name + "_scale_inv"]) if name + "_scale_inv" in tensors else t.float()
-           for name, t in tensors.items() if not name.endswith("_scale_inv")}
+    out = {
+        name: dequantize_blocks(t, tensors[name + "_scale_inv"])
+        if name + "_scale_inv" in tensors
+        else t.float()
+        for name, t in tensors.items()
+        if not name.endswith("_scale_inv")
+    }
     save_file(out, os.path.join(dst, "model.safetensors"))
     edit_json(dst, quantization_config=None, torch_dtype="float32")
     return dst
@@ -74,10 +88,13 @@ def _quantized_experts(module):
         for t in range(hidden_states.shape[0]):
             for k in range(top_k_index.shape[1]):
                 e = int(top_k_index[t, k])
-                gate, up = F.linear(fake_quant_groups(hidden_states[t]), module.gate_up_proj[e]).chunk(2)
+                gate, up = F.linear(
+                    fake_quant_groups(hidden_states[t]), module.gate_up_proj[e]
+                ).chunk(2)
                 h = F.silu(gate) * up
                 out[t] += top_k_weights[t, k] * F.linear(fake_quant_groups(h), module.down_proj[e])
         return out
+
     return forward
 
 
@@ -86,7 +103,9 @@ def load_reference(dequantized: str, activations: bool = True):
     quantize their inputs per token and 128 channels (the LM head and the MoE routers do not)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(dequantized, dtype=torch.float32, attn_implementation="eager").eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        dequantized, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     if activations:
         for name, module in model.model.layers.named_modules():
             if isinstance(module, torch.nn.Linear) and not name.endswith("mlp.gate"):
@@ -96,7 +115,9 @@ def load_reference(dequantized: str, activations: bool = True):
     return model
 
 
-def reference_logprobs(model, prompt: list[int], tokens: list[int]) -> tuple[list[float], list[int], list[float]]:
+def reference_logprobs(
+    model, prompt: list[int], tokens: list[int]
+) -> tuple[list[float], list[int], list[float]]:
     """Teacher-forced on ``prompt + tokens``: at each generated position, the log-probability of
     ``tokens[j]``, the reference's argmax and its top-2 logit gap."""
     with torch.no_grad():
@@ -104,5 +125,8 @@ def reference_logprobs(model, prompt: list[int], tokens: list[int]) -> tuple[lis
     logits = logits[len(prompt) - 1 : len(prompt) - 1 + len(tokens)]
     logp = torch.log_softmax(logits, dim=-1)
     top = logits.topk(2, dim=-1).values
-    return ([float(logp[j, t]) for j, t in enumerate(tokens)], logits.argmax(-1).tolist(),
-            (top[:, 0] - top[:, 1]).tolist())
+    return (
+        [float(logp[j, t]) for j, t in enumerate(tokens)],
+        logits.argmax(-1).tolist(),
+        (top[:, 0] - top[:, 1]).tolist(),
+    )

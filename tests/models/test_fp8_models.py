@@ -4,22 +4,35 @@ transformers on the dequantized weights with per-token, per-128-channel activati
 which a weight-only reference misses by far more; ``quantization="fp8"`` on a float checkpoint
 equals the FP8 checkpoint written from it; two ranks equal one, and ``update_weights`` takes float
 or float8+scale tensors on both; Qwen3-MoE; bad formats and combinations fail before any weight loads."""
+
 import os
 import statistics
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from fp8_reference import load_reference, reference_logprobs, write_dequantized, write_fp8_from
 from hf_reference import VOCAB_SIZE, edit_json, random_prompts
+from safetensors.torch import load_file
+
 from nanovllm import LLM, SamplingParams
 from nanovllm.utils.checkpoint import make_random_checkpoint
 
-TINY = dict(vocab_size=VOCAB_SIZE, hidden_size=256, intermediate_size=256, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=128, num_hidden_layers=2, max_position_embeddings=512, bos_token_id=0,
-            eos_token_id=VOCAB_SIZE + 1, tie_word_embeddings=False)
-MOE = dict(TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128, mlp_only_layers=[1])
+TINY = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=256,
+    intermediate_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=128,
+    num_hidden_layers=2,
+    max_position_embeddings=512,
+    bos_token_id=0,
+    eos_token_id=VOCAB_SIZE + 1,
+    tie_word_embeddings=False,
+)
+MOE = dict(
+    TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128, mlp_only_layers=[1]
+)
 CPU = dict(device="cpu", kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=256)
 PROMPTS = random_prompts(11, [5, 20, 37])
 GREEDY = SamplingParams(temperature=0, max_tokens=8, logprobs=0)
@@ -31,14 +44,23 @@ TIE = 1e-4  # reference top-2 logits closer than this: either token is right
 
 
 def write(root, name: str, seed: int, quantization=None, shape="tiny", config=TINY) -> str:
-    return make_random_checkpoint(str(root / name), shape, dtype=torch.bfloat16, seed=seed, std=0.3,
-                                  quantization=quantization, **config)
+    return make_random_checkpoint(
+        str(root / name),
+        shape,
+        dtype=torch.bfloat16,
+        seed=seed,
+        std=0.3,
+        quantization=quantization,
+        **config,
+    )
 
 
 def generate(llm: LLM) -> tuple[list[list[int]], list[list[float]]]:
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    return ([o["token_ids"] for o in outputs],
-            [[entry[t] for entry, t in zip(o["logprobs"], o["token_ids"])] for o in outputs])
+    return (
+        [o["token_ids"] for o in outputs],
+        [[entry[t] for entry, t in zip(o["logprobs"], o["token_ids"])] for o in outputs],
+    )
 
 
 def logprob_errors(model, tokens, logprobs) -> list[float]:
@@ -49,7 +71,9 @@ def logprob_errors(model, tokens, logprobs) -> list[float]:
         ref, argmax, gaps = reference_logprobs(model, prompt, toks)
         for j, tok in enumerate(toks):
             if tok != argmax[j]:
-                assert gaps[j] < TIE, f"token {j} of prompt {prompt}: {tok}, reference {argmax[j]} (gap {gaps[j]:.3g})"
+                assert gaps[j] < TIE, (
+                    f"token {j} of prompt {prompt}: {tok}, reference {argmax[j]} (gap {gaps[j]:.3g})"
+                )
                 break
             errors.append(abs(lps[j] - ref[j]))
     return errors
@@ -74,7 +98,9 @@ def assert_matches_w8a8_reference(fp8: str, dequantized: str, tokens, logprobs) 
     errors = logprob_errors(load_reference(dequantized), tokens, logprobs)
     assert len(errors) >= 20
     assert statistics.median(errors) < 1e-4, errors
-    weight_only = logprob_errors_unchecked(load_reference(dequantized, activations=False), tokens, logprobs)
+    weight_only = logprob_errors_unchecked(
+        load_reference(dequantized, activations=False), tokens, logprobs
+    )
     assert statistics.median(weight_only) > 1e-2, weight_only
 
 
@@ -84,18 +110,25 @@ def test_fp8_checkpoint_matches_the_w8a8_reference(dense, tmp_path):
 
 
 def logprob_errors_unchecked(model, tokens, logprobs) -> list[float]:
-    return [abs(a - b) for prompt, toks, lps in zip(PROMPTS, tokens, logprobs)
-            for a, b in zip(lps, reference_logprobs(model, prompt, toks)[0])]
+    return [
+        abs(a - b)
+        for prompt, toks, lps in zip(PROMPTS, tokens, logprobs)
+        for a, b in zip(lps, reference_logprobs(model, prompt, toks)[0])
+    ]
 
 
 def test_quantize_at_load_equals_the_written_fp8_checkpoint(dense, tmp_path):
     bf16, fp8, expected = dense
     # make_random_checkpoint(quantization="fp8") writes the same bytes as this file's quantizer
-    library = load_file(os.path.join(write(tmp_path, "lib-fp8", seed=3, quantization="fp8"), "model.safetensors"))
+    library = load_file(
+        os.path.join(write(tmp_path, "lib-fp8", seed=3, quantization="fp8"), "model.safetensors")
+    )
     ours = load_file(os.path.join(fp8, "model.safetensors"))
     assert library.keys() == ours.keys()
     for name, t in ours.items():
-        assert library[name].dtype == t.dtype and torch.equal(library[name].view(torch.uint8), t.view(torch.uint8)), name
+        assert library[name].dtype == t.dtype and torch.equal(
+            library[name].view(torch.uint8), t.view(torch.uint8)
+        ), name
     with LLM(bf16, quantization="fp8", **CPU) as llm:
         assert generate(llm) == expected
     with LLM(fp8, quantization="fp8", **CPU) as llm:  # asking for what the checkpoint is: fine
@@ -117,11 +150,15 @@ def test_two_ranks_equal_one_and_update_weights(dense, tmp_path):
     assert other[0] != expected[0]
     with LLM(fp8, tensor_parallel_size=2, **CPU) as llm:
         assert_same(generate(llm), expected)
-        llm.update_weights(load_file(os.path.join(other_fp8, "model.safetensors")))  # float8 weights + scales
+        llm.update_weights(
+            load_file(os.path.join(other_fp8, "model.safetensors"))
+        )  # float8 weights + scales
         assert_same(generate(llm), other)
         llm.update_weights(load_file(os.path.join(fp8, "model.safetensors")).items())
         assert_same(generate(llm), expected)
-        llm.update_weights(load_file(os.path.join(other_bf16, "model.safetensors")))  # bf16: quantized on load
+        llm.update_weights(
+            load_file(os.path.join(other_bf16, "model.safetensors"))
+        )  # bf16: quantized on load
         assert_same(generate(llm), other)
 
 
@@ -132,7 +169,9 @@ def test_update_weights_refuses_float8_without_scales(dense, tmp_path):
     with LLM(fp8, **CPU) as llm:
         with pytest.raises(ValueError, match=rf"{name}.*without its scales.*{name}_scale_inv"):
             llm.update_weights({name: torch.zeros_like(tensors[name])})
-        with pytest.raises(ValueError, match=rf"scale '{name}_scale_inv'.* without its float8_e4m3fn weight"):
+        with pytest.raises(
+            ValueError, match=rf"scale '{name}_scale_inv'.* without its float8_e4m3fn weight"
+        ):
             llm.update_weights({name + "_scale_inv": tensors[name + "_scale_inv"] * 2})
         embed = "model.embed_tokens.weight"
         with pytest.raises(TypeError, match=rf"{embed}.*float8_e4m3fn.*parameter"):
@@ -163,18 +202,43 @@ def with_config(src: str, dst, **changes) -> str:
     return str(dst)
 
 
-QUANT = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+QUANT = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "activation_scheme": "dynamic",
+    "weight_block_size": [128, 128],
+}
 
 
-@pytest.mark.parametrize("changes, message", [
-    (dict(quantization_config=QUANT | {"weight_block_size": [64, 64]}), r"weight_block_size \[64, 64\].*\[128, 128\]"),
-    (dict(quantization_config=QUANT | {"quant_method": "awq"}), r"quant_method 'awq' is not supported"),
-    (dict(quantization_config=QUANT | {"activation_scheme": "static"}), r"activation_scheme 'static'"),
-    (dict(quantization_config=QUANT | {"modules_to_not_convert": ["model.layers.0.mlp.down_proj"]}),
-     r"modules_to_not_convert.*down_proj"),
-    (dict(head_dim=64, num_key_value_heads=1), r"k_proj/v_proj output \(num_key_value_heads \* head_dim\) is 64, "
-                                               r"not a multiple of 128"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (
+            dict(quantization_config=QUANT | {"weight_block_size": [64, 64]}),
+            r"weight_block_size \[64, 64\].*\[128, 128\]",
+        ),
+        (
+            dict(quantization_config=QUANT | {"quant_method": "awq"}),
+            r"quant_method 'awq' is not supported",
+        ),
+        (
+            dict(quantization_config=QUANT | {"activation_scheme": "static"}),
+            r"activation_scheme 'static'",
+        ),
+        (
+            dict(
+                quantization_config=QUANT
+                | {"modules_to_not_convert": ["model.layers.0.mlp.down_proj"]}
+            ),
+            r"modules_to_not_convert.*down_proj",
+        ),
+        (
+            dict(head_dim=64, num_key_value_heads=1),
+            r"k_proj/v_proj output \(num_key_value_heads \* head_dim\) is 64, "
+            r"not a multiple of 128",
+        ),
+    ],
+)
 def test_bad_fp8_formats_fail_before_weights_load(fp8_folder, tmp_path, changes, message):
     folder = with_config(fp8_folder, tmp_path / "bad", **changes)
     with pytest.raises(ValueError, match=message):
@@ -184,20 +248,36 @@ def test_bad_fp8_formats_fail_before_weights_load(fp8_folder, tmp_path, changes,
 def test_whole_blocks_are_accepted(fp8_folder, tmp_path):
     from nanovllm.config import Config
 
-    for i, changes in enumerate([dict(num_key_value_heads=1), dict(head_dim=64, hidden_size=128)]):  # k/v 128, q 256
-        assert Config(with_config(fp8_folder, tmp_path / str(i), **changes), **CPU).weight_quantization == "fp8"
+    for i, changes in enumerate(
+        [dict(num_key_value_heads=1), dict(head_dim=64, hidden_size=128)]
+    ):  # k/v 128, q 256
+        assert (
+            Config(with_config(fp8_folder, tmp_path / str(i), **changes), **CPU).weight_quantization
+            == "fp8"
+        )
 
 
 def test_tp_shard_inside_a_block_and_bad_quantization_values(fp8_folder, tmp_path):
     folder = with_config(fp8_folder, tmp_path / "inter384", intermediate_size=384)
-    with pytest.raises(ValueError, match=r"intermediate_size\) is 384, split over tensor_parallel_size=2 into 192"):
+    with pytest.raises(
+        ValueError, match=r"intermediate_size\) is 384, split over tensor_parallel_size=2 into 192"
+    ):
         LLM(folder, tensor_parallel_size=2, **CPU)
     bf16 = with_config(fp8_folder, tmp_path / "bf16", quantization_config=None)
     with pytest.raises(ValueError, match=r"Config.quantization must be None or 'fp8', got 'int8'"):
         LLM(bf16, quantization="int8", **CPU)
-    with pytest.raises(ValueError, match=r"weight_block_size \[64, 64\]"):  # the checkpoint's format wins
-        LLM(with_config(fp8_folder, tmp_path / "b64", quantization_config=QUANT | {"weight_block_size": [64, 64]}),
-            quantization="fp8", **CPU)
+    with pytest.raises(
+        ValueError, match=r"weight_block_size \[64, 64\]"
+    ):  # the checkpoint's format wins
+        LLM(
+            with_config(
+                fp8_folder,
+                tmp_path / "b64",
+                quantization_config=QUANT | {"weight_block_size": [64, 64]},
+            ),
+            quantization="fp8",
+            **CPU,
+        )
 
 
 def test_old_gpus_are_refused(fp8_folder, monkeypatch):
@@ -213,13 +293,23 @@ def test_old_gpus_are_refused(fp8_folder, monkeypatch):
     assert resolve_quantization(None, hf_config, 1, "cuda") == "fp8"
 
 
-@pytest.mark.parametrize("shape", ["llama3.2-1b", "qwen2.5-0.5b"])  # Qwen2: biases on q/k/v stay in float
+@pytest.mark.parametrize(
+    "shape", ["llama3.2-1b", "qwen2.5-0.5b"]
+)  # Qwen2: biases on q/k/v stay in float
 def test_llama_and_qwen2_quantized_at_load_match_the_reference(tmp_path, shape):
-    bf16 = make_random_checkpoint(str(tmp_path / shape), shape, dtype=torch.bfloat16, seed=7, std=0.3,
-                                  **(TINY | dict(tie_word_embeddings=True)))
+    bf16 = make_random_checkpoint(
+        str(tmp_path / shape),
+        shape,
+        dtype=torch.bfloat16,
+        seed=7,
+        std=0.3,
+        **(TINY | dict(tie_word_embeddings=True)),
+    )
     with LLM(bf16, quantization="fp8", **CPU) as llm:
         tokens, logprobs = generate(llm)
-    dequantized = write_dequantized(write_fp8_from(bf16, str(tmp_path / "fp8")), str(tmp_path / "dequantized"))
+    dequantized = write_dequantized(
+        write_fp8_from(bf16, str(tmp_path / "fp8")), str(tmp_path / "dequantized")
+    )
     errors = logprob_errors(load_reference(dequantized), tokens, logprobs)
     assert len(errors) >= 20 and statistics.median(errors) < 1e-4, errors  # see MEDIAN_ONLY
 
@@ -234,11 +324,15 @@ def test_a_float8_weight_and_its_scales_come_as_a_pair(fp8_folder, tmp_path):
     tensors = load_file(os.path.join(fp8_folder, "model.safetensors"))
     name = "model.layers.1.self_attn.v_proj.weight"
     cases = {
-        "no-scale": ({k: v for k, v in tensors.items() if k != name + "_scale_inv"},
-                     rf"weight '{name}' in .*no-scale is float8_e4m3fn without its scales '{name}_scale_inv'"),
-        "float-weight": (tensors | {name: tensors[name].float()},
-                         rf"scale '{name}_scale_inv' in .*float-weight comes without its float8_e4m3fn "
-                         rf"weight '{name}'"),
+        "no-scale": (
+            {k: v for k, v in tensors.items() if k != name + "_scale_inv"},
+            rf"weight '{name}' in .*no-scale is float8_e4m3fn without its scales '{name}_scale_inv'",
+        ),
+        "float-weight": (
+            tensors | {name: tensors[name].float()},
+            rf"scale '{name}_scale_inv' in .*float-weight comes without its float8_e4m3fn "
+            rf"weight '{name}'",
+        ),
     }
     for case, (changed, message) in cases.items():
         folder = with_config(fp8_folder, tmp_path / case)
@@ -246,36 +340,61 @@ def test_a_float8_weight_and_its_scales_come_as_a_pair(fp8_folder, tmp_path):
         with pytest.raises(ValueError, match=message):
             LLM(folder, **CPU)
     folder = with_config(fp8_folder, tmp_path / "two-files")
-    save_file({k: v for k, v in tensors.items() if k != name + "_scale_inv"}, os.path.join(folder, "a.safetensors"))
-    save_file({name + "_scale_inv": tensors[name + "_scale_inv"]}, os.path.join(folder, "b.safetensors"))
+    save_file(
+        {k: v for k, v in tensors.items() if k != name + "_scale_inv"},
+        os.path.join(folder, "a.safetensors"),
+    )
+    save_file(
+        {name + "_scale_inv": tensors[name + "_scale_inv"]}, os.path.join(folder, "b.safetensors")
+    )
     with LLM(folder, **CPU) as split:
         got = generate(split)
     with LLM(fp8_folder, **CPU) as whole:
         assert got == generate(whole)
 
 
-@pytest.mark.parametrize("quantization, changes, want", [
-    # (input norm, post-attention norm, SiLU-and-mul, attention output) of layer 0 / layer 1
-    ("fp8", {}, [(True, True, True, True)] * 2),
-    ("fp8", dict(head_dim=64, hidden_size=128), [(True, True, True, False)] * 2),  # a group spans 2 heads
-    (None, {}, [(False, False, False, False)] * 2),
-    ("fp8", MOE, [(True, False, None, True), (True, True, True, True)]),  # the router reads bf16 rows
-])
+@pytest.mark.parametrize(
+    "quantization, changes, want",
+    [
+        # (input norm, post-attention norm, SiLU-and-mul, attention output) of layer 0 / layer 1
+        ("fp8", {}, [(True, True, True, True)] * 2),
+        (
+            "fp8",
+            dict(head_dim=64, hidden_size=128),
+            [(True, True, True, False)] * 2,
+        ),  # a group spans 2 heads
+        (None, {}, [(False, False, False, False)] * 2),
+        (
+            "fp8",
+            MOE,
+            [(True, False, None, True), (True, True, True, True)],
+        ),  # the router reads bf16 rows
+    ],
+)
 def test_which_ops_hand_the_next_fp8_linear_its_input_quantized(quantization, changes, want):
     """The norms, SiLU-and-mul and the attention's decode output are asked to quantize exactly where
     an FP8 linear reads them: in front of q/k/v, gate/up, down and o (head_dim 128), not in front of
     a MoE block, and never in a float model."""
     import transformers
 
-    from nanovllm.quantization import building_quantized
     from nanovllm.models.registry import model_class
+    from nanovllm.quantization import building_quantized
 
-    arch, config_class = (("Qwen3MoeForCausalLM", transformers.Qwen3MoeConfig) if "num_experts" in changes
-                          else ("Qwen3ForCausalLM", transformers.Qwen3Config))
+    arch, config_class = (
+        ("Qwen3MoeForCausalLM", transformers.Qwen3MoeConfig)
+        if "num_experts" in changes
+        else ("Qwen3ForCausalLM", transformers.Qwen3Config)
+    )
     hf_config = config_class(**(TINY | changes), architectures=[arch])
     with building_quantized(quantization):
         model = model_class(hf_config)(hf_config)
-    got = [(layer.input_layernorm.quantize, layer.post_attention_layernorm.quantize,
-            layer.mlp.act_fn.quantize if hasattr(layer.mlp, "act_fn") else None, layer.self_attn.attn.quantize_output)
-           for layer in model.model.layers]
+    got = [
+        (
+            layer.input_layernorm.quantize,
+            layer.post_attention_layernorm.quantize,
+            layer.mlp.act_fn.quantize if hasattr(layer.mlp, "act_fn") else None,
+            layer.self_attn.attn.quantize_output,
+        )
+        for layer in model.model.layers
+    ]
     assert got == want

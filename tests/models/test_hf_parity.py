@@ -4,12 +4,13 @@ The reference is an independent plain transformers loop (hf_reference.HFReferenc
 tiny random Qwen3 models covering a non-default rope theta in both config styles, an explicit
 head_dim != hidden / heads, and tied and untied LM heads.
 """
+
 import shutil
 
 import pytest
 import torch
-
 from hf_reference import BLOCK_SIZE, TIE_GAP, assert_greedy_match, edit_json, mixed_prompts
+
 from nanovllm import LLM, SamplingParams
 
 CHECKPOINTS = ["ckpt_tied", "ckpt_untied"]
@@ -63,8 +64,12 @@ def test_transformers_reads_checkpoint_config(ckpt, hf_ref):
     config = model.config
     assert config.rope_parameters["rope_theta"] == ckpt.rope_theta
     head_dim = ckpt.head_dim
-    expected = 1.0 / ckpt.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    torch.testing.assert_close(model.model.rotary_emb.inv_freq.double(), expected, rtol=1e-6, atol=0)
+    expected = 1.0 / ckpt.rope_theta ** (
+        torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
+    )
+    torch.testing.assert_close(
+        model.model.rotary_emb.inv_freq.double(), expected, rtol=1e-6, atol=0
+    )
     attn = model.model.layers[0].self_attn
     assert attn.q_proj.weight.shape == (4 * head_dim, 64) and head_dim != config.hidden_size // 4
     assert attn.k_proj.weight.shape == (2 * head_dim, 64)
@@ -74,9 +79,15 @@ def test_transformers_reads_checkpoint_config(ckpt, hf_ref):
 
 def test_rope_theta_changes_reference(ckpt, hf_ref, refs, tmp_path):
     """The parity test would notice a wrong rope theta: with the usual 1e6 the reference differs."""
-    other = copy_with_config(ckpt.path, str(tmp_path / "theta"), rope_parameters=None, rope_theta=1e6)
+    other = copy_with_config(
+        ckpt.path, str(tmp_path / "theta"), rope_parameters=None, rope_theta=1e6
+    )
     prompts = mixed_prompts()
-    changed = [i for i in (8, 9, 10) if hf_ref.greedy(other, prompts[i], MAX_TOKENS[i]).tokens != refs[i].tokens]
+    changed = [
+        i
+        for i in (8, 9, 10)
+        if hf_ref.greedy(other, prompts[i], MAX_TOKENS[i]).tokens != refs[i].tokens
+    ]
     assert changed
 
 
@@ -108,7 +119,9 @@ def test_chunked_prefill_matches_transformers(ckpt_tied, hf_ref):
         seqs, is_prefill = schedule()
         if is_prefill:
             assert sum(s.num_scheduled_tokens for s in seqs) <= 64
-            chunks.extend(s.seq_id for s in seqs if s.num_cached_tokens + s.num_scheduled_tokens < len(s))
+            chunks.extend(
+                s.seq_id for s in seqs if s.num_cached_tokens + s.num_scheduled_tokens < len(s)
+            )
         return seqs, is_prefill
 
     llm.core.scheduler.schedule = recording_schedule
@@ -116,7 +129,9 @@ def test_chunked_prefill_matches_transformers(ckpt_tied, hf_ref):
         outputs = llm.generate(prompts, greedy_params(), use_tqdm=False)
     finally:
         llm.exit()
-    assert len(set(chunks)) >= 2, "max_num_batched_tokens=64 should split the 90- and 120-token prompts"
+    assert len(set(chunks)) >= 2, (
+        "max_num_batched_tokens=64 should split the 90- and 120-token prompts"
+    )
     check_outputs(outputs, prompts, refs, "chunked prefill")
 
 
@@ -157,14 +172,20 @@ def test_eos_stops_like_transformers(ckpt_tied, hf_ref, tmp_path_factory):
             break
     assert choice, "no usable EOS candidate in the reference output"
     index, stop_at, eos = choice
-    path = copy_with_config(ckpt_tied.path, str(tmp_path_factory.mktemp("qwen3-eos")), eos_token_id=eos)
+    path = copy_with_config(
+        ckpt_tied.path, str(tmp_path_factory.mktemp("qwen3-eos")), eos_token_id=eos
+    )
     refs = [hf_ref.greedy(path, p, max_tokens, stop_on_eos=True) for p in prompts]
-    assert refs[index].stopped and len(refs[index].tokens) == stop_at + 1  # the reference stops there too
+    assert (
+        refs[index].stopped and len(refs[index].tokens) == stop_at + 1
+    )  # the reference stops there too
     assert refs[index].tokens == plain[index].tokens[: stop_at + 1]
 
     llm = make_llm(path)
     try:
-        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
+        outputs = llm.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False
+        )
         check_outputs(outputs, prompts, refs, f"eos={eos}")
         out = outputs[index]
         assert out["finish_reason"] == "stop" and out["token_ids"][-1] == eos
@@ -174,10 +195,15 @@ def test_eos_stops_like_transformers(ckpt_tied, hf_ref, tmp_path_factory):
                 assert o["finish_reason"] == ("stop" if ref.stopped else "length"), f"prompts[{i}]"
 
         ignoring = llm.generate(
-            prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False
+            prompts,
+            SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+            use_tqdm=False,
         )
         check_outputs(ignoring, prompts, plain, "ignore_eos")
-        assert ignoring[index]["finish_reason"] == "length" and len(ignoring[index]["token_ids"]) == max_tokens
+        assert (
+            ignoring[index]["finish_reason"] == "length"
+            and len(ignoring[index]["token_ids"]) == max_tokens
+        )
         assert ignoring[index]["token_ids"][stop_at] == eos
     finally:
         llm.exit()

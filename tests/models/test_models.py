@@ -3,37 +3,71 @@ Face transformers token for token (CPU, float32) for Qwen2 (q/k/v biases), Llama
 RoPE scaling, tied and untied heads) and Qwen3-MoE (several experts per token, ``norm_topk_prob``
 true and false, a dense layer in ``mlp_only_layers``), through chunked prefill, preemption and
 prefix-cache hits; the MoE also over two CPU ranks. Plus the expert loading and ``load_format="dummy"``."""
+
 import json
 import os
 
 import pytest
 import torch
+from hf_reference import BLOCK_SIZE, VOCAB_SIZE, assert_greedy_match, mixed_prompts
 from safetensors.torch import load_file, save_file
 
-from hf_reference import BLOCK_SIZE, VOCAB_SIZE, assert_greedy_match, mixed_prompts
 from nanovllm import LLM, SamplingParams
 from nanovllm.utils.checkpoint import make_random_checkpoint
 
 MAX_TOKENS = 12
-TINY = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=32, num_hidden_layers=3, max_position_embeddings=512, bos_token_id=0, eos_token_id=VOCAB_SIZE + 1)
-LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                   original_max_position_embeddings=64)  # wavelengths of 16-64 positions are blended
+TINY = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=96,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    num_hidden_layers=3,
+    max_position_embeddings=512,
+    bos_token_id=0,
+    eos_token_id=VOCAB_SIZE + 1,
+)
+LLAMA3_ROPE = dict(
+    rope_type="llama3",
+    factor=8.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=64,
+)  # wavelengths of 16-64 positions are blended
 VARIANTS = {
     "qwen2": dict(shape="qwen2.5-0.5b", tie_word_embeddings=True),
     "llama_tied": dict(shape="llama3.2-1b", tie_word_embeddings=True, rope_scaling=LLAMA3_ROPE),
-    "llama_untied": dict(shape="llama3.2-1b", tie_word_embeddings=False, rope_scaling=LLAMA3_ROPE, rope_theta=10000.0),
-    "moe_norm_topk": dict(shape="qwen3-30b-a3b", num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
-                          norm_topk_prob=True, mlp_only_layers=[1], tie_word_embeddings=False),
-    "moe_plain_topk": dict(shape="qwen3-30b-a3b", num_experts=6, num_experts_per_tok=2, moe_intermediate_size=48,
-                           norm_topk_prob=False, mlp_only_layers=[0], tie_word_embeddings=True),
+    "llama_untied": dict(
+        shape="llama3.2-1b", tie_word_embeddings=False, rope_scaling=LLAMA3_ROPE, rope_theta=10000.0
+    ),
+    "moe_norm_topk": dict(
+        shape="qwen3-30b-a3b",
+        num_experts=8,
+        num_experts_per_tok=3,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],
+        tie_word_embeddings=False,
+    ),
+    "moe_plain_topk": dict(
+        shape="qwen3-30b-a3b",
+        num_experts=6,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        norm_topk_prob=False,
+        mlp_only_layers=[0],
+        tie_word_embeddings=True,
+    ),
 }
 
 
 def build(root, name: str) -> str:
     variant = dict(VARIANTS[name])
     path = str(root / name)
-    return make_random_checkpoint(path, variant.pop("shape"), dtype=torch.float32, seed=3, std=0.3, **(TINY | variant))
+    return make_random_checkpoint(
+        path, variant.pop("shape"), dtype=torch.float32, seed=3, std=0.3, **(TINY | variant)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -45,13 +79,18 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
 def make_llm(path: str, **kwargs) -> LLM:
     # the CPU even where a GPU exists: float32 there is exact enough for TIE_GAP (the GPU's fused MoE
     # kernel is checked against the torch reference in tests/layers/test_fused_moe.py)
-    kwargs = dict(device="cpu", kvcache_block_size=BLOCK_SIZE, num_kvcache_blocks=256, max_model_len=256) | kwargs
+    kwargs = (
+        dict(device="cpu", kvcache_block_size=BLOCK_SIZE, num_kvcache_blocks=256, max_model_len=256)
+        | kwargs
+    )
     return LLM(path, **kwargs)
 
 
 def check(outputs, prompts, path, hf_ref, what):
     for i, (out, prompt) in enumerate(zip(outputs, prompts)):
-        assert_greedy_match(out["token_ids"], hf_ref.greedy(path, prompt, MAX_TOKENS), f"{what}: prompt {i}")
+        assert_greedy_match(
+            out["token_ids"], hf_ref.greedy(path, prompt, MAX_TOKENS), f"{what}: prompt {i}"
+        )
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
@@ -71,7 +110,9 @@ def test_greedy_matches_transformers(name, checkpoints, hf_ref):
     with make_llm(path) as llm:
         first = llm.generate(prompts, params, use_tqdm=False)
         again = llm.generate(prompts, params, use_tqdm=False)
-    assert [o["num_cached_tokens"] for o in again] == [BLOCK_SIZE * ((len(p) - 1) // BLOCK_SIZE) for p in prompts]
+    assert [o["num_cached_tokens"] for o in again] == [
+        BLOCK_SIZE * ((len(p) - 1) // BLOCK_SIZE) for p in prompts
+    ]
     check(first, prompts, path, hf_ref, name)
     assert [o["token_ids"] for o in again] == [o["token_ids"] for o in first]
 
@@ -83,7 +124,11 @@ def test_transformers_sees_the_variants(checkpoints, hf_ref):
     llama = hf_ref.model(checkpoints["llama_tied"])
     assert llama.config.rope_parameters["rope_type"] == "llama3"
     moe = hf_ref.model(checkpoints["moe_norm_topk"]).model.layers
-    assert hasattr(moe[0].mlp, "experts") and not hasattr(moe[1].mlp, "experts") and hasattr(moe[2].mlp, "experts")
+    assert (
+        hasattr(moe[0].mlp, "experts")
+        and not hasattr(moe[1].mlp, "experts")
+        and hasattr(moe[2].mlp, "experts")
+    )
     assert moe[0].mlp.gate.top_k == 3 and moe[0].mlp.gate.norm_topk_prob
 
 
@@ -101,8 +146,11 @@ def test_llama3_rope_scaling_changes_the_reference(checkpoints, hf_ref, tmp_path
     with open(os.path.join(plain, "config.json"), "w") as f:
         json.dump(config, f)
     prompts = mixed_prompts()
-    assert any(hf_ref.greedy(plain, prompts[i], MAX_TOKENS).tokens != hf_ref.greedy(path, prompts[i], MAX_TOKENS).tokens
-               for i in (8, 9, 10))
+    assert any(
+        hf_ref.greedy(plain, prompts[i], MAX_TOKENS).tokens
+        != hf_ref.greedy(path, prompts[i], MAX_TOKENS).tokens
+        for i in (8, 9, 10)
+    )
 
 
 def test_moe_tp2_matches_tp1_and_transformers(checkpoints, hf_ref):
@@ -126,8 +174,11 @@ def test_unsupported_architecture_is_refused_before_loading(checkpoints, tmp_pat
     config.update(architectures=["MistralForCausalLM"], model_type="mistral")
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)  # and no weights: the architecture must be the first complaint
-    with pytest.raises(ValueError, match=r"'MistralForCausalLM' is not supported; supported: Qwen3ForCausalLM, "
-                                         r"Qwen3MoeForCausalLM, Qwen2ForCausalLM, LlamaForCausalLM"):
+    with pytest.raises(
+        ValueError,
+        match=r"'MistralForCausalLM' is not supported; supported: Qwen3ForCausalLM, "
+        r"Qwen3MoeForCausalLM, Qwen2ForCausalLM, LlamaForCausalLM",
+    ):
         LLM(path)
 
 
@@ -170,8 +221,14 @@ def test_expert_weights_load_per_expert_or_fused(checkpoints, tmp_path):
     ref = load_file(os.path.join(path, "model.safetensors"))
     assert torch.equal(gate[4, 48:], ref["model.layers.1.mlp.experts.4.up_proj.weight"])
 
-    missing = rewrite_weights(path, str(tmp_path / "missing"), lambda t: t.pop("model.layers.2.mlp.experts.5.up_proj.weight"))
-    with pytest.raises(ValueError, match=r"lacks weights for: model\.layers\.2\.mlp\.experts\.5\.up_proj\.weight"):
+    missing = rewrite_weights(
+        path,
+        str(tmp_path / "missing"),
+        lambda t: t.pop("model.layers.2.mlp.experts.5.up_proj.weight"),
+    )
+    with pytest.raises(
+        ValueError, match=r"lacks weights for: model\.layers\.2\.mlp\.experts\.5\.up_proj\.weight"
+    ):
         make_llm(missing)
 
 

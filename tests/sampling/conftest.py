@@ -1,8 +1,7 @@
-"""The next-token logits of the tiny tied checkpoint that the sampling tests draw from.
-"""
+"""The next-token logits of the tiny tied checkpoint that the sampling tests draw from."""
+
 import pytest
 import torch
-
 from hf_reference import random_prompts
 
 

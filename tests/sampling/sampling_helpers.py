@@ -8,6 +8,7 @@ drawn per level and the level's share of the draws (a chi-square test at p = 1e-
 sequence of seeds, so a run is deterministic). Also sequences sampled the engine's way
 (``make_sampling_batch``, then the Sampler).
 """
+
 from collections import Counter
 from dataclasses import dataclass
 from random import Random
@@ -20,7 +21,6 @@ from nanovllm.sampling import Sampler, SamplingBatch, torch_ops
 from nanovllm.sampling.batch import NUM_CANDIDATES, make_sampling_batch
 from nanovllm.sampling_params import SamplingParams
 
-
 NUM_DRAWS = 4000
 P_VALUE = 1e-3  # a chi-square p-value below this fails
 MIN_EXPECTED = 5  # draws expected per chi-square bin at least (smaller levels are merged)
@@ -29,7 +29,9 @@ MARGIN = 1e-4  # a filter threshold must be this far from every token's value (l
 
 def seed_tensor(n: int, seed: int) -> torch.Tensor:
     """``n`` draw seeds in [0, 2**32), a fixed sequence for each ``seed``."""
-    return torch.randint(0, 1 << 32, (n,), generator=torch.Generator().manual_seed(seed), dtype=torch.int64)
+    return torch.randint(
+        0, 1 << 32, (n,), generator=torch.Generator().manual_seed(seed), dtype=torch.int64
+    )
 
 
 # ---- the reference: which tokens a filtered draw may return, and how often ---------------------
@@ -71,8 +73,12 @@ def reference(
     sizes = {"support": int(keep.sum())}
     if min_p > 0:
         log_ratio = xs - xs[0]
-        near = keep & ((log_ratio - torch.log(torch.tensor(min_p, dtype=torch.float64))).abs() < MARGIN)
-        assert not near.any(), f"min_p={min_p} is within {MARGIN} of a token's probability ratio: pick another"
+        near = keep & (
+            (log_ratio - torch.log(torch.tensor(min_p, dtype=torch.float64))).abs() < MARGIN
+        )
+        assert not near.any(), (
+            f"min_p={min_p} is within {MARGIN} of a token's probability ratio: pick another"
+        )
         keep &= log_ratio >= torch.log(torch.tensor(min_p, dtype=torch.float64))
         sizes["min_p"] = int(keep.sum())
     if top_k > 0:
@@ -83,7 +89,9 @@ def reference(
         q = q / q.sum()
         before = q.cumsum(0) - q
         near = keep & ((before - top_p).abs() < MARGIN)
-        assert not near.any(), f"top_p={top_p} is within {MARGIN} of a token's cumulative mass: pick another"
+        assert not near.any(), (
+            f"top_p={top_p} is within {MARGIN} of a token's cumulative mass: pick another"
+        )
         keep &= before < top_p
         sizes["top_p"] = int(keep.sum())
     kept_mass = float(p[keep].sum())
@@ -143,8 +151,15 @@ def check_draws(tokens: torch.Tensor, expected: Expected, what: str) -> None:
     )
 
 
-def filtered_draws(row: torch.Tensor, seeds: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
-                   min_p: float = 0.0, beside_top_p: bool = False) -> torch.Tensor:
+def filtered_draws(
+    row: torch.Tensor,
+    seeds: torch.Tensor,
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    beside_top_p: bool = False,
+) -> torch.Tensor:
     """``sample_filtered`` on copies of ``row``, one per seed, with the candidates the engine would use:
     for a top-k row, top_k of them and no vocabulary pass, unless ``beside_top_p`` (the batch also
     holds a row without top-k); else NUM_CANDIDATES."""
@@ -152,13 +167,20 @@ def filtered_draws(row: torch.Tensor, seeds: torch.Tensor, temperature: float, t
     logits = row.unsqueeze(0).repeat(n, 1)
     all_top_k = top_k > 0 and not beside_top_p
     return torch_ops.sample_filtered(
-        logits, torch.full((n,), temperature), seeds, torch.full((n,), top_k), torch.full((n,), top_p),
+        logits,
+        torch.full((n,), temperature),
+        seeds,
+        torch.full((n,), top_k),
+        torch.full((n,), top_p),
         torch.full((n,), min_p) if min_p > 0 else None,
-        top_k if all_top_k else max(top_k, NUM_CANDIDATES), all_top_k,
+        top_k if all_top_k else max(top_k, NUM_CANDIDATES),
+        all_top_k,
     )
 
 
-def seq_with(params: SamplingParams, num_completion: int = 0, prompt: list[int] | None = None) -> Sequence:
+def seq_with(
+    params: SamplingParams, num_completion: int = 0, prompt: list[int] | None = None
+) -> Sequence:
     """A sequence with ``num_completion`` generated tokens (100, 101, ...)."""
     seq = Sequence(prompt or [1, 2, 3], params, block_size=16)
     for t in range(num_completion):

@@ -2,10 +2,11 @@
 selects from the exact cumulative distribution, so draws follow softmax(logits / T); greedy rows take
 the argmax; a row draws the same token alone, in any batch and in any group of rows; the sampler's
 CPU path is this draw."""
+
 import pytest
 import torch
-
 from sampling_helpers import NUM_DRAWS, check_draws, reference, sample_seqs, seed_tensor, seq_with
+
 from nanovllm.engine.step import draw_seed
 from nanovllm.sampling import torch_ops
 from nanovllm.sampling_params import SamplingParams
@@ -36,7 +37,11 @@ def test_distribution_of_model_rows(model_logits, temperature):
     masked[masked.topk(3).indices] = float("-inf")
     seeds = torch.tensor([draw_seed(4321, step) for step in range(NUM_DRAWS)])
     for j, row in enumerate([*model_logits, masked]):
-        check_draws(draws_of(row, temperature, seeds), reference(row, temperature), f"row {j}, T={temperature}")
+        check_draws(
+            draws_of(row, temperature, seeds),
+            reference(row, temperature),
+            f"row {j}, T={temperature}",
+        )
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.4])
@@ -64,7 +69,9 @@ def test_the_token_is_where_the_uniform_falls_in_the_cumulative_distribution():
             if (cdf - u).abs().min() < 1e-9:
                 continue
             want = int(torch.searchsorted(cdf, torch.tensor([u], dtype=torch.float64), right=True))
-            assert token == want, f"vocab {vocab}, seed {seed}: u={u} falls on token {want}, drew {token}"
+            assert token == want, (
+                f"vocab {vocab}, seed {seed}: u={u} falls on token {want}, drew {token}"
+            )
             checked += 1
         assert checked > 2900
 
@@ -98,7 +105,12 @@ def test_a_row_draws_the_same_token_alone_and_in_any_batch():
     temps = torch.tensor([0.7, 1.0, 0.0, 1.3, 0.9, 1.0, 0.0, 0.5, 2.0, 1.0, 0.8])
     seeds = seed_tensor(11, 21)
     batch = torch_ops.cdf_draw(logits, temps, seeds)
-    alone = torch.cat([torch_ops.cdf_draw(logits[i : i + 1], temps[i : i + 1], seeds[i : i + 1]) for i in range(11)])
+    alone = torch.cat(
+        [
+            torch_ops.cdf_draw(logits[i : i + 1], temps[i : i + 1], seeds[i : i + 1])
+            for i in range(11)
+        ]
+    )
     assert torch.equal(batch, alone), (batch.tolist(), alone.tolist())
     order = torch.randperm(11, generator=g)
     permuted = torch_ops.cdf_draw(logits[order], temps[order], seeds[order])

@@ -2,19 +2,19 @@
 them, and the Triton draw against the torch one under the Triton interpreter (one subprocess: this
 file run as a script, TRITON_INTERPRET=1 being needed before triton is imported).
 """
+
 import importlib.util
 import json
 from dataclasses import replace
 
 import pytest
 import torch
-
 from sampling_helpers import NUM_DRAWS, check_draws, reference, sample_seqs, seed_tensor, seq_with
 from triton_interpreter import results_under_interpreter, run_cases, squeeze_interpreter_loop_bounds
+
 from nanovllm.engine.step import draw_seed
 from nanovllm.sampling import torch_ops
 from nanovllm.sampling_params import SamplingParams
-
 
 TIE_GAP = 1e-5  # Triton vs torch: two tokens' Gumbel scores this close are a rounding near-tie
 
@@ -72,7 +72,9 @@ def test_tiny_temperature_draws_the_argmax(temperature):
     for seed in range(20):
         seqs = [seq_with(SamplingParams(temperature=temperature, seed=seed)) for _ in range(2)]
         got = sample_seqs(seqs, logits).token_ids.tolist()
-        assert got == want, f"T={temperature}, seed {seed}: drew {got}, the argmax is {want} (probability 1)"
+        assert got == want, (
+            f"T={temperature}, seed {seed}: drew {got}, the argmax is {want} (probability 1)"
+        )
 
 
 # ---- seeds ------------------------------------------------------------------------------------------
@@ -105,7 +107,9 @@ def test_seeded_row_independent_of_batch(target):
     g = torch.Generator().manual_seed(12)
     target_logits = 2.0 * torch.randn(VOCAB, generator=g)
     others = 2.0 * torch.randn(len(OTHER_ROWS), VOCAB, generator=g)
-    copies = [seq_with(replace(SEEDED_TARGETS[target], seed=s * 7919), s % 4) for s in range(NUM_SEEDS)]
+    copies = [
+        seq_with(replace(SEEDED_TARGETS[target], seed=s * 7919), s % 4) for s in range(NUM_SEEDS)
+    ]
     alone = [int(sample_seqs([seq], target_logits.unsqueeze(0)).token_ids[0]) for seq in copies]
     assert len(set(alone)) > 10, f"{target}: the draws hardly vary with the seed: {alone}"
     together = sample_seqs(copies, target_logits.repeat(NUM_SEEDS, 1)).token_ids.tolist()
@@ -115,7 +119,9 @@ def test_seeded_row_independent_of_batch(target):
     for j in range(2 * NUM_SEEDS):
         entries.append((seq_with(OTHER_ROWS[j % len(OTHER_ROWS)], 3), others[j % len(OTHER_ROWS)]))
     order = torch.randperm(len(entries), generator=g).tolist()
-    out = sample_seqs([entries[i][0] for i in order], torch.stack([entries[i][1] for i in order])).token_ids
+    out = sample_seqs(
+        [entries[i][0] for i in order], torch.stack([entries[i][1] for i in order])
+    ).token_ids
     scattered = [int(out[order.index(k)]) for k in range(NUM_SEEDS)]
     assert scattered == alone, (
         f"{target}: copies scattered among other rows draw {scattered}, alone {alone}; differing copies "
@@ -133,8 +139,16 @@ def test_draw_seed_range_and_spread():
 # ---- the Triton draw under the interpreter ----------------------------------------------------------
 
 
-def triton_case(vocab: int, dtype: torch.dtype, seed: int, rows_per_temperature: int = 6, stride_pad: int = 0,
-                ties: bool = False, shift: float = 0.0, chunk_blocks: int | None = None) -> dict:
+def triton_case(
+    vocab: int,
+    dtype: torch.dtype,
+    seed: int,
+    rows_per_temperature: int = 6,
+    stride_pad: int = 0,
+    ties: bool = False,
+    shift: float = 0.0,
+    chunk_blocks: int | None = None,
+) -> dict:
     """``triton_draw.gumbel_argmax`` against ``torch_ops.gumbel_argmax`` on the same inputs
     (logits around ``shift``); a differing token is a near-tie when the two tokens' Gumbel scores are
     within TIE_GAP. ``chunk_blocks``: programs of that many BLOCKs each (default: the kernel's CHUNK),
@@ -169,7 +183,9 @@ def triton_case(vocab: int, dtype: torch.dtype, seed: int, rows_per_temperature:
             near_ties += 1
         else:
             mismatches.append(dict(row=i, temperature=t, triton=a, torch=b, score_gap=gap))
-    return dict(rows=n, near_ties=near_ties, mismatches=mismatches, distinct=len(set(want.tolist())))
+    return dict(
+        rows=n, near_ties=near_ties, mismatches=mismatches, distinct=len(set(want.tolist()))
+    )
 
 
 def triton_skip_case(chunk_blocks: int | None = None) -> dict:
@@ -189,7 +205,9 @@ def triton_skip_case(chunk_blocks: int | None = None) -> dict:
     return dict(returned_out=got is out, out=out.tolist(), want=want.tolist())
 
 
-def triton_sharded_case(vocab: int, shards: int, seed: int, chunk_blocks: int | None = None) -> dict:
+def triton_sharded_case(
+    vocab: int, shards: int, seed: int, chunk_blocks: int | None = None
+) -> dict:
     """Tensor parallelism's draw: each share of the vocabulary's chunk winners (``gumbel_parts``
     with its first id), stacked in rank order, then ``best_of_parts``, against ``gumbel_argmax`` over
     the whole row. Equal maxima sit in different shares, and some rows are skipped."""
@@ -202,17 +220,29 @@ def triton_sharded_case(vocab: int, shards: int, seed: int, chunk_blocks: int | 
     logits[:4, [3, share + 3, vocab - 1]] = 30.0  # greedy rows: the lowest id of equal maxima wins
     seeds = seed_tensor(n, seed)
     chunk = triton_draw.BLOCK * chunk_blocks if chunk_blocks else triton_draw.CHUNK
-    parts = torch.stack([triton_draw.gumbel_parts(logits[:, r * share : (r + 1) * share], temps, seeds, r * share,
-                                                  chunk) for r in range(shards)])
+    parts = torch.stack(
+        [
+            triton_draw.gumbel_parts(
+                logits[:, r * share : (r + 1) * share], temps, seeds, r * share, chunk
+            )
+            for r in range(shards)
+        ]
+    )
     got = triton_draw.best_of_parts(parts, temps, vocab, torch.full((n,), -7, dtype=torch.int64))
-    want = triton_draw.gumbel_argmax(logits, temps, seeds, out=torch.full((n,), -7, dtype=torch.int64), chunk=chunk)
+    want = triton_draw.gumbel_argmax(
+        logits, temps, seeds, out=torch.full((n,), -7, dtype=torch.int64), chunk=chunk
+    )
     return dict(got=got.tolist(), want=want.tolist(), distinct=len(set(want.tolist())))
 
 
 TRITON_SHARDED_CASES = {
     "sharded_two_ranks": lambda: triton_sharded_case(5000, 2, 40),
-    "sharded_two_ranks_chunks_of_one_block": lambda: triton_sharded_case(10000, 2, 41, chunk_blocks=1),
-    "sharded_four_ranks_chunks_of_one_block": lambda: triton_sharded_case(9000, 4, 42, chunk_blocks=1),
+    "sharded_two_ranks_chunks_of_one_block": lambda: triton_sharded_case(
+        10000, 2, 41, chunk_blocks=1
+    ),
+    "sharded_four_ranks_chunks_of_one_block": lambda: triton_sharded_case(
+        9000, 4, 42, chunk_blocks=1
+    ),
 }
 
 TRITON_CASES = {
@@ -227,10 +257,15 @@ TRITON_CASES = {
     "float32_vocab3000_all_negative": lambda: triton_case(3000, torch.float32, 27, shift=-60.0),
     "float32_qwen3_vocab": lambda: triton_case(151936, torch.float32, 26, rows_per_temperature=1),
     # a row over several programs: ties across chunks (5 and 5 + BLOCK) and a short last chunk
-    "float32_vocab4100_ties_chunks_of_one_block": lambda: triton_case(4100, torch.float32, 28, ties=True, chunk_blocks=1),
+    "float32_vocab4100_ties_chunks_of_one_block": lambda: triton_case(
+        4100, torch.float32, 28, ties=True, chunk_blocks=1
+    ),
     "bfloat16_vocab5000_strided_chunks_of_two_blocks": lambda: triton_case(
-        5000, torch.bfloat16, 29, stride_pad=13, chunk_blocks=2),
-    "float32_vocab3000_all_negative_chunks": lambda: triton_case(3000, torch.float32, 31, shift=-60.0, chunk_blocks=1),
+        5000, torch.bfloat16, 29, stride_pad=13, chunk_blocks=2
+    ),
+    "float32_vocab3000_all_negative_chunks": lambda: triton_case(
+        3000, torch.float32, 31, shift=-60.0, chunk_blocks=1
+    ),
 }
 
 
@@ -263,7 +298,9 @@ def test_triton_gumbel_argmax_matches_torch(triton_results, case):
     (Gumbel scores within TIE_GAP), a greedy row never."""
     result = triton_results[case]
     assert "error" not in result, result["error"]
-    assert not result["mismatches"], f"{case}: Triton and torch draw different tokens: {result['mismatches']}"
+    assert not result["mismatches"], (
+        f"{case}: Triton and torch draw different tokens: {result['mismatches']}"
+    )
     assert result["distinct"] >= 3, f"{case}: the rows hardly differ: {result}"
 
 

@@ -4,10 +4,18 @@ thousands of draws. Each setting is picked so that every filter removes tokens, 
 thresholds (a float32 rounding cannot move a token across). Also the Sampler on a batch of
 filtered, plain and greedy rows.
 """
+
 import pytest
 import torch
+from sampling_helpers import (
+    NUM_DRAWS,
+    Expected,
+    check_draws,
+    filtered_draws,
+    reference,
+    seed_tensor,
+)
 
-from sampling_helpers import NUM_DRAWS, Expected, check_draws, filtered_draws, reference, seed_tensor
 from nanovllm.sampling import Filters, Sampler, SamplingBatch
 from nanovllm.sampling.batch import NUM_CANDIDATES
 
@@ -39,10 +47,14 @@ MODEL_SETTINGS = {
 
 def assert_filters_bite(expected: Expected, what: str) -> None:
     """Each filter that is on removes tokens, so a wrong filter changes the allowed set."""
-    assert expected.num_kept < expected.support, f"{what}: the filters keep all {expected.support} tokens"
+    assert expected.num_kept < expected.support, (
+        f"{what}: the filters keep all {expected.support} tokens"
+    )
     sizes = list(expected.stage_sizes.items())
     for (before_name, before), (name, after) in zip(sizes, sizes[1:]):
-        assert after < before, f"{what}: {name} keeps all {before} tokens left by {before_name}; pick a tighter one"
+        assert after < before, (
+            f"{what}: {name} keeps all {before} tokens left by {before_name}; pick a tighter one"
+        )
 
 
 @pytest.mark.parametrize("setting", list(MODEL_SETTINGS))
@@ -69,7 +81,8 @@ TIE_SETTINGS = {
 
 @pytest.mark.parametrize(
     "setting,beside_top_p",
-    [(name, False) for name in TIE_SETTINGS] + [(name, True) for name, p in TIE_SETTINGS.items() if p.get("top_k")],
+    [(name, False) for name in TIE_SETTINGS]
+    + [(name, True) for name, p in TIE_SETTINGS.items() if p.get("top_k")],
 )
 def test_filtered_draws_with_ties(setting, beside_top_p):
     """Top-k rows also as in a batch that holds a row without top-k (NUM_CANDIDATES candidates out of
@@ -79,7 +92,9 @@ def test_filtered_draws_with_ties(setting, beside_top_p):
     what = f"tie row, {params}" + (", beside a top-p row" if beside_top_p else "")
     expected = reference(row, **params)
     assert_filters_bite(expected, what)
-    tokens = filtered_draws(row, seed_tensor(NUM_DRAWS, len(setting)), **params, beside_top_p=beside_top_p)
+    tokens = filtered_draws(
+        row, seed_tensor(NUM_DRAWS, len(setting)), **params, beside_top_p=beside_top_p
+    )
     check_draws(tokens, expected, what)
 
 

@@ -1,24 +1,26 @@
 """``make_sampling_batch`` on real sequences (the engine's rows, EOS added to the min_tokens
 ids), and the rows' ``plain`` flag: steps the fused draw serves by itself.
 """
+
 from random import Random
 
 import pytest
 import torch
-
 from sampling_helpers import make_batch, seq_with
+
 from nanovllm.engine.sequence import Sequence, request_sequences
 from nanovllm.engine.step import draw_seed, sampling_rows
 from nanovllm.sampling.batch import NUM_CANDIDATES
 from nanovllm.sampling_params import SamplingParams
-
 
 # ---- make_sampling_batch ----------------------------------------------------------------------------
 
 EOS = 0
 
 
-def request_seqs(prompt: list[int], params: SamplingParams, completion: list[int]) -> list[Sequence]:
+def request_seqs(
+    prompt: list[int], params: SamplingParams, completion: list[int]
+) -> list[Sequence]:
     """The sequences of one request, EOS added to the min_tokens ids as the engine does, with
     ``completion`` generated already."""
     seqs = request_sequences(0, prompt, params, block_size=16, eos_token_ids=[EOS])
@@ -38,17 +40,50 @@ def test_make_sampling_batch_mixed():
     vocab = 1000
     seqs = [
         # 0: seeded, top-p (top_k -1 = off), below min_tokens: suppresses 7 and EOS, not 5000 (past the vocabulary)
-        *request_seqs([1, 2, 3, 2], SamplingParams(temperature=0.7, top_k=-1, top_p=0.9, seed=5, min_tokens=3,
-                                                   stop_token_ids=[7, 5000], logprobs=2), [4]),
+        *request_seqs(
+            [1, 2, 3, 2],
+            SamplingParams(
+                temperature=0.7,
+                top_k=-1,
+                top_p=0.9,
+                seed=5,
+                min_tokens=3,
+                stop_token_ids=[7, 5000],
+                logprobs=2,
+            ),
+            [4],
+        ),
         # 1: greedy with a repetition penalty, min_tokens reached: nothing suppressed; top_k ignored (greedy)
-        *request_seqs([8, 8], SamplingParams(temperature=0.0, repetition_penalty=1.2, min_tokens=1, top_k=3), [5]),
+        *request_seqs(
+            [8, 8],
+            SamplingParams(temperature=0.0, repetition_penalty=1.2, min_tokens=1, top_k=3),
+            [5],
+        ),
         # 2: plain, presence and frequency penalties
-        *request_seqs([9], SamplingParams(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.3), [6, 6, 1]),
+        *request_seqs(
+            [9],
+            SamplingParams(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.3),
+            [6, 6, 1],
+        ),
         # 3, 4: n=2, seeds 10 and 11; top-k and min-p; ignore_eos: nothing suppressed
-        *request_seqs([3], SamplingParams(temperature=1.2, top_k=40, min_p=0.1, seed=10, n=2, min_tokens=5,
-                                          ignore_eos=True, logprobs=5), [2, 2]),
+        *request_seqs(
+            [3],
+            SamplingParams(
+                temperature=1.2,
+                top_k=40,
+                min_p=0.1,
+                seed=10,
+                n=2,
+                min_tokens=5,
+                ignore_eos=True,
+                logprobs=5,
+            ),
+            [2, 2],
+        ),
         # 5: seeded plain, min_tokens without stop ids: EOS suppressed
-        *request_seqs([4, 4, 4], SamplingParams(temperature=0.5, seed=123, logprobs=0, min_tokens=1), []),
+        *request_seqs(
+            [4, 4, 4], SamplingParams(temperature=0.5, seed=123, logprobs=0, min_tokens=1), []
+        ),
     ]
     batch = make_batch(seqs, vocab)
     assert batch.temperatures.dtype == torch.float32
@@ -102,7 +137,10 @@ def test_make_sampling_batch_all_greedy():
 )
 def test_make_sampling_batch_candidates(top_ks, vocab, num_candidates, all_top_k):
     """Enough candidates for every top-k, never more than the vocabulary."""
-    seqs = [seq_with(SamplingParams(temperature=1.0, top_k=k, top_p=0.9 if k == 0 else 1.0)) for k in top_ks]
+    seqs = [
+        seq_with(SamplingParams(temperature=1.0, top_k=k, top_p=0.9 if k == 0 else 1.0))
+        for k in top_ks
+    ]
     f = make_batch(seqs, vocab).filters
     assert f.top_k.tolist() == [min(k, vocab) for k in top_ks]
     assert (f.num_candidates, f.all_top_k) == (num_candidates, all_top_k)
@@ -130,7 +168,9 @@ def test_plain_sampling_temperatures_and_seeds():
     ]
     temperatures, seeds = plain_sampling(seqs)
     assert temperatures == pytest.approx([0.0, 0.8, 1.5, 0.6, 0.6])
-    assert seeds[1] == draw_seed(9, 2) and seeds[3] == draw_seed(4, 1) and seeds[4] == draw_seed(5, 1)
+    assert (
+        seeds[1] == draw_seed(9, 2) and seeds[3] == draw_seed(4, 1) and seeds[4] == draw_seed(5, 1)
+    )
     assert all(isinstance(s, int) and 0 <= s < 1 << 32 for s in seeds)
     batch = make_batch(seqs, 1000)
     assert batch.seeds[[1, 3, 4]].tolist() == [seeds[1], seeds[3], seeds[4]]
@@ -138,18 +178,23 @@ def test_plain_sampling_temperatures_and_seeds():
     assert batch.filters is None and batch.penalties is None and batch.suppress is None
 
 
-@pytest.mark.parametrize("params, completion", [
-    (SamplingParams(temperature=0.7, top_p=0.9), []),
-    (SamplingParams(temperature=0.7, top_k=5), []),
-    (SamplingParams(temperature=0.7, min_p=0.1), []),
-    (SamplingParams(temperature=0.0, repetition_penalty=1.1), []),
-    (SamplingParams(temperature=0.7, presence_penalty=0.2), []),
-    (SamplingParams(temperature=0.7, logprobs=0), []),
-    (SamplingParams(temperature=0.7, min_tokens=2), [5]),
-])
+@pytest.mark.parametrize(
+    "params, completion",
+    [
+        (SamplingParams(temperature=0.7, top_p=0.9), []),
+        (SamplingParams(temperature=0.7, top_k=5), []),
+        (SamplingParams(temperature=0.7, min_p=0.1), []),
+        (SamplingParams(temperature=0.0, repetition_penalty=1.1), []),
+        (SamplingParams(temperature=0.7, presence_penalty=0.2), []),
+        (SamplingParams(temperature=0.7, logprobs=0), []),
+        (SamplingParams(temperature=0.7, min_tokens=2), [5]),
+    ],
+)
 def test_plain_sampling_refuses_any_other_setting(params, completion):
     """One row that needs more than a temperature and a seed sends the whole batch to the sampler."""
-    seqs = request_seqs([1], SamplingParams(temperature=0.5), []) + request_seqs([2, 3], params, completion)
+    seqs = request_seqs([1], SamplingParams(temperature=0.5), []) + request_seqs(
+        [2, 3], params, completion
+    )
     assert plain_sampling(seqs) is None
     assert plain_sampling(seqs[:1]) is not None
 

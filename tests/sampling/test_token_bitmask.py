@@ -2,6 +2,7 @@
 the bitmask applied to their logits (``torch_ops.apply_token_bitmask``, checked bit by bit against
 a reference in plain Python), the sampler drawing only allowed tokens while the other rows draw as
 without any grammar, and a real xgrammar matcher's masks over the Qwen3 vocabulary."""
+
 from random import Random
 
 import numpy as np
@@ -30,7 +31,10 @@ class FakeGrammar:
 
 def allowed_by(bitmask_row: list[int], vocab: int) -> list[bool]:
     """Which of ``vocab`` tokens a bitmask row allows, bit by bit in Python."""
-    return [t // 32 < len(bitmask_row) and (bitmask_row[t // 32] >> (t % 32)) & 1 == 1 for t in range(vocab)]
+    return [
+        t // 32 < len(bitmask_row) and (bitmask_row[t // 32] >> (t % 32)) & 1 == 1
+        for t in range(vocab)
+    ]
 
 
 def test_apply_token_bitmask_matches_the_bits():
@@ -43,7 +47,11 @@ def test_apply_token_bitmask_matches_the_bits():
     torch_ops.apply_token_bitmask(out, torch.tensor([0, 2]), bitmask)
     narrow = logits.clone()
     torch_ops.apply_token_bitmask(narrow, torch.tensor([3]), bitmask[:1, :3])
-    for row, mask_row, got in [(0, bitmask[0], out), (2, bitmask[1], out), (3, bitmask[0, :3], narrow)]:
+    for row, mask_row, got in [
+        (0, bitmask[0], out),
+        (2, bitmask[1], out),
+        (3, bitmask[0, :3], narrow),
+    ]:
         allowed = allowed_by(mask_row.tolist(), vocab)
         expected = torch.where(torch.tensor(allowed), logits[row], float("-inf"))
         assert torch.equal(got[row], expected), row
@@ -75,14 +83,23 @@ def test_the_sampler_draws_allowed_tokens_and_other_rows_as_without_a_grammar(mo
     allowed = [set(range(0, 512, 7)), {1, 2, 3, 500, 511}]
     best = max(allowed[0], key=lambda t: float(logits[0, t]))
     for seed in range(64):
-        params = [SamplingParams(temperature=0, seed=seed), SamplingParams(temperature=1.0, top_k=3, seed=seed),
-                  SamplingParams(temperature=1.0, seed=seed), SamplingParams(temperature=0, seed=seed)]
+        params = [
+            SamplingParams(temperature=0, seed=seed),
+            SamplingParams(temperature=1.0, top_k=3, seed=seed),
+            SamplingParams(temperature=1.0, seed=seed),
+            SamplingParams(temperature=0, seed=seed),
+        ]
         seqs = [seq_with(p) for p in params]
         for seq, ok in zip(seqs[:2], allowed):
             seq.grammar = FakeGrammar(ok, bitmask_width=16)
-            seq.num_cached_tokens, seq.num_scheduled_tokens = len(seq) - 1, 1  # decoding: it samples
+            seq.num_cached_tokens, seq.num_scheduled_tokens = (
+                len(seq) - 1,
+                1,
+            )  # decoding: it samples
         tokens = Sampler()(logits, make_batch(seqs, 512)).token_ids.tolist()
-        alone = Sampler()(logits[2:], make_batch([seq_with(p) for p in params[2:]], 512)).token_ids.tolist()
+        alone = Sampler()(
+            logits[2:], make_batch([seq_with(p) for p in params[2:]], 512)
+        ).token_ids.tolist()
         assert tokens[0] == best
         assert tokens[1] in allowed[1]
         assert tokens[2:] == alone
@@ -109,7 +126,10 @@ def test_a_real_matchers_masks_keep_a_draw_in_its_regex(compiler):
         seq.grammar = grammars.matcher(so)
         text = ""
         for _ in range(3):
-            seq.num_cached_tokens, seq.num_scheduled_tokens = len(seq) - 1, 1  # it samples this step
+            seq.num_cached_tokens, seq.num_scheduled_tokens = (
+                len(seq) - 1,
+                1,
+            )  # it samples this step
             token = Sampler()(logits, make_batch([seq], QWEN3_VOCAB_SIZE)).token_ids.item()
             seq.grammar.accept(token)
             seq.append_token(token)
@@ -124,4 +144,6 @@ def test_a_real_matchers_masks_keep_a_draw_in_its_regex(compiler):
     allowed = [t for t, ok in enumerate(allowed_by(bitmask[0].tolist(), QWEN3_VOCAB_SIZE)) if ok]
     assert allowed and all(t < len(tokenizer) for t in allowed)
     assert all(tokenizer.decode([t]).isdigit() for t in allowed)
-    assert grammars.compile(so) is grammars.compile(StructuredOutputsParams(regex="[0-9]{2}"))  # compiled once
+    assert grammars.compile(so) is grammars.compile(
+        StructuredOutputsParams(regex="[0-9]{2}")
+    )  # compiled once

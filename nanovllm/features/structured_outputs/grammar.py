@@ -2,6 +2,7 @@
 spec's grammar; the engine's compiler, which compiles each distinct spec once for the model's
 vocabulary; and one matcher per sequence, which fills the row of a token bitmask with the tokens
 that may come next and takes each sampled token."""
+
 import json
 import re
 from collections import OrderedDict
@@ -9,31 +10,48 @@ from collections import OrderedDict
 import numpy as np
 import xgrammar as xgr
 
-COMPACT_SEPARATORS = (",", ":")  # disable_any_whitespace: JSON as json.dumps(..., separators=(",", ":"))
+COMPACT_SEPARATORS = (
+    ",",
+    ":",
+)  # disable_any_whitespace: JSON as json.dumps(..., separators=(",", ":"))
 CACHE_SIZE = 256  # compiled grammars kept, least recently used dropped first
-_WHAT = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regular expression",
-         "choice": "list of choices", "grammar": "EBNF grammar"}
+_WHAT = {
+    "json": "JSON schema",
+    "json_object": "JSON object grammar",
+    "regex": "regular expression",
+    "choice": "list of choices",
+    "grammar": "EBNF grammar",
+}
 
 
 def build_grammar(params) -> xgr.Grammar:
     """The grammar of a ``StructuredOutputsParams`` (no tokenizer needed): a ValueError naming the
     field when xgrammar rejects the spec."""
     kind, spec, compact = params.key
-    json_style = {"any_whitespace": not compact, "separators": COMPACT_SEPARATORS if compact else None}
+    json_style = {
+        "any_whitespace": not compact,
+        "separators": COMPACT_SEPARATORS if compact else None,
+    }
     try:
         if kind == "json":
             return xgr.Grammar.from_json_schema(spec, **json_style)
         if kind == "json_object":
-            return xgr.Grammar.from_json_schema('{"type": "object"}', strict_mode=False, **json_style)
+            return xgr.Grammar.from_json_schema(
+                '{"type": "object"}', strict_mode=False, **json_style
+            )
         if kind == "regex":
             return xgr.Grammar.from_regex(spec)
         if kind == "choice":  # each choice an EBNF string literal (JSON's escapes are EBNF's)
-            return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False)
-                                                                  for c in json.loads(spec)))
+            return xgr.Grammar.from_ebnf(
+                "root ::= "
+                + " | ".join(json.dumps(c, ensure_ascii=False) for c in json.loads(spec))
+            )
         return xgr.Grammar.from_ebnf(spec)
     except (RuntimeError, ValueError, TypeError) as e:
         value = spec if len(spec) <= 200 else spec[:200] + "..."
-        raise ValueError(f"StructuredOutputsParams.{kind} is not a valid {_WHAT[kind]} ({_reason(e)}): {value}") from None
+        raise ValueError(
+            f"StructuredOutputsParams.{kind} is not a valid {_WHAT[kind]} ({_reason(e)}): {value}"
+        ) from None
 
 
 def _reason(error: Exception) -> str:
@@ -75,7 +93,9 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
         size = max(vocab_size, len(tokenizer))
-        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=size, stop_token_ids=stop_token_ids)
+        self.info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=size, stop_token_ids=stop_token_ids
+        )
         self.compiler = xgr.GrammarCompiler(self.info, cache_enabled=False)
         self.bitmask_width = (size + 31) // 32
         self.compiled: OrderedDict[tuple, xgr.CompiledGrammar] = OrderedDict()
@@ -83,7 +103,9 @@ class GrammarCompiler:
     def compile(self, params) -> xgr.CompiledGrammar:
         compiled = self.compiled.get(params.key)
         if compiled is None:
-            compiled = self.compiled[params.key] = self.compiler.compile_grammar(build_grammar(params))
+            compiled = self.compiled[params.key] = self.compiler.compile_grammar(
+                build_grammar(params)
+            )
             if len(self.compiled) > CACHE_SIZE:
                 self.compiled.popitem(last=False)
         else:

@@ -1,5 +1,6 @@
 """What a request's completion must match: a JSON schema, a regex, one of some strings, an EBNF
 grammar, or any JSON object (pure Python; xgrammar is imported only to check a spec's syntax)."""
+
 import json
 from dataclasses import dataclass, field
 
@@ -39,10 +40,16 @@ class StructuredOutputsParams:
             )
         kind = given[0]
         if not isinstance(self.disable_any_whitespace, bool):
-            raise TypeError(f"StructuredOutputsParams.disable_any_whitespace must be a bool, "
-                            f"got {self.disable_any_whitespace!r}")
-        object.__setattr__(self, "_key", (kind, _spec_text(kind, getattr(self, kind)), self.disable_any_whitespace))
-        from nanovllm.features.structured_outputs.grammar import build_grammar  # xgrammar: only for structured outputs
+            raise TypeError(
+                f"StructuredOutputsParams.disable_any_whitespace must be a bool, "
+                f"got {self.disable_any_whitespace!r}"
+            )
+        object.__setattr__(
+            self, "_key", (kind, _spec_text(kind, getattr(self, kind)), self.disable_any_whitespace)
+        )
+        from nanovllm.features.structured_outputs.grammar import (
+            build_grammar,
+        )  # xgrammar: only for structured outputs
 
         build_grammar(self)
 
@@ -68,26 +75,42 @@ def _spec_text(kind: str, value) -> str:
             try:
                 value = json.loads(value)
             except ValueError as e:
-                raise ValueError(f"StructuredOutputsParams.json is not valid JSON ({e}): {_short(value)}") from None
+                raise ValueError(
+                    f"StructuredOutputsParams.json is not valid JSON ({e}): {_short(value)}"
+                ) from None
         if not isinstance(value, dict):
-            raise TypeError(f"StructuredOutputsParams.json must be a JSON schema (a dict or its JSON text), "
-                            f"got {_short(value)} ({type(value).__name__})")
+            raise TypeError(
+                f"StructuredOutputsParams.json must be a JSON schema (a dict or its JSON text), "
+                f"got {_short(value)} ({type(value).__name__})"
+            )
         try:
             return json.dumps(value, sort_keys=True)
         except (TypeError, ValueError) as e:
-            raise TypeError(f"StructuredOutputsParams.json must hold JSON values only ({e})") from None
+            raise TypeError(
+                f"StructuredOutputsParams.json must hold JSON values only ({e})"
+            ) from None
     if kind == "choice":
-        if not isinstance(value, (list, tuple)) or not value or not all(isinstance(c, str) for c in value):
-            raise TypeError(f"StructuredOutputsParams.choice must be a non-empty list of str, got {_short(value)}")
+        if (
+            not isinstance(value, (list, tuple))
+            or not value
+            or not all(isinstance(c, str) for c in value)
+        ):
+            raise TypeError(
+                f"StructuredOutputsParams.choice must be a non-empty list of str, got {_short(value)}"
+            )
         if not all(value):
-            raise ValueError(f"StructuredOutputsParams.choice must not hold an empty string, got {_short(value)}")
+            raise ValueError(
+                f"StructuredOutputsParams.choice must not hold an empty string, got {_short(value)}"
+            )
         return json.dumps(list(value), ensure_ascii=False)
     if kind == "json_object":
         if value is not True:
             raise TypeError(f"StructuredOutputsParams.json_object must be a bool, got {value!r}")
         return ""
     if not isinstance(value, str):  # regex, grammar
-        raise TypeError(f"StructuredOutputsParams.{kind} must be a str, got {_short(value)} ({type(value).__name__})")
+        raise TypeError(
+            f"StructuredOutputsParams.{kind} must be a str, got {_short(value)} ({type(value).__name__})"
+        )
     if not value:
         raise ValueError(f"StructuredOutputsParams.{kind} must not be empty")
     return value

@@ -3,6 +3,7 @@
 torch, ``triton_backend`` with ``triton_kernels`` and ``triton_decode``, ``flash``) and the Triton
 KV store (``kv_store``).
 Importing this package imports neither triton nor flash-attn."""
+
 from nanovllm.layers.attention.interface import (
     FP8_DTYPE,
     FP8_MAX,
@@ -17,6 +18,16 @@ from nanovllm.layers.attention.layer import Attention
 from nanovllm.layers.attention.selector import BACKENDS, get_attention_backend, resolve_backend_name
 
 __all__ = [
-    "BACKENDS", "FP8_DTYPE", "FP8_MAX", "FP8_MIN_SCALE", "KV_SCALE_DTYPE", "Attention", "AttentionBackend",
-    "empty_kv_scales", "get_attention_backend", "is_fp8_kv_cache", "kv_cache_storage_dtype", "resolve_backend_name",
+    "BACKENDS",
+    "FP8_DTYPE",
+    "FP8_MAX",
+    "FP8_MIN_SCALE",
+    "KV_SCALE_DTYPE",
+    "Attention",
+    "AttentionBackend",
+    "empty_kv_scales",
+    "get_attention_backend",
+    "is_fp8_kv_cache",
+    "kv_cache_storage_dtype",
+    "resolve_backend_name",
 ]

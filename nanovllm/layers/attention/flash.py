@@ -2,6 +2,7 @@
 Its paged KV cache needs the block size to be a multiple of 256; it reads neither float32 nor an FP8
 cache (``resolve_backend_name`` never picks it for those, so ``k_scale``/``v_scale`` are always None).
 New K/V rows are stored by ``kv_store.rope_and_store``, before ``prefill``/``decode`` run."""
+
 from nanovllm.layers.attention.interface import AttentionBackend
 from nanovllm.utils.context import Context
 
@@ -20,20 +21,34 @@ class FlashAttentionBackend(AttentionBackend):
         self._varlen = flash_attn_varlen_func
         self._with_kvcache = flash_attn_with_kvcache
 
-    def prefill(self, q, k, v, k_cache, v_cache, context: Context, scale, k_scale=None, v_scale=None):
-        if context.block_tables is not None:  # keys (cached prefix and new tokens) come from the cache
+    def prefill(
+        self, q, k, v, k_cache, v_cache, context: Context, scale, k_scale=None, v_scale=None
+    ):
+        if (
+            context.block_tables is not None
+        ):  # keys (cached prefix and new tokens) come from the cache
             k, v = k_cache, v_cache
         return self._varlen(
-            q, k, v,
-            max_seqlen_q=context.max_seqlen_q, cu_seqlens_q=context.cu_seqlens_q,
-            max_seqlen_k=context.max_seqlen_k, cu_seqlens_k=context.cu_seqlens_k,
-            softmax_scale=scale, causal=True, block_table=context.block_tables,
+            q,
+            k,
+            v,
+            max_seqlen_q=context.max_seqlen_q,
+            cu_seqlens_q=context.cu_seqlens_q,
+            max_seqlen_k=context.max_seqlen_k,
+            cu_seqlens_k=context.cu_seqlens_k,
+            softmax_scale=scale,
+            causal=True,
+            block_table=context.block_tables,
         )
 
     def decode(self, q, k_cache, v_cache, context: Context, scale, k_scale=None, v_scale=None):
         out = self._with_kvcache(
-            q.unsqueeze(1), k_cache, v_cache,
-            cache_seqlens=context.context_lens, block_table=context.block_tables,
-            softmax_scale=scale, causal=True,
+            q.unsqueeze(1),
+            k_cache,
+            v_cache,
+            cache_seqlens=context.context_lens,
+            block_table=context.block_tables,
+            softmax_scale=scale,
+            causal=True,
         )  # [num_seqs, 1, num_heads, head_dim]
         return out.squeeze(1)

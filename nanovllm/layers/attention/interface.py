@@ -14,6 +14,7 @@ are not contiguous; the kernels take any strides).
 A row ``x`` is stored as ``x / s`` in e4m3 with ``s = max(max|x| / FP8_MAX, FP8_MIN_SCALE)``; it
 reads back as ``stored * s``.
 """
+
 import torch
 
 from nanovllm.utils.context import Context
@@ -33,7 +34,9 @@ def empty_kv_scales(*shape: int, device=None) -> torch.Tensor:
     num_kv_heads, block_size]``: the scales of one KV head's consecutive tokens are then contiguous,
     so a decode tile of keys reads them in a few wide loads (token-major, each token's scale would
     come from a 32-byte sector of its own)."""
-    return torch.empty(*shape[:-2], shape[-1], shape[-2], dtype=KV_SCALE_DTYPE, device=device).transpose(-1, -2)
+    return torch.empty(
+        *shape[:-2], shape[-1], shape[-2], dtype=KV_SCALE_DTYPE, device=device
+    ).transpose(-1, -2)
 
 
 def kv_cache_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -58,18 +61,33 @@ class AttentionBackend:
     quantizes_output = False
 
     def store_kvcache(
-        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> None:
         """Write each new token's K/V row into its cache slot (quantized, with its scales, for an
         FP8 cache); slot -1 is skipped. Only the torch backend takes this path: the kernel backends
         store through ``kv_store.rope_and_store``."""
-        raise NotImplementedError(f"attention backend {self.name!r} stores K/V through kv_store.rope_and_store")
+        raise NotImplementedError(
+            f"attention backend {self.name!r} stores K/V through kv_store.rope_and_store"
+        )
 
     def prefill(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        k_cache: torch.Tensor, v_cache: torch.Tensor, context: Context, scale: float,
-        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        context: Context,
+        scale: float,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Causal attention over variable-length sequences. Without ``context.block_tables`` the
         keys are ``k``/``v`` themselves; with them, each sequence's keys (cached prefix and the new
@@ -77,8 +95,14 @@ class AttentionBackend:
         raise NotImplementedError
 
     def decode(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context: Context, scale: float,
-        k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        context: Context,
+        scale: float,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One query per sequence over its ``context.context_lens`` cached tokens."""
         raise NotImplementedError

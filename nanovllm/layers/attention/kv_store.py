@@ -1,6 +1,7 @@
 """The Triton KV store, used on the GPU by every kernel backend: ``rope_and_store`` does the QK-norm
 and RoPE of a step's new tokens and writes their K/V rows into the paged cache in one pass (a plain
 copy for a cache in the model's dtype, a quantizing store for an FP8 cache)."""
+
 import torch
 import triton
 import triton.language as tl
@@ -42,12 +43,16 @@ def _rotate_half(x1, x2, cos, sin, OUT_DTYPE: tl.constexpr):
 def _load_halves(ptr, rows, row_mask, d, HALF: tl.constexpr):
     """One token's heads [rows, 2 * HALF] read from ``ptr``, as their two halves."""
     offs = rows[:, None] * (2 * HALF) + d[None, :]
-    return (tl.load(ptr + offs, mask=row_mask[:, None], other=0.0),
-            tl.load(ptr + HALF + offs, mask=row_mask[:, None], other=0.0))
+    return (
+        tl.load(ptr + offs, mask=row_mask[:, None], other=0.0),
+        tl.load(ptr + HALF + offs, mask=row_mask[:, None], other=0.0),
+    )
 
 
 @triton.jit
-def _norm_rope(ptr, rows, row_mask, d, w_ptr, eps, cos, sin, HALF: tl.constexpr, HAS_NORM: tl.constexpr):
+def _norm_rope(
+    ptr, rows, row_mask, d, w_ptr, eps, cos, sin, HALF: tl.constexpr, HAS_NORM: tl.constexpr
+):
     """One token's heads read from ``ptr``: per-head RMSNorm (HAS_NORM), then RoPE, with
     ``rotary_embedding``'s arithmetic and roundings. Returns the two halves."""
     x1, x2 = _load_halves(ptr, rows, row_mask, d, HALF)
@@ -69,8 +74,20 @@ def _store_halves(ptr, rows, row_mask, d, x1, x2, HALF: tl.constexpr):
 
 
 @triton.jit
-def _cache_store(cache_ptr, scale_ptr, slot, rows, row_mask, d, x1, x2, scale_offsets,
-                 NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr, FP8: tl.constexpr):
+def _cache_store(
+    cache_ptr,
+    scale_ptr,
+    slot,
+    rows,
+    row_mask,
+    d,
+    x1,
+    x2,
+    scale_offsets,
+    NUM_KV_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    FP8: tl.constexpr,
+):
     """One token's K or V heads, given as their two halves, into its cache slot (for FP8
     quantized, one scale per head, stored at ``scale_ptr + scale_offsets``)."""
     row = cache_ptr + slot * (NUM_KV_HEADS * 2 * HALF)
@@ -86,11 +103,33 @@ def _cache_store(cache_ptr, scale_ptr, slot, rows, row_mask, d, x1, x2, scale_of
 
 @triton.jit
 def _rope_store_kernel(
-    qkv_ptr, stride_qkv, positions_ptr, q_weight_ptr, k_weight_ptr, cos_sin_ptr, eps,
-    q_out_ptr, k_out_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_mapping_ptr,
-    block_size, stride_sb, stride_st, stride_sh,
-    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr,
-    HALF: tl.constexpr, HAS_NORM: tl.constexpr, WRITE_K: tl.constexpr, STORE: tl.constexpr, FP8: tl.constexpr,
+    qkv_ptr,
+    stride_qkv,
+    positions_ptr,
+    q_weight_ptr,
+    k_weight_ptr,
+    cos_sin_ptr,
+    eps,
+    q_out_ptr,
+    k_out_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    slot_mapping_ptr,
+    block_size,
+    stride_sb,
+    stride_st,
+    stride_sh,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    KV_HEADS_PAD: tl.constexpr,
+    HALF: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    WRITE_K: tl.constexpr,
+    STORE: tl.constexpr,
+    FP8: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """One program per token: its q and k heads normalised (HAS_NORM) and rotated, q (and k, with
@@ -106,24 +145,68 @@ def _rope_store_kernel(
     kv_heads = tl.arange(0, KV_HEADS_PAD)
     q_mask, kv_mask = heads < NUM_HEADS, kv_heads < NUM_KV_HEADS
     q1, q2 = _norm_rope(src, heads, q_mask, d, q_weight_ptr, eps, cos, sin, HALF, HAS_NORM)
-    _store_halves(q_out_ptr + token.to(tl.int64) * (NUM_HEADS * 2 * HALF), heads, q_mask, d, q1, q2, HALF)
+    _store_halves(
+        q_out_ptr + token.to(tl.int64) * (NUM_HEADS * 2 * HALF), heads, q_mask, d, q1, q2, HALF
+    )
     k_src = src + NUM_HEADS * 2 * HALF
     k1, k2 = _norm_rope(k_src, kv_heads, kv_mask, d, k_weight_ptr, eps, cos, sin, HALF, HAS_NORM)
     if WRITE_K:
-        _store_halves(k_out_ptr + token.to(tl.int64) * (NUM_KV_HEADS * 2 * HALF), kv_heads, kv_mask, d, k1, k2, HALF)
+        _store_halves(
+            k_out_ptr + token.to(tl.int64) * (NUM_KV_HEADS * 2 * HALF),
+            kv_heads,
+            kv_mask,
+            d,
+            k1,
+            k2,
+            HALF,
+        )
     if STORE:
         slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
         if slot != -1:
             v1, v2 = _load_halves(k_src + NUM_KV_HEADS * 2 * HALF, kv_heads, kv_mask, d, HALF)
             scales = _scale_offsets(slot, kv_heads, block_size, stride_sb, stride_st, stride_sh)
-            _cache_store(k_cache_ptr, k_scale_ptr, slot, kv_heads, kv_mask, d, k1, k2, scales, NUM_KV_HEADS, HALF, FP8)
-            _cache_store(v_cache_ptr, v_scale_ptr, slot, kv_heads, kv_mask, d, v1, v2, scales, NUM_KV_HEADS, HALF, FP8)
+            _cache_store(
+                k_cache_ptr,
+                k_scale_ptr,
+                slot,
+                kv_heads,
+                kv_mask,
+                d,
+                k1,
+                k2,
+                scales,
+                NUM_KV_HEADS,
+                HALF,
+                FP8,
+            )
+            _cache_store(
+                v_cache_ptr,
+                v_scale_ptr,
+                slot,
+                kv_heads,
+                kv_mask,
+                d,
+                v1,
+                v2,
+                scales,
+                NUM_KV_HEADS,
+                HALF,
+                FP8,
+            )
 
 
 def rope_and_store(
-    qkv: torch.Tensor, positions: torch.Tensor, num_heads: int, num_kv_heads: int, cos_sin_cache: torch.Tensor,
-    norm: tuple[torch.Tensor, torch.Tensor, float] | None, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor | None, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    cos_sin_cache: torch.Tensor,
+    norm: tuple[torch.Tensor, torch.Tensor, float] | None,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor | None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     write_k: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """A step's new tokens from the fused projection qkv [num_tokens, (num_heads + 2 * num_kv_heads)
@@ -134,23 +217,59 @@ def rope_and_store(
     num_tokens = qkv.shape[0]
     head_dim = cos_sin_cache.shape[-1]
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-    assert qkv.stride(-1) == 1 and qkv.shape[1] == q_size + 2 * kv_size and cos_sin_cache.is_contiguous()
+    assert (
+        qkv.stride(-1) == 1
+        and qkv.shape[1] == q_size + 2 * kv_size
+        and cos_sin_cache.is_contiguous()
+    )
     q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
-    k = torch.empty(num_tokens, num_kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device) if write_k else None
+    k = (
+        torch.empty(num_tokens, num_kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+        if write_k
+        else None
+    )
     v = qkv[:, q_size + kv_size :].view(num_tokens, num_kv_heads, head_dim)
     store = k_cache.numel() > 0
     fp8 = store and k_cache.dtype == FP8_DTYPE
     if store:
-        assert k_cache.is_contiguous() and v_cache.is_contiguous() and slot_mapping.numel() == num_tokens
-        assert not fp8 or (k_scale is not None and v_scale is not None and k_scale.stride() == v_scale.stride())
+        assert (
+            k_cache.is_contiguous()
+            and v_cache.is_contiguous()
+            and slot_mapping.numel() == num_tokens
+        )
+        assert not fp8 or (
+            k_scale is not None and v_scale is not None and k_scale.stride() == v_scale.stride()
+        )
     q_weight, k_weight, eps = norm if norm is not None else (None, None, 0.0)
     if num_tokens:
         _rope_store_kernel[(num_tokens,)](
-            qkv, qkv.stride(0), positions, q_weight, k_weight, cos_sin_cache, eps,
-            q, k, k_cache, v_cache, k_scale if fp8 else None, v_scale if fp8 else None, slot_mapping,
-            k_cache.shape[1] if store else 1, *(k_scale.stride() if fp8 else (0, 0, 0)),
-            NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEADS_PAD=triton.next_power_of_2(num_heads),
-            KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads), HALF=head_dim // 2, HAS_NORM=norm is not None,
-            WRITE_K=write_k, STORE=store, FP8=fp8, PDL=pdl(qkv.device), num_warps=4, **launch_options(qkv.device),
+            qkv,
+            qkv.stride(0),
+            positions,
+            q_weight,
+            k_weight,
+            cos_sin_cache,
+            eps,
+            q,
+            k,
+            k_cache,
+            v_cache,
+            k_scale if fp8 else None,
+            v_scale if fp8 else None,
+            slot_mapping,
+            k_cache.shape[1] if store else 1,
+            *(k_scale.stride() if fp8 else (0, 0, 0)),
+            NUM_HEADS=num_heads,
+            NUM_KV_HEADS=num_kv_heads,
+            HEADS_PAD=triton.next_power_of_2(num_heads),
+            KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+            HALF=head_dim // 2,
+            HAS_NORM=norm is not None,
+            WRITE_K=write_k,
+            STORE=store,
+            FP8=fp8,
+            PDL=pdl(qkv.device),
+            num_warps=4,
+            **launch_options(qkv.device),
         )
     return q, k, v

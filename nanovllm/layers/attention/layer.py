@@ -1,5 +1,6 @@
 """The attention layer of every model: stores this step's K/V in the paged cache, then attends
 through the backend the model runner chose (``selector``)."""
+
 import torch
 from torch import nn
 
@@ -27,11 +28,15 @@ class Attention(nn.Module):
         # quantized where the backend can (``AttentionBackend.quantizes_output``)
         self.quantize_output = False
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | QuantizedRows:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor | QuantizedRows:
         """The plain path (the torch backend): q, k, v already normed and rotated."""
         context = get_context()
         if self.k_cache.numel():
-            self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, context.slot_mapping, self.k_scale, self.v_scale)
+            self.backend.store_kvcache(
+                k, v, self.k_cache, self.v_cache, context.slot_mapping, self.k_scale, self.v_scale
+            )
         return self._attend(q, k, v, context)
 
     def fuses_rope(self, x: torch.Tensor) -> bool:
@@ -39,24 +44,46 @@ class Attention(nn.Module):
         torch backend stays the plain reference path)."""
         return x.is_cuda and self.backend.name != "torch"
 
-    def rope_store_attend(self, qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-                          norm: tuple[torch.Tensor, torch.Tensor, float] | None) -> torch.Tensor | QuantizedRows:
+    def rope_store_attend(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        norm: tuple[torch.Tensor, torch.Tensor, float] | None,
+    ) -> torch.Tensor | QuantizedRows:
         """``forward`` from the fused projection: QK-norm (``norm``), RoPE and the cache store in
         one kernel (``kv_store.rope_and_store``), then attention."""
-        from nanovllm.layers.attention.kv_store import rope_and_store  # imports triton: only on this path
+        from nanovllm.layers.attention.kv_store import (
+            rope_and_store,
+        )  # imports triton: only on this path
 
         context = get_context()
         q, k, v = rope_and_store(
-            qkv, positions, self.num_heads, self.num_kv_heads, cos_sin_cache, norm, self.k_cache, self.v_cache,
-            context.slot_mapping, self.k_scale, self.v_scale, write_k=context.is_prefill,
+            qkv,
+            positions,
+            self.num_heads,
+            self.num_kv_heads,
+            cos_sin_cache,
+            norm,
+            self.k_cache,
+            self.v_cache,
+            context.slot_mapping,
+            self.k_scale,
+            self.v_scale,
+            write_k=context.is_prefill,
         )
         return self._attend(q, k, v, context)
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor,
-                context: Context) -> torch.Tensor | QuantizedRows:
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor, context: Context
+    ) -> torch.Tensor | QuantizedRows:
         scales = (self.k_scale, self.v_scale)
         if context.is_prefill:
-            return self.backend.prefill(q, k, v, self.k_cache, self.v_cache, context, self.scale, *scales)
+            return self.backend.prefill(
+                q, k, v, self.k_cache, self.v_cache, context, self.scale, *scales
+            )
         if self.quantize_output and self.backend.quantizes_output:
-            return self.backend.decode(q, self.k_cache, self.v_cache, context, self.scale, *scales, quantize=True)
+            return self.backend.decode(
+                q, self.k_cache, self.v_cache, context, self.scale, *scales, quantize=True
+            )
         return self.backend.decode(q, self.k_cache, self.v_cache, context, self.scale, *scales)

@@ -1,5 +1,6 @@
 """Plain torch attention: the CPU path, and the reference the GPU backends are tested against.
 An FP8 cache is quantized on store and dequantized to float32 before attending."""
+
 import torch
 import torch.nn.functional as F
 
@@ -69,12 +70,19 @@ class TorchAttentionBackend(AttentionBackend):
             rows = x[valid]  # [num_valid, num_kv_heads, head_dim]
             if scale is not None:
                 rows, row_scales = quantize_fp8(rows)
-                block_size = scale.shape[1]  # the scales may be stored head-major: index, not flatten
+                block_size = scale.shape[
+                    1
+                ]  # the scales may be stored head-major: index, not flatten
                 scale[slots // block_size, slots % block_size] = row_scales
-                cache, rows = cache.view(torch.uint8), rows.view(torch.uint8)  # index_copy_ takes no e4m3
+                cache, rows = (
+                    cache.view(torch.uint8),
+                    rows.view(torch.uint8),
+                )  # index_copy_ takes no e4m3
             cache.flatten(0, 1).index_copy_(0, slots, rows.to(cache.dtype))
 
-    def prefill(self, q, k, v, k_cache, v_cache, context: Context, scale, k_scale=None, v_scale=None):
+    def prefill(
+        self, q, k, v, k_cache, v_cache, context: Context, scale, k_scale=None, v_scale=None
+    ):
         out = torch.empty_like(q)
         cu_q = context.cu_seqlens_q.tolist()
         cu_k = context.cu_seqlens_k.tolist()

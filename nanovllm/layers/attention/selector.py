@@ -1,5 +1,6 @@
 """The one place that picks an attention backend: ``resolve_backend_name`` decides which one runs,
 ``get_attention_backend`` creates it, importing its module (and its heavy dependency) only then."""
+
 import torch
 
 from nanovllm.layers.attention.interface import AttentionBackend, is_fp8_kv_cache
@@ -8,7 +9,11 @@ BACKENDS = ("flash-attn", "triton", "torch")
 
 
 def resolve_backend_name(
-    name: str, device: str, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto",
+    name: str,
+    device: str,
+    block_size: int,
+    dtype: torch.dtype,
+    kv_cache_dtype: str = "auto",
     weight_quantization: str | None = None,
 ) -> str:
     """Which backend runs: the one place that decides, called by ``Config`` (to reject a bad
@@ -27,7 +32,9 @@ def resolve_backend_name(
             "use attention_backend 'triton' or 'auto', or kv_cache_dtype 'auto'"
         )
     if name not in ("auto", "torch") and device == "cpu":
-        raise ValueError(f"attention_backend {name!r} needs a CUDA GPU; on the CPU use 'torch' or 'auto'")
+        raise ValueError(
+            f"attention_backend {name!r} needs a CUDA GPU; on the CPU use 'torch' or 'auto'"
+        )
     if name == "auto":
         if device == "cpu":
             return "torch"
@@ -76,4 +83,6 @@ def get_attention_backend(name: str) -> AttentionBackend:
         from nanovllm.layers.attention.flash import FlashAttentionBackend
 
         return FlashAttentionBackend()
-    raise ValueError(f"attention_backend must be one of {', '.join(map(repr, BACKENDS))}, got {name!r}")
+    raise ValueError(
+        f"attention_backend must be one of {', '.join(map(repr, BACKENDS))}, got {name!r}"
+    )

@@ -3,6 +3,7 @@ the kernels of ``triton_kernels.py`` (prefill) and ``triton_decode.py`` (paged d
 merge); new K/V rows are stored by ``kv_store.rope_and_store`` before they run. The same kernels
 read a cache in the model's dtype or an FP8 cache. Decode can hand an FP8 output projection its
 input quantized (``quantize``)."""
+
 import functools
 import math
 from typing import NamedTuple
@@ -25,10 +26,29 @@ from nanovllm.utils.dependent_launch import launch_options, pdl
 SHARED_MEMORY_BUDGET = 200 * 1024
 # (BLOCK_M, BLOCK_N, num_warps, num_stages), in order of preference: the first that fits the budget
 # runs. 2-byte types with head_dim <= 128 get the first; float32 and head_dim 256 smaller ones.
-PREFILL_TILES = ((128, 64, 8, 3), (64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 2), (16, 16, 4, 1))
+PREFILL_TILES = (
+    (128, 64, 8, 3),
+    (64, 64, 4, 3),
+    (64, 64, 4, 2),
+    (64, 32, 4, 2),
+    (32, 32, 4, 2),
+    (16, 16, 4, 1),
+)
 # where no sequence has more than 64 new tokens, or head_dim > 128
-SHORT_PREFILL_TILES = ((64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 2), (16, 16, 4, 1))
-DECODE_TILES = ((128, 2), (64, 2), (32, 2), (16, 2), (16, 1))  # (BLOCK_N, num_stages); BLOCK_M is the padded group
+SHORT_PREFILL_TILES = (
+    (64, 64, 4, 3),
+    (64, 64, 4, 2),
+    (64, 32, 4, 2),
+    (32, 32, 4, 2),
+    (16, 16, 4, 1),
+)
+DECODE_TILES = (
+    (128, 2),
+    (64, 2),
+    (32, 2),
+    (16, 2),
+    (16, 1),
+)  # (BLOCK_N, num_stages); BLOCK_M is the padded group
 # An FP8 cache gains from one more key tile in flight (its tiles are half the bytes), bf16 loses
 # (over bench.py's decode steps on an H100: FP8 -4.5%, bf16 +3% of the time; BENCHMARKS.md).
 FP8_DECODE_TILES = ((128, 3),) + DECODE_TILES
@@ -46,7 +66,9 @@ class DecodeTile(NamedTuple):
     num_warps: int = 4
 
 
-def shared_memory_estimate(block_m: int, block_n: int, head_dim: int, num_stages: int, itemsize: int) -> int:
+def shared_memory_estimate(
+    block_m: int, block_n: int, head_dim: int, num_stages: int, itemsize: int
+) -> int:
     """Rough shared memory of one program: ``num_stages`` buffered K and V tiles, plus the Q tile."""
     return num_stages * (block_n * head_dim * 2) * itemsize + block_m * head_dim * itemsize
 
@@ -57,7 +79,9 @@ def prefill_tiles(head_dim: int, itemsize: int, max_seqlen_q: int) -> tuple[int,
     return _first_fitting(SHORT_PREFILL_TILES if short else PREFILL_TILES, head_dim, itemsize)
 
 
-def decode_tiles(head_dim: int, itemsize: int, group_pad: int, fp8: bool = False) -> tuple[int, int]:
+def decode_tiles(
+    head_dim: int, itemsize: int, group_pad: int, fp8: bool = False
+) -> tuple[int, int]:
     """BLOCK_N, num_stages for a decode over ``group_pad`` query heads per program."""
     tiles = FP8_DECODE_TILES if fp8 else DECODE_TILES
     candidates = tuple((group_pad, block_n, 4, num_stages) for block_n, num_stages in tiles)
@@ -69,7 +93,10 @@ def decode_tiles(head_dim: int, itemsize: int, group_pad: int, fp8: bool = False
 def _first_fitting(candidates: tuple, head_dim: int, itemsize: int) -> tuple[int, int, int, int]:
     """The first (BLOCK_M, BLOCK_N, num_warps, num_stages) within SHARED_MEMORY_BUDGET, else the last."""
     for block_m, block_n, num_warps, num_stages in candidates:
-        if shared_memory_estimate(block_m, block_n, head_dim, num_stages, itemsize) <= SHARED_MEMORY_BUDGET:
+        if (
+            shared_memory_estimate(block_m, block_n, head_dim, num_stages, itemsize)
+            <= SHARED_MEMORY_BUDGET
+        ):
             return block_m, block_n, num_warps, num_stages
     return candidates[-1]
 
@@ -85,16 +112,25 @@ def _check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor)
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     if head_dim < 16 or head_dim & (head_dim - 1):
-        raise ValueError(f"the Triton attention kernels need head_dim to be a power of two >= 16, got {head_dim}")
+        raise ValueError(
+            f"the Triton attention kernels need head_dim to be a power of two >= 16, got {head_dim}"
+        )
     if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        raise ValueError(
+            f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+        )
     if k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
         raise ValueError("k_cache and v_cache must have the same strides and contiguous rows")
     if q.stride(-1) != 1:
         raise ValueError("q must have contiguous rows (stride 1 in head_dim)")
 
 
-def _fp8_args(q: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None):
+def _fp8_args(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+):
     """(fp8, k_scale, v_scale, scale strides, DOT_DTYPE) for a launch. For a cache in the model's
     dtype all of them are None, which Triton takes as compile-time constants: the kernel is then
     the plain one, with the same parameters."""
@@ -103,7 +139,9 @@ def _fp8_args(q: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | No
     if k_scale is None or v_scale is None:
         raise ValueError("an FP8 KV cache needs k_scale and v_scale")
     if k_scale.stride() != v_scale.stride() or k_scale.shape != k_cache.shape[:3]:
-        raise ValueError("k_scale and v_scale must be [num_blocks, block_size, num_kv_heads] with the same strides")
+        raise ValueError(
+            "k_scale and v_scale must be [num_blocks, block_size, num_kv_heads] with the same strides"
+        )
     # the dots' type: float32 for a float32 model, else float16 (e4m3 converts to it in one instruction
     # per pair, and the kernels scale both dots' other operand into (-2, 2))
     dot_dtype = tl.float32 if q.dtype == torch.float32 else tl.float16
@@ -126,7 +164,9 @@ class TritonAttentionBackend(AttentionBackend):
         self.num_splits = num_splits
         self.decode_tile = decode_tile
 
-    def prefill(self, q, k, v, k_cache, v_cache, context: Context, scale, k_scale=None, v_scale=None):
+    def prefill(
+        self, q, k, v, k_cache, v_cache, context: Context, scale, k_scale=None, v_scale=None
+    ):
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = k.shape[1]
         paged = context.block_tables is not None
@@ -139,40 +179,87 @@ class TritonAttentionBackend(AttentionBackend):
         num_seqs = context.cu_seqlens_q.numel() - 1
         if num_tokens == 0 or num_seqs == 0:
             return out
-        block_m, block_n, num_warps, num_stages = prefill_tiles(head_dim, q.element_size(), context.max_seqlen_q)
+        block_m, block_n, num_warps, num_stages = prefill_tiles(
+            head_dim, q.element_size(), context.max_seqlen_q
+        )
         # without a paged cache these arguments are unused; pass q so every pointer is valid
-        k_cache_arg, v_cache_arg, tables = (k_cache, v_cache, context.block_tables) if paged else (q, q, q)
+        k_cache_arg, v_cache_arg, tables = (
+            (k_cache, v_cache, context.block_tables) if paged else (q, q, q)
+        )
         cache_strides = k_cache.stride()[:3] if paged else (0, 0, 0)
-        fp8, k_scale_arg, v_scale_arg, scale_strides, dot_dtype = _fp8_args(q, k_cache_arg, k_scale, v_scale)
+        fp8, k_scale_arg, v_scale_arg, scale_strides, dot_dtype = _fp8_args(
+            q, k_cache_arg, k_scale, v_scale
+        )
         grid = (triton.cdiv(context.max_seqlen_q, block_m), num_seqs, num_heads)
         _prefill_kernel[grid](
-            q, k, v, out, k_cache_arg, v_cache_arg, tables, context.cu_seqlens_q, context.cu_seqlens_k,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-            *cache_strides, tables.stride(0) if paged else 0,
+            q,
+            k,
+            v,
+            out,
+            k_cache_arg,
+            v_cache_arg,
+            tables,
+            context.cu_seqlens_q,
+            context.cu_seqlens_k,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            v.stride(0),
+            v.stride(1),
+            out.stride(0),
+            out.stride(1),
+            *cache_strides,
+            tables.stride(0) if paged else 0,
             scale * LOG2E,
-            k_scale_arg, v_scale_arg, *scale_strides,
-            GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1] if paged else 1,
-            PAGED=paged, BLOCK_M=block_m, BLOCK_N=block_n, FP8=fp8, DOT_DTYPE=dot_dtype,
-            num_warps=num_warps, num_stages=num_stages,
+            k_scale_arg,
+            v_scale_arg,
+            *scale_strides,
+            GROUP=num_heads // num_kv_heads,
+            HEAD_DIM=head_dim,
+            BLOCK_SIZE=k_cache.shape[1] if paged else 1,
+            PAGED=paged,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            FP8=fp8,
+            DOT_DTYPE=dot_dtype,
+            num_warps=num_warps,
+            num_stages=num_stages,
         )
         return out
 
-    def decode(self, q, k_cache, v_cache, context: Context, scale, k_scale=None, v_scale=None, quantize=False):
+    def decode(
+        self,
+        q,
+        k_cache,
+        v_cache,
+        context: Context,
+        scale,
+        k_scale=None,
+        v_scale=None,
+        quantize=False,
+    ):
         """CUDA-graph safe: no host syncs; the split count depends only on shapes. ``quantize``: the
         output as ``QuantizedRows`` (see the interface)."""
         _check_shapes(q, k_cache, v_cache)
         num_seqs, num_heads, head_dim = q.shape
         if quantize and head_dim != BLOCK:
-            raise ValueError(f"a quantized decode output needs head_dim {BLOCK} (one group per head), got {head_dim}")
+            raise ValueError(
+                f"a quantized decode output needs head_dim {BLOCK} (one group per head), got {head_dim}"
+            )
         num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
         group = num_heads // num_kv_heads
         group_pad = max(16, triton.next_power_of_2(group))
         fp8, k_scale, v_scale, scale_strides, dot_dtype = _fp8_args(q, k_cache, k_scale, v_scale)
-        tile = self.decode_tile or DecodeTile(*decode_tiles(head_dim, q.element_size(), group_pad, fp8))
+        tile = self.decode_tile or DecodeTile(
+            *decode_tiles(head_dim, q.element_size(), group_pad, fp8)
+        )
         tables = context.block_tables
         if quantize:  # the kernels store only the quantized rows; ``out`` (q) just gives them the dtype to round to
             out = q
-            m_out, qo, qo_scales = empty_quantized(num_seqs, num_heads * head_dim, ROW_MULTIPLE, q.device)
+            m_out, qo, qo_scales = empty_quantized(
+                num_seqs, num_heads * head_dim, ROW_MULTIPLE, q.device
+            )
         else:
             out = torch.empty(num_seqs, num_heads, head_dim, dtype=q.dtype, device=q.device)
             m_out, qo, qo_scales = num_seqs, out, out  # (unused)
@@ -187,35 +274,86 @@ class TritonAttentionBackend(AttentionBackend):
         if num_splits == 1:
             part_acc = part_ml = out  # unused
         else:
-            part_acc = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
-            part_ml = torch.empty(2, num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
+            part_acc = torch.empty(
+                num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device
+            )
+            part_ml = torch.empty(
+                2, num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device
+            )
         # the program writing the output runs for the padding rows too (zeros, scale 1)
         _decode_kernel[(m_out if num_splits == 1 else num_seqs, num_kv_heads, num_splits)](
-            q, out, part_acc, part_ml, k_cache, v_cache, tables, context.context_lens,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], tables.stride(0),
+            q,
+            out,
+            part_acc,
+            part_ml,
+            k_cache,
+            v_cache,
+            tables,
+            context.context_lens,
+            q.stride(0),
+            q.stride(1),
+            out.stride(0),
+            out.stride(1),
+            *k_cache.stride()[:3],
+            tables.stride(0),
             scale * LOG2E,
-            k_scale, v_scale, *scale_strides,
-            qo, qo_scales, num_seqs, m_out,
-            NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
-            BLOCK_SIZE=block_size, BLOCK_N=tile.block_n, NUM_SPLITS=num_splits, TABLE_PAD=table_pad,
-            FP8=fp8, DOT_DTYPE=dot_dtype, QUANTIZE=quantize, PDL=pdl(q.device),
-            num_warps=tile.num_warps, num_stages=tile.num_stages, **launch_options(q.device),
+            k_scale,
+            v_scale,
+            *scale_strides,
+            qo,
+            qo_scales,
+            num_seqs,
+            m_out,
+            NUM_HEADS=num_heads,
+            GROUP=group,
+            GROUP_PAD=group_pad,
+            HEAD_DIM=head_dim,
+            BLOCK_SIZE=block_size,
+            BLOCK_N=tile.block_n,
+            NUM_SPLITS=num_splits,
+            TABLE_PAD=table_pad,
+            FP8=fp8,
+            DOT_DTYPE=dot_dtype,
+            QUANTIZE=quantize,
+            PDL=pdl(q.device),
+            num_warps=tile.num_warps,
+            num_stages=tile.num_stages,
+            **launch_options(q.device),
         )
         if num_splits > 1:
             _decode_reduce_kernel[(m_out, num_heads)](
-                out, part_acc, part_ml, out.stride(0), out.stride(1), qo, qo_scales, num_seqs, m_out,
-                NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, QUANTIZE=quantize, PDL=pdl(q.device),
-                num_warps=4, **launch_options(q.device),
+                out,
+                part_acc,
+                part_ml,
+                out.stride(0),
+                out.stride(1),
+                qo,
+                qo_scales,
+                num_seqs,
+                m_out,
+                NUM_HEADS=num_heads,
+                HEAD_DIM=head_dim,
+                NUM_SPLITS=num_splits,
+                QUANTIZE=quantize,
+                PDL=pdl(q.device),
+                num_warps=4,
+                **launch_options(q.device),
             )
         return QuantizedRows(qo, qo_scales, num_seqs, q.dtype) if quantize else out
 
-    def _pick_num_splits(self, num_programs: int, max_context: int, block_n: int, device: torch.device) -> int:
+    def _pick_num_splits(
+        self, num_programs: int, max_context: int, block_n: int, device: torch.device
+    ) -> int:
         """Enough splits to give every SM about PROGRAMS_PER_SM programs, while each split keeps at least
         MIN_TILES_PER_SPLIT key tiles of ``block_n`` keys of the longest context the block tables
         can address."""
         max_tiles = math.ceil(max_context / block_n)
         target = self.PROGRAMS_PER_SM * _num_sms(device)
         splits = 1
-        while splits < 64 and num_programs * splits < target and max_tiles >= 2 * splits * self.MIN_TILES_PER_SPLIT:
+        while (
+            splits < 64
+            and num_programs * splits < target
+            and max_tiles >= 2 * splits * self.MIN_TILES_PER_SPLIT
+        ):
             splits *= 2
         return splits

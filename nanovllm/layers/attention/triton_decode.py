@@ -2,17 +2,37 @@
 (the merge kernel) for few sequences over long contexts; the softmax steps and the FP8 handling
 are ``triton_kernels.py``'s. The program that writes a sequence's output can instead quantize it
 for an FP8 output projection (``QUANTIZE``: one 128-channel group a head)."""
+
 import triton
 import triton.language as tl
 
-from nanovllm.layers.attention.triton_kernels import MASKED, _dot, _fp8_query, _fp8_scores, _online_softmax_step
+from nanovllm.layers.attention.triton_kernels import (
+    MASKED,
+    _dot,
+    _fp8_query,
+    _fp8_scores,
+    _online_softmax_step,
+)
 from nanovllm.quantization.fp8_triton import quantize_store
 from nanovllm.utils.dependent_launch import wait_for_inputs
 
 
 @triton.jit
-def _store_output(out, o_ptr, qo_ptr, qo_scale_ptr, seq, heads, head_mask, m_out, stride_ot, stride_oh,
-                  NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, QUANTIZE: tl.constexpr):
+def _store_output(
+    out,
+    o_ptr,
+    qo_ptr,
+    qo_scale_ptr,
+    seq,
+    heads,
+    head_mask,
+    m_out,
+    stride_ot,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    QUANTIZE: tl.constexpr,
+):
     """Rows ``heads`` of one sequence's output (float32 [heads, HEAD_DIM]) rounded to o's dtype;
     with QUANTIZE (HEAD_DIM 128: a head is one 128-channel group of the next linear's input), not
     stored but quantized into e4m3 rows [m_out, NUM_HEADS * HEAD_DIM] and their k-block-major
@@ -20,24 +40,68 @@ def _store_output(out, o_ptr, qo_ptr, qo_scale_ptr, seq, heads, head_mask, m_out
     offs_d = tl.arange(0, HEAD_DIM)
     out = out.to(o_ptr.dtype.element_ty)
     if QUANTIZE:
-        values = qo_ptr + seq.to(tl.int64) * (NUM_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM + offs_d[None, :]
-        quantize_store(out.to(tl.float32), values, qo_scale_ptr + heads * m_out + seq, head_mask[:, None], head_mask)
+        values = (
+            qo_ptr
+            + seq.to(tl.int64) * (NUM_HEADS * HEAD_DIM)
+            + heads[:, None] * HEAD_DIM
+            + offs_d[None, :]
+        )
+        quantize_store(
+            out.to(tl.float32),
+            values,
+            qo_scale_ptr + heads * m_out + seq,
+            head_mask[:, None],
+            head_mask,
+        )
     else:
-        tl.store(o_ptr + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :], out,
-                 mask=head_mask[:, None])
+        tl.store(
+            o_ptr + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+            out,
+            mask=head_mask[:, None],
+        )
 
 
 # The batch sizes are not specialised on (eager decode would compile a variant for a batch of one).
 @triton.jit(do_not_specialize=["num_seqs", "m_out"])
 def _decode_kernel(
-    q_ptr, o_ptr, part_acc_ptr, part_ml_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
+    q_ptr,
+    o_ptr,
+    part_acc_ptr,
+    part_ml_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    context_lens_ptr,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_ct,
+    stride_ch,
+    stride_bt,
     qk_scale,
-    k_scale_ptr, v_scale_ptr, stride_sb, stride_st, stride_sh,  # FP8 only
-    qo_ptr, qo_scale_ptr, num_seqs, m_out,  # QUANTIZE only (num_seqs: for the partial sums too)
-    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, TABLE_PAD: tl.constexpr,
-    FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, QUANTIZE: tl.constexpr, PDL: tl.constexpr,
+    k_scale_ptr,
+    v_scale_ptr,
+    stride_sb,
+    stride_st,
+    stride_sh,  # FP8 only
+    qo_ptr,
+    qo_scale_ptr,
+    num_seqs,
+    m_out,  # QUANTIZE only (num_seqs: for the partial sums too)
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    TABLE_PAD: tl.constexpr,
+    FP8: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    QUANTIZE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program: all GROUP query heads sharing one KV head, over one split of one sequence's
     context. With NUM_SPLITS == 1 it writes the output (``_store_output``); otherwise unnormalised
@@ -63,7 +127,8 @@ def _decode_kernel(
     heads = kv_head * GROUP + offs_g
     q = tl.load(
         q_ptr + real_seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=g_mask[:, None], other=0.0,
+        mask=g_mask[:, None],
+        other=0.0,
     )  # [GROUP_PAD, HEAD_DIM]
     row_scale = None
     if FP8:
@@ -72,7 +137,9 @@ def _decode_kernel(
     if TABLE_PAD:  # the sequence's block ids, held in registers
         offs_t = tl.arange(0, TABLE_PAD)
         num_blocks = tl.cdiv(context_len, BLOCK_SIZE)
-        table = tl.load(block_tables_ptr + real_seq * stride_bt + offs_t, mask=offs_t < num_blocks, other=0)
+        table = tl.load(
+            block_tables_ptr + real_seq * stride_bt + offs_t, mask=offs_t < num_blocks, other=0
+        )
 
     m_i = tl.full([GROUP_PAD], MASKED, tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -82,16 +149,22 @@ def _decode_kernel(
         kv_mask = pos < hi
         if TABLE_PAD:
             block = tl.sum(tl.where(offs_t == start // BLOCK_SIZE, table, 0))
-            offset = start % BLOCK_SIZE + offs_n  # the tile lies within one block: visibly consecutive
+            offset = (
+                start % BLOCK_SIZE + offs_n
+            )  # the tile lies within one block: visibly consecutive
         else:
-            block = tl.load(block_tables_ptr + real_seq * stride_bt + pos // BLOCK_SIZE, mask=kv_mask, other=0)
+            block = tl.load(
+                block_tables_ptr + real_seq * stride_bt + pos // BLOCK_SIZE, mask=kv_mask, other=0
+            )
             offset = pos % BLOCK_SIZE
         row = block.to(tl.int64) * stride_cb + offset * stride_ct + kv_head * stride_ch
         k = tl.load(k_cache_ptr + row[None, :] + offs_d[:, None], mask=kv_mask[None, :], other=0.0)
         v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask[:, None], other=0.0)
         if FP8:
             scales = block.to(tl.int64) * stride_sb + offset * stride_st + kv_head * stride_sh
-            qk, v_scale = _fp8_scores(q, row_scale, k, k_scale_ptr + scales, v_scale_ptr + scales, kv_mask, DOT_DTYPE)
+            qk, v_scale = _fp8_scores(
+                q, row_scale, k, k_scale_ptr + scales, v_scale_ptr + scales, kv_mask, DOT_DTYPE
+            )
         else:
             v_scale = None
             qk = _dot(q, k) * qk_scale  # [GROUP_PAD, BLOCK_N], log2 units
@@ -100,20 +173,46 @@ def _decode_kernel(
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # context_len 0 (a padded row): zeros
-        _store_output(out, o_ptr, qo_ptr, qo_scale_ptr, seq, heads, g_mask, m_out, stride_ot, stride_oh,
-                      NUM_HEADS, HEAD_DIM, QUANTIZE)
+        _store_output(
+            out,
+            o_ptr,
+            qo_ptr,
+            qo_scale_ptr,
+            seq,
+            heads,
+            g_mask,
+            m_out,
+            stride_ot,
+            stride_oh,
+            NUM_HEADS,
+            HEAD_DIM,
+            QUANTIZE,
+        )
     else:
         # part_acc: [num_seqs, NUM_HEADS, NUM_SPLITS, HEAD_DIM]; part_ml: [2, num_seqs, NUM_HEADS, NUM_SPLITS]
         part = (seq * NUM_HEADS + heads).to(tl.int64) * NUM_SPLITS + split
-        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None])
+        tl.store(
+            part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None]
+        )
         tl.store(part_ml_ptr + part, m_i, mask=g_mask)
         tl.store(part_ml_ptr + num_seqs * NUM_HEADS * NUM_SPLITS + part, l_i, mask=g_mask)
 
 
 @triton.jit(do_not_specialize=["num_seqs", "m_out"])
 def _decode_reduce_kernel(
-    o_ptr, part_acc_ptr, part_ml_ptr, stride_ot, stride_oh, qo_ptr, qo_scale_ptr, num_seqs, m_out,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, QUANTIZE: tl.constexpr,
+    o_ptr,
+    part_acc_ptr,
+    part_ml_ptr,
+    stride_ot,
+    stride_oh,
+    qo_ptr,
+    qo_scale_ptr,
+    num_seqs,
+    m_out,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    QUANTIZE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Merge the splits of one (sequence, head). grid: (num_seqs, num_heads); with QUANTIZE
@@ -127,11 +226,26 @@ def _decode_reduce_kernel(
     part = (real_seq * NUM_HEADS + head).to(tl.int64) * NUM_SPLITS + offs_s
     m = tl.load(part_ml_ptr + part)
     l = tl.load(part_ml_ptr + num_seqs * NUM_HEADS * NUM_SPLITS + part)
-    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :])  # [NUM_SPLITS, HEAD_DIM]
+    acc = tl.load(
+        part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :]
+    )  # [NUM_SPLITS, HEAD_DIM]
     weight = tl.exp2(m - tl.max(m, 0))
     total = tl.sum(l * weight, 0)
     out = tl.sum(acc * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
     out = tl.where(seq < num_seqs, out, 0.0)  # a padding row
     heads = head + tl.arange(0, 1)
-    _store_output(out[None, :], o_ptr, qo_ptr, qo_scale_ptr, seq, heads, heads < NUM_HEADS, m_out, stride_ot,
-                  stride_oh, NUM_HEADS, HEAD_DIM, QUANTIZE)
+    _store_output(
+        out[None, :],
+        o_ptr,
+        qo_ptr,
+        qo_scale_ptr,
+        seq,
+        heads,
+        heads < NUM_HEADS,
+        m_out,
+        stride_ot,
+        stride_oh,
+        NUM_HEADS,
+        HEAD_DIM,
+        QUANTIZE,
+    )

@@ -11,13 +11,16 @@ model) on operands scaled into (-2, 2). q is divided by a power of two near its 
 once (exact); the K scales then multiply the scores. P is multiplied by the V scales and divided by each row's largest such
 weight, which multiplies the tile's P @ V back. Everything else stays float32.
 """
+
 import os
 
 import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-MASKED = tl.constexpr(-1.0e30)  # running max before any key is seen: finite, so exp2(MASKED - MASKED) is 1, not NaN
+MASKED = tl.constexpr(
+    -1.0e30
+)  # running max before any key is seen: finite, so exp2(MASKED - MASKED) is 1, not NaN
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")  # no inline PTX there
 
 
@@ -40,7 +43,11 @@ def _e4m3_tile(v, DOT_DTYPE: tl.constexpr):
     if DOT_DTYPE == tl.float16 and not INTERPRETED:
         return tl.inline_asm_elementwise(
             "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
-            "=r,=r,r", [v], dtype=tl.float16, is_pure=False, pack=4,
+            "=r,=r,r",
+            [v],
+            dtype=tl.float16,
+            is_pure=False,
+            pack=4,
         )
     return v.to(DOT_DTYPE)
 
@@ -88,12 +95,44 @@ def _fp8_scores(q, row_scale, k, k_scale_ptrs, v_scale_ptrs, kv_mask, DOT_DTYPE:
 
 @triton.jit
 def _prefill_tiles(
-    q, row_scale, m_i, l_i, acc, lo, hi, k_len, q_pos, q_start, seq, kv_head,
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ct, stride_ch, stride_sb, stride_st, stride_sh,
-    stride_bt, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASK: tl.constexpr, FP8: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    q,
+    row_scale,
+    m_i,
+    l_i,
+    acc,
+    lo,
+    hi,
+    k_len,
+    q_pos,
+    q_start,
+    seq,
+    kv_head,
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    block_tables_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_ct,
+    stride_ch,
+    stride_sb,
+    stride_st,
+    stride_sh,
+    stride_bt,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    PAGED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASK: tl.constexpr,
+    FP8: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
 ):
     """Online-softmax accumulation over the key tiles [lo, hi); MASK applies the causal mask and
     the k_len bound (without it every key in the range must be visible to every query).
@@ -104,8 +143,14 @@ def _prefill_tiles(
         pos = start + offs_n
         kv_mask = pos < k_len
         if PAGED:
-            block = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=kv_mask, other=0)
-            row = block.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
+            block = tl.load(
+                block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=kv_mask, other=0
+            )
+            row = (
+                block.to(tl.int64) * stride_cb
+                + (pos % BLOCK_SIZE) * stride_ct
+                + kv_head * stride_ch
+            )
             k_ptrs = k_cache_ptr + row[None, :] + offs_d[:, None]  # [HEAD_DIM, BLOCK_N]
             v_ptrs = v_cache_ptr + row[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_DIM]
         else:
@@ -119,8 +164,14 @@ def _prefill_tiles(
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
         if FP8:
-            scales = block.to(tl.int64) * stride_sb + (pos % BLOCK_SIZE) * stride_st + kv_head * stride_sh
-            qk, v_scale = _fp8_scores(q, row_scale, k, k_scale_ptr + scales, v_scale_ptr + scales, kv_mask, DOT_DTYPE)
+            scales = (
+                block.to(tl.int64) * stride_sb
+                + (pos % BLOCK_SIZE) * stride_st
+                + kv_head * stride_sh
+            )
+            qk, v_scale = _fp8_scores(
+                q, row_scale, k, k_scale_ptr + scales, v_scale_ptr + scales, kv_mask, DOT_DTYPE
+            )
         else:
             v_scale = None
             qk = _dot(q, k) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
@@ -133,13 +184,41 @@ def _prefill_tiles(
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_q_ptr, cu_k_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    stride_cb, stride_ct, stride_ch, stride_bt,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    o_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    cu_q_ptr,
+    cu_k_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_ct,
+    stride_ch,
+    stride_bt,
     qk_scale,
-    k_scale_ptr, v_scale_ptr, stride_sb, stride_st, stride_sh,  # FP8 only
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAGED: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    k_scale_ptr,
+    v_scale_ptr,
+    stride_sb,
+    stride_st,
+    stride_sh,  # FP8 only
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    PAGED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FP8: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
 ):
     """One program: BLOCK_M queries of one sequence and one query head.
     grid: (cdiv(max_seqlen_q, BLOCK_M), num_seqs, num_heads)"""
@@ -160,7 +239,11 @@ def _prefill_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     q_mask = offs_m < q_len
     q_rows = (q_start + offs_m).to(tl.int64)
-    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :], mask=q_mask[:, None], other=0.0)
+    q = tl.load(
+        q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+        mask=q_mask[:, None],
+        other=0.0,
+    )
     q_pos = k_len - q_len + offs_m  # query i sits after the sequence's k_len - q_len earlier keys
     row_scale = None
     if FP8:
@@ -174,20 +257,89 @@ def _prefill_kernel(
     full_end = tl.minimum(k_len, k_len - q_len + m_block * BLOCK_M + 1) // BLOCK_N * BLOCK_N
     end = tl.minimum(k_len, k_len - q_len + (m_block + 1) * BLOCK_M)
     m_i, l_i, acc = _prefill_tiles(
-        q, row_scale, m_i, l_i, acc, 0, full_end, k_len, q_pos, q_start, seq, kv_head,
-        k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr,
-        stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ct, stride_ch, stride_sb, stride_st, stride_sh,
-        stride_bt, qk_scale, HEAD_DIM, BLOCK_SIZE, PAGED, BLOCK_N, False, FP8, DOT_DTYPE,
+        q,
+        row_scale,
+        m_i,
+        l_i,
+        acc,
+        0,
+        full_end,
+        k_len,
+        q_pos,
+        q_start,
+        seq,
+        kv_head,
+        k_ptr,
+        v_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        k_scale_ptr,
+        v_scale_ptr,
+        block_tables_ptr,
+        stride_kt,
+        stride_kh,
+        stride_vt,
+        stride_vh,
+        stride_cb,
+        stride_ct,
+        stride_ch,
+        stride_sb,
+        stride_st,
+        stride_sh,
+        stride_bt,
+        qk_scale,
+        HEAD_DIM,
+        BLOCK_SIZE,
+        PAGED,
+        BLOCK_N,
+        False,
+        FP8,
+        DOT_DTYPE,
     )
     m_i, l_i, acc = _prefill_tiles(
-        q, row_scale, m_i, l_i, acc, full_end, end, k_len, q_pos, q_start, seq, kv_head,
-        k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr,
-        stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ct, stride_ch, stride_sb, stride_st, stride_sh,
-        stride_bt, qk_scale, HEAD_DIM, BLOCK_SIZE, PAGED, BLOCK_N, True, FP8, DOT_DTYPE,
+        q,
+        row_scale,
+        m_i,
+        l_i,
+        acc,
+        full_end,
+        end,
+        k_len,
+        q_pos,
+        q_start,
+        seq,
+        kv_head,
+        k_ptr,
+        v_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        k_scale_ptr,
+        v_scale_ptr,
+        block_tables_ptr,
+        stride_kt,
+        stride_kh,
+        stride_vt,
+        stride_vh,
+        stride_cb,
+        stride_ct,
+        stride_ch,
+        stride_sb,
+        stride_st,
+        stride_sh,
+        stride_bt,
+        qk_scale,
+        HEAD_DIM,
+        BLOCK_SIZE,
+        PAGED,
+        BLOCK_N,
+        True,
+        FP8,
+        DOT_DTYPE,
     )
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
         o_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
-        out.to(o_ptr.dtype.element_ty), mask=q_mask[:, None],
+        out.to(o_ptr.dtype.element_ty),
+        mask=q_mask[:, None],
     )

@@ -11,6 +11,7 @@ GEMMs from ``triton_kernels.py``: gate/up with SiLU-and-mul fused, then down wit
 applied. With tensor parallelism every rank holds a slice of each expert's intermediate dimension
 and calls this unchanged; the caller all-reduces the output.
 """
+
 from typing import NamedTuple
 
 import torch
@@ -33,7 +34,10 @@ class MoeTile(NamedTuple):
 # (largest mean rows per expert, tile), first match wins. Mean rows per expert is
 # num_tokens * top_k / num_experts: Qwen3-30B-A3B (128 experts, top-8) has 1/16 row per token.
 MOE_TILES = (
-    (16.0, MoeTile(16, 32, 128, 4, 4)),  # decode and small batches: weight-bound, many narrow programs
+    (
+        16.0,
+        MoeTile(16, 32, 128, 4, 4),
+    ),  # decode and small batches: weight-bound, many narrow programs
     (48.0, MoeTile(32, 64, 64, 4, 4)),
     (256.0, MoeTile(64, 128, 64, 8, 3)),
     (float("inf"), MoeTile(128, 128, 64, 8, 3)),  # long prefills (~4k+ tokens on Qwen3-30B-A3B)
@@ -60,7 +64,9 @@ def moe_tile(num_tokens: int, top_k: int, num_experts: int, itemsize: int) -> Mo
 def shared_memory_estimate(tile: MoeTile, itemsize: int) -> int:
     """Shared memory of a gate/up program (the larger kernel): per stage, an activation tile and
     the gate and up weight tiles."""
-    return tile.num_stages * (tile.block_m * tile.block_k + 2 * tile.block_k * tile.block_n) * itemsize
+    return (
+        tile.num_stages * (tile.block_m * tile.block_k + 2 * tile.block_k * tile.block_n) * itemsize
+    )
 
 
 def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -99,7 +105,9 @@ def group_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> E
 
     order = torch.argsort(expert_of_pair, stable=True)  # [num_pairs] pair ids by expert
     sorted_experts = expert_of_pair[order]
-    rank = torch.arange(num_pairs, device=device) - starts[sorted_experts]  # position within its expert
+    rank = (
+        torch.arange(num_pairs, device=device) - starts[sorted_experts]
+    )  # position within its expert
     rows = padded_starts[sorted_experts] + rank
     sorted_pairs = torch.full((num_rows,), num_pairs, dtype=torch.int32, device=device)
     sorted_pairs.scatter_(0, rows, order.to(torch.int32))
@@ -113,21 +121,31 @@ def check_moe_inputs(hidden_states, w13, w2, topk_weights, topk_ids) -> None:
     """ValueError naming the argument, its value and what is allowed; the ids' range is not checked
     (that would synchronise with the device): they must lie in [0, num_experts)."""
     if hidden_states.dim() != 2:
-        raise ValueError(f"hidden_states must be [num_tokens, hidden], got shape {tuple(hidden_states.shape)}")
+        raise ValueError(
+            f"hidden_states must be [num_tokens, hidden], got shape {tuple(hidden_states.shape)}"
+        )
     if hidden_states.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"hidden_states.dtype must be one of {SUPPORTED_DTYPES}, got {hidden_states.dtype}")
+        raise ValueError(
+            f"hidden_states.dtype must be one of {SUPPORTED_DTYPES}, got {hidden_states.dtype}"
+        )
     num_tokens, hidden = hidden_states.shape
     if w13.dim() != 3 or w13.shape[2] != hidden or w13.shape[1] == 0 or w13.shape[1] % 2:
-        raise ValueError(f"w13 must be [num_experts, 2 * inter, hidden={hidden}], got shape {tuple(w13.shape)}")
+        raise ValueError(
+            f"w13 must be [num_experts, 2 * inter, hidden={hidden}], got shape {tuple(w13.shape)}"
+        )
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
     if tuple(w2.shape) != (num_experts, hidden, inter):
         expected = f"[num_experts={num_experts}, hidden={hidden}, inter={inter}]"
         raise ValueError(f"w2 must be {expected} like w13, got shape {tuple(w2.shape)}")
     for name, weight in (("w13", w13), ("w2", w2)):
         if weight.dtype != hidden_states.dtype:
-            raise ValueError(f"{name}.dtype must equal hidden_states.dtype ({hidden_states.dtype}), got {weight.dtype}")
+            raise ValueError(
+                f"{name}.dtype must equal hidden_states.dtype ({hidden_states.dtype}), got {weight.dtype}"
+            )
     if topk_ids.dim() != 2 or topk_ids.shape[0] != num_tokens:
-        raise ValueError(f"topk_ids must be [num_tokens={num_tokens}, top_k], got shape {tuple(topk_ids.shape)}")
+        raise ValueError(
+            f"topk_ids must be [num_tokens={num_tokens}, top_k], got shape {tuple(topk_ids.shape)}"
+        )
     if topk_ids.dtype not in ID_DTYPES:
         raise ValueError(f"topk_ids.dtype must be torch.int32 or torch.int64, got {topk_ids.dtype}")
     top_k = topk_ids.shape[1]
@@ -144,7 +162,9 @@ def check_moe_inputs(hidden_states, w13, w2, topk_weights, topk_ids) -> None:
         raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devices))}")
 
 
-def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, tile: MoeTile | None = None) -> torch.Tensor:
+def fused_moe(
+    hidden_states, w13, w2, topk_weights, topk_ids, tile: MoeTile | None = None
+) -> torch.Tensor:
     """The Triton path: [num_tokens, hidden] in hidden_states' dtype. ``tile`` replaces the one
     ``moe_tile`` would choose. The GEMMs accumulate in float32; the intermediate and each pair's
     weighted output are held in the input dtype, and the top_k outputs of a token are summed in
@@ -167,7 +187,9 @@ def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, tile: MoeTile | No
     like = dict(dtype=hidden_states.dtype, device=hidden_states.device)
     intermediate = torch.empty(groups.sorted_pairs.numel(), inter, **like)
     launch_gate_up(hidden_states, w13, intermediate, groups, top_k, num_pairs, tile)
-    pair_out = torch.empty(num_pairs, hidden, **like)  # pair p's weighted output, p = token * top_k + k
+    pair_out = torch.empty(
+        num_pairs, hidden, **like
+    )  # pair p's weighted output, p = token * top_k + k
     launch_down(intermediate, w2, pair_out, topk_weights.reshape(-1), groups, num_pairs, tile)
     return sum_pairs(pair_out, top_k, hidden_states.dtype)
 

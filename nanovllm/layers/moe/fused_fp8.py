@@ -9,6 +9,7 @@ at the end. ``fp8_linear``'s activation quantization (per token, per 128 channel
 and to h. The torch path synchronises with the device (one expert at a time), so it is not for CUDA
 graphs; the Triton path does not.
 """
+
 import torch
 import torch.nn.functional as F
 
@@ -21,7 +22,9 @@ def check_fp8_experts(w13: torch.Tensor, w2: torch.Tensor) -> None:
         raise ValueError(f"w13 and w2 must be {FP8_DTYPE}, got {w13.dtype} and {w2.dtype}")
 
 
-def fused_moe_torch_fp8(hidden_states, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids) -> torch.Tensor:
+def fused_moe_torch_fp8(
+    hidden_states, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids
+) -> torch.Tensor:
     """``w13`` [experts, 2 * inter, hidden] and ``w2`` [experts, hidden, inter] float8_e4m3fn with
     their block scales ``w13_scale`` [experts, 2 * inter / 128, ceil(hidden / 128)] and ``w2_scale``
     [experts, ceil(hidden / 128), inter / 128] -> [num_tokens, hidden] in hidden_states' dtype."""
@@ -29,15 +32,20 @@ def fused_moe_torch_fp8(hidden_states, w13, w13_scale, w2, w2_scale, topk_weight
     inter = w13.shape[1] // 2
     out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
     for expert, tokens, weights in pairs_by_expert(topk_ids, topk_weights):
-        gate_up = fp8_linear(hidden_states[tokens], w13[expert], w13_scale[expert], out_dtype=torch.float32)
+        gate_up = fp8_linear(
+            hidden_states[tokens], w13[expert], w13_scale[expert], out_dtype=torch.float32
+        )
         h = (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]).to(hidden_states.dtype)
-        down = fp8_linear(h, w2[expert], w2_scale[expert], out_dtype=torch.float32)  # [pairs, hidden]
+        down = fp8_linear(
+            h, w2[expert], w2_scale[expert], out_dtype=torch.float32
+        )  # [pairs, hidden]
         out.index_add_(0, tokens, down * weights)
     return out.to(hidden_states.dtype)
 
 
-def fused_moe_fp8(hidden_states, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids,
-                  precise: bool | None = None) -> torch.Tensor:
+def fused_moe_fp8(
+    hidden_states, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, precise: bool | None = None
+) -> torch.Tensor:
     """``fused_moe_torch_fp8`` as Triton kernels, CUDA-graph safe (no host synchronisation): x is
     quantized per token, the pairs grouped by expert, gate/up with SiLU-and-mul (h in x's dtype),
     h quantized per row, down with the routing weight in float32; a token's top_k outputs summed in
@@ -52,7 +60,9 @@ def fused_moe_fp8(hidden_states, w13, w13_scale, w2, w2_scale, topk_weights, top
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
     top_k = topk_ids.shape[1]
     if inter % BLOCK:
-        raise ValueError(f"the experts' intermediate size must be a multiple of {BLOCK} for FP8, got {inter}")
+        raise ValueError(
+            f"the experts' intermediate size must be a multiple of {BLOCK} for FP8, got {inter}"
+        )
     if num_tokens == 0:
         return torch.zeros_like(hidden_states)
     precise = fp8_triton.PRECISE if precise is None else precise
@@ -62,10 +72,24 @@ def fused_moe_fp8(hidden_states, w13, w13_scale, w2, w2_scale, topk_weights, top
     groups = group(topk_ids, num_experts, tile.block_m)
     num_pairs = num_tokens * top_k
     q, x_scale = fp8_triton.quantize_rows(hidden_states.contiguous())
-    intermediate = torch.empty(groups.sorted_pairs.numel(), inter, dtype=hidden_states.dtype,
-                               device=hidden_states.device)
-    launch_gate_up_fp8(q, x_scale, w13, w13_scale, intermediate, groups, top_k, num_pairs, tile, precise)
+    intermediate = torch.empty(
+        groups.sorted_pairs.numel(), inter, dtype=hidden_states.dtype, device=hidden_states.device
+    )
+    launch_gate_up_fp8(
+        q, x_scale, w13, w13_scale, intermediate, groups, top_k, num_pairs, tile, precise
+    )
     qh, h_scale = fp8_triton.quantize_rows(intermediate)
     pair_out = torch.empty(num_pairs, hidden, dtype=torch.float32, device=hidden_states.device)
-    launch_down_fp8(qh, h_scale, w2, w2_scale, pair_out, topk_weights.reshape(-1), groups, num_pairs, tile, precise)
+    launch_down_fp8(
+        qh,
+        h_scale,
+        w2,
+        w2_scale,
+        pair_out,
+        topk_weights.reshape(-1),
+        groups,
+        num_pairs,
+        tile,
+        precise,
+    )
     return sum_pairs(pair_out, top_k, hidden_states.dtype)

@@ -2,6 +2,7 @@
 weights live in two fused tensors, run by the fused Triton kernel on the GPU and by its torch
 reference on the CPU (``fused.py``). With tensor parallelism every rank holds a slice of every
 expert's intermediate dimension, and the block's output is summed with one all-reduce."""
+
 import re
 
 import torch
@@ -10,15 +11,19 @@ from torch import nn
 from nanovllm.layers.linear import ReplicatedLinear
 from nanovllm.layers.moe.fused import fused_moe, fused_moe_torch
 from nanovllm.layers.moe.fused_fp8 import fused_moe_fp8, fused_moe_torch_fp8
+from nanovllm.parallel.distributed import all_reduce, get_tp_rank, get_tp_size
 from nanovllm.quantization import get_quantization
 from nanovllm.quantization.fp8 import BLOCK, FP8_DTYPE, quantize_weight_blocks
-from nanovllm.parallel.distributed import all_reduce, get_tp_rank, get_tp_size
 
 # one expert's tensor in a Hugging Face checkpoint: "...experts.<id>.<gate_proj|up_proj|down_proj>.weight"
-EXPERT_TENSOR = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight(_scale_inv)?$")
+EXPERT_TENSOR = re.compile(
+    r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight(_scale_inv)?$"
+)
 
 
-def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def select_experts(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over the experts in float32 and the ``top_k`` most probable, optionally divided by their
     sum. -> (weights [num_tokens, top_k] float32, expert ids [num_tokens, top_k] int64)
 
@@ -34,7 +39,9 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
     return weights, ids
 
 
-def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``select_experts`` by the Triton routing kernel where it applies (at most
     ``MAX_ROUTED_EXPERTS`` experts), else by torch; the same experts and weights either way."""
     from nanovllm.layers.moe.routing import MAX_ROUTED_EXPERTS, select_experts_triton
@@ -55,39 +62,57 @@ class Experts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
         tp_size = get_tp_size()
-        self.tp_rank = get_tp_rank()  # the group's, when built: an engine of one rank may live beside a group
+        self.tp_rank = (
+            get_tp_rank()
+        )  # the group's, when built: an engine of one rank may live beside a group
         if intermediate_size % tp_size:
-            raise ValueError(f"moe_intermediate_size ({intermediate_size}) must be divisible by "
-                             f"tensor_parallel_size ({tp_size})")
+            raise ValueError(
+                f"moe_intermediate_size ({intermediate_size}) must be divisible by "
+                f"tensor_parallel_size ({tp_size})"
+            )
         self.num_experts = num_experts
         self.inter = intermediate_size // tp_size
         self.fp8 = get_quantization() == "fp8"
         dtype = FP8_DTYPE if self.fp8 else None
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * self.inter, hidden_size, dtype=dtype),
-                                         requires_grad=not self.fp8)
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, self.inter, dtype=dtype),
-                                      requires_grad=not self.fp8)
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(num_experts, 2 * self.inter, hidden_size, dtype=dtype),
+            requires_grad=not self.fp8,
+        )
+        self.down_proj = nn.Parameter(
+            torch.empty(num_experts, hidden_size, self.inter, dtype=dtype),
+            requires_grad=not self.fp8,
+        )
         self.gate_up_proj.weight_loader = self.load_gate_up
         self.down_proj.weight_loader = self.load_down
         if self.fp8:
             hidden_blocks, inter_blocks = -(-hidden_size // BLOCK), self.inter // BLOCK
             self.gate_up_proj_scale_inv = nn.Parameter(
-                torch.ones(num_experts, 2 * inter_blocks, hidden_blocks), requires_grad=False)
+                torch.ones(num_experts, 2 * inter_blocks, hidden_blocks), requires_grad=False
+            )
             self.down_proj_scale_inv = nn.Parameter(
-                torch.ones(num_experts, hidden_blocks, inter_blocks), requires_grad=False)
+                torch.ones(num_experts, hidden_blocks, inter_blocks), requires_grad=False
+            )
             self.gate_up_proj_scale_inv.weight_loader = self.load_gate_up
             self.down_proj_scale_inv.weight_loader = self.load_down
-        self.loaded: set[tuple[str, int, int]] = set()  # (parameter, expert, shard) seen by load_expert
-        self.scaled: set[tuple[str, int, int]] = set()  # (parameter, expert, shard) whose scales are loaded
+        self.loaded: set[tuple[str, int, int]] = (
+            set()
+        )  # (parameter, expert, shard) seen by load_expert
+        self.scaled: set[tuple[str, int, int]] = (
+            set()
+        )  # (parameter, expert, shard) whose scales are loaded
 
     def _scale_of(self, param: nn.Parameter) -> nn.Parameter | None:
         """The scale parameter of an FP8 weight parameter, else None."""
         if not self.fp8:
             return None
-        return {id(self.gate_up_proj): self.gate_up_proj_scale_inv, id(self.down_proj): self.down_proj_scale_inv}.get(
-            id(param))
+        return {
+            id(self.gate_up_proj): self.gate_up_proj_scale_inv,
+            id(self.down_proj): self.down_proj_scale_inv,
+        }.get(id(param))
 
-    def _load(self, param: nn.Parameter, loaded: torch.Tensor, place, keys: list[tuple[str, int, int]]) -> None:
+    def _load(
+        self, param: nn.Parameter, loaded: torch.Tensor, place, keys: list[tuple[str, int, int]]
+    ) -> None:
         """``place(param, loaded, block)`` copies in units of ``block`` rows of the inter dimension;
         an FP8 weight from a float tensor is quantized first and its scales placed too."""
         if self.fp8:
@@ -107,33 +132,46 @@ class Experts(nn.Module):
         size = self.inter // block
         return loaded.narrow(dim, self.tp_rank * size, size)
 
-    def load_gate_up(self, param: nn.Parameter, loaded: torch.Tensor, expert: int | None = None,
-                     shard: int | None = None) -> None:
+    def load_gate_up(
+        self,
+        param: nn.Parameter,
+        loaded: torch.Tensor,
+        expert: int | None = None,
+        shard: int | None = None,
+    ) -> None:
         """One expert's gate (shard 0) or up (shard 1) projection [intermediate, hidden], or, with no
         expert, the fused [num_experts, 2 * intermediate, hidden] tensor (or their scales)."""
         if expert is None:
+
             def place(p, t, block):
                 gate, up = t.chunk(2, dim=1)
-                p.data.copy_(torch.cat((self._slice(gate, 1, block), self._slice(up, 1, block)), dim=1))
+                p.data.copy_(
+                    torch.cat((self._slice(gate, 1, block), self._slice(up, 1, block)), dim=1)
+                )
 
             keys = [("gate_up_proj", e, s) for e in range(self.num_experts) for s in (0, 1)]
         else:
+
             def place(p, t, block):
                 size = self.inter // block
-                p.data[expert, shard * size:(shard + 1) * size].copy_(self._slice(t, 0, block))
+                p.data[expert, shard * size : (shard + 1) * size].copy_(self._slice(t, 0, block))
 
             keys = [("gate_up_proj", expert, shard)]
         self._load(param, loaded, place, keys)
 
-    def load_down(self, param: nn.Parameter, loaded: torch.Tensor, expert: int | None = None) -> None:
+    def load_down(
+        self, param: nn.Parameter, loaded: torch.Tensor, expert: int | None = None
+    ) -> None:
         """One expert's down projection [hidden, intermediate], or the fused [num_experts, hidden,
         intermediate] (or their scales)."""
         if expert is None:
+
             def place(p, t, block):
                 p.data.copy_(self._slice(t, 2, block))
 
             keys = [("down_proj", e, 0) for e in range(self.num_experts)]
         else:
+
             def place(p, t, block):
                 p.data[expert].copy_(self._slice(t, 1, block))
 
@@ -144,10 +182,18 @@ class Experts(nn.Module):
         """The expert tensors not loaded yet, by checkpoint name (after the ``experts.`` prefix)."""
         want = [("gate_up_proj", e, s) for e in range(self.num_experts) for s in (0, 1)]
         want += [("down_proj", e, 0) for e in range(self.num_experts)]
-        names = {("gate_up_proj", 0): "gate_proj", ("gate_up_proj", 1): "up_proj", ("down_proj", 0): "down_proj"}
+        names = {
+            ("gate_up_proj", 0): "gate_proj",
+            ("gate_up_proj", 1): "up_proj",
+            ("down_proj", 0): "down_proj",
+        }
         missing = [f"{e}.{names[p, s]}.weight" for p, e, s in want if (p, e, s) not in self.loaded]
         if self.fp8:
-            missing += [f"{e}.{names[p, s]}.weight_scale_inv" for p, e, s in want if (p, e, s) not in self.scaled]
+            missing += [
+                f"{e}.{names[p, s]}.weight_scale_inv"
+                for p, e, s in want
+                if (p, e, s) not in self.scaled
+            ]
         return missing
 
 
@@ -156,7 +202,12 @@ def map_expert_tensor(name: str) -> tuple[str, tuple] | None:
     match = EXPERT_TENSOR.match(name)
     if match is None:
         return None
-    prefix, expert, proj, scale = match.group(1), int(match.group(2)), match.group(3), match.group(4) or ""
+    prefix, expert, proj, scale = (
+        match.group(1),
+        int(match.group(2)),
+        match.group(3),
+        match.group(4) or "",
+    )
     if proj == "down_proj":
         return f"{prefix}.down_proj{scale}", (expert,)
     return f"{prefix}.gate_up_proj{scale}", (expert, 0 if proj == "gate_proj" else 1)
@@ -166,16 +217,29 @@ class SparseMoeBlock(nn.Module):
     """Router ``gate`` (hidden -> num_experts, replicated) and ``experts``; the output is the
     routing-weighted sum of each token's ``top_k`` experts."""
 
-    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        intermediate_size: int,
+        renormalize: bool,
+    ):
         super().__init__()
         if not 1 <= top_k <= num_experts:
-            raise ValueError(f"num_experts_per_tok must be in [1, num_experts={num_experts}], got {top_k}")
+            raise ValueError(
+                f"num_experts_per_tok must be in [1, num_experts={num_experts}], got {top_k}"
+            )
         self.top_k = top_k
         self.renormalize = renormalize
         self.tp_size = get_tp_size()
-        self.gate = ReplicatedLinear(hidden_size, num_experts, quantizable=False)  # FP8 checkpoints keep it too
+        self.gate = ReplicatedLinear(
+            hidden_size, num_experts, quantizable=False
+        )  # FP8 checkpoints keep it too
         self.experts = Experts(num_experts, hidden_size, intermediate_size)
-        self.reduce_results = True  # False: the output stays this rank's partial sum (see RowParallelLinear)
+        self.reduce_results = (
+            True  # False: the output stays this rank's partial sum (see RowParallelLinear)
+        )
 
     def leave_output_unsummed(self) -> None:
         self.reduce_results = False
@@ -189,8 +253,15 @@ class SparseMoeBlock(nn.Module):
             weights, ids = select_experts(router_logits, self.top_k, self.renormalize)
         if experts.fp8:
             moe_fp8 = fused_moe_fp8 if x.is_cuda else fused_moe_torch_fp8
-            out = moe_fp8(x, experts.gate_up_proj, experts.gate_up_proj_scale_inv, experts.down_proj,
-                          experts.down_proj_scale_inv, weights, ids)
+            out = moe_fp8(
+                x,
+                experts.gate_up_proj,
+                experts.gate_up_proj_scale_inv,
+                experts.down_proj,
+                experts.down_proj_scale_inv,
+                weights,
+                ids,
+            )
         elif x.is_cuda:  # the grouped GEMMs
             out = fused_moe(x, experts.gate_up_proj, experts.down_proj, weights, ids)
         else:

@@ -18,6 +18,7 @@ needed. Each program of the second launch (there may be more of them than chunks
 sentinel into the padding rows of its share of the rows, and the expert of every block that starts
 in it.
 """
+
 import torch
 import triton
 import triton.language as tl
@@ -31,15 +32,24 @@ ID_DTYPES = (torch.int32, torch.int64)
 
 @triton.jit
 def _select_experts_kernel(
-    logits_ptr, weights_ptr, ids_ptr, num_experts, stride_t,
-    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    logits_ptr,
+    weights_ptr,
+    ids_ptr,
+    num_experts,
+    stride_t,
+    TOP_K: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """One token: softmax of its logits in float32, then TOP_K times the largest logit not taken yet,
     the lowest such expert id among equal ones. grid: (num_tokens,)"""
     token = tl.program_id(0).to(tl.int64)
     offs_e = tl.arange(0, BLOCK_E)
     real = offs_e < num_experts
-    logits = tl.load(logits_ptr + token * stride_t + offs_e, mask=real, other=-float("inf")).to(tl.float32)
+    logits = tl.load(logits_ptr + token * stride_t + offs_e, mask=real, other=-float("inf")).to(
+        tl.float32
+    )
     exps = tl.where(real, tl.exp(logits - tl.max(logits, axis=0)), 0.0)
     total = tl.sum(exps, axis=0)
 
@@ -51,7 +61,9 @@ def _select_experts_kernel(
         best = tl.max(tl.where(available, logits, -float("inf")), axis=0)
         expert = tl.min(tl.where(available & (logits == best), offs_e, BLOCK_E), axis=0)
         chosen = offs_e == expert
-        weights = tl.where(offs_k == k, tl.sum(tl.where(chosen, exps, 0.0), axis=0) / total, weights)
+        weights = tl.where(
+            offs_k == k, tl.sum(tl.where(chosen, exps, 0.0), axis=0) / total, weights
+        )
         ids = tl.where(offs_k == k, expert, ids)
         available = available & ~chosen
     if RENORMALIZE:
@@ -73,7 +85,9 @@ def _pair_tile(ids_ptr, start, end, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr
 
 # Counts that change with each step's tokens are not specialised on (see fp8_triton._quantize_kernel).
 @triton.jit(do_not_specialize=["num_pairs", "chunk_size"])
-def _count_kernel(ids_ptr, chunk_counts_ptr, num_pairs, chunk_size, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
+def _count_kernel(
+    ids_ptr, chunk_counts_ptr, num_pairs, chunk_size, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr
+):
     """chunk_counts[c, e] = pairs of chunk c routed to expert e. grid: (num_chunks,)"""
     chunk = tl.program_id(0)
     start = chunk * chunk_size
@@ -85,13 +99,25 @@ def _count_kernel(ids_ptr, chunk_counts_ptr, num_pairs, chunk_size, BLOCK_P: tl.
     tl.store(chunk_counts_ptr + chunk * BLOCK_E + tl.arange(0, BLOCK_E), counts)
 
 
-@triton.jit(do_not_specialize=["num_pairs", "num_chunks", "chunk_size", "num_rows",
-                               "rows_per_program"])
+@triton.jit(
+    do_not_specialize=["num_pairs", "num_chunks", "chunk_size", "num_rows", "rows_per_program"]
+)
 def _scatter_kernel(
-    ids_ptr, chunk_counts_ptr, sorted_pairs_ptr, block_experts_ptr, expert_ends_ptr,
-    num_pairs, num_chunks, chunk_size, num_rows, rows_per_program,
-    NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_E: tl.constexpr,
+    ids_ptr,
+    chunk_counts_ptr,
+    sorted_pairs_ptr,
+    block_experts_ptr,
+    expert_ends_ptr,
+    num_pairs,
+    num_chunks,
+    chunk_size,
+    num_rows,
+    rows_per_program,
+    NUM_EXPERTS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_E: tl.constexpr,
 ):
     """Chunk c's pairs (none for c >= num_chunks) into their rows of the grouped layout, then the
     padding and the block experts of rows [c * rows_per_program, (c + 1) * rows_per_program).
@@ -102,14 +128,19 @@ def _scatter_kernel(
     before = tl.zeros([BLOCK_E], dtype=tl.int32)  # pairs per expert in the chunks before this one
     for c in range(0, num_chunks, BLOCK_C):
         offs_c = c + tl.arange(0, BLOCK_C)
-        counts = tl.load(chunk_counts_ptr + offs_c[:, None] * BLOCK_E + offs_e[None, :],
-                         mask=(offs_c < num_chunks)[:, None], other=0)  # [BLOCK_C, BLOCK_E]
+        counts = tl.load(
+            chunk_counts_ptr + offs_c[:, None] * BLOCK_E + offs_e[None, :],
+            mask=(offs_c < num_chunks)[:, None],
+            other=0,
+        )  # [BLOCK_C, BLOCK_E]
         total += tl.sum(counts, axis=0)
         before += tl.sum(tl.where((offs_c < chunk)[:, None], counts, 0), axis=0)
     padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # 0 for the lanes past NUM_EXPERTS
     ends = tl.cumsum(padded, axis=0)
     starts = ends - padded
-    tl.store(expert_ends_ptr + offs_e, ends, mask=offs_e < tl.where(chunk == 0, NUM_EXPERTS, 0))  # chunk 0 only
+    tl.store(
+        expert_ends_ptr + offs_e, ends, mask=offs_e < tl.where(chunk == 0, NUM_EXPERTS, 0)
+    )  # chunk 0 only
 
     # each pair's row: its expert's next free row, then that expert's row moves on by one
     start = chunk * chunk_size
@@ -118,7 +149,9 @@ def _scatter_kernel(
     for sub in range(0, end - start, BLOCK_P):  # no pass past the last chunk
         offs_p, exists, onehot = _pair_tile(ids_ptr, start + sub, end, BLOCK_P, BLOCK_E)
         hits = onehot.to(tl.int32)
-        earlier = tl.cumsum(hits, axis=0) - hits  # [BLOCK_P, BLOCK_E]: earlier pairs of the tile, per expert
+        earlier = (
+            tl.cumsum(hits, axis=0) - hits
+        )  # [BLOCK_P, BLOCK_E]: earlier pairs of the tile, per expert
         rows = tl.sum(tl.where(onehot, earlier + next_row[None, :], 0), axis=1)
         tl.store(sorted_pairs_ptr + rows, offs_p, mask=exists)
         next_row += tl.sum(hits, axis=0)
@@ -136,20 +169,32 @@ def _scatter_kernel(
         group_start = tl.sum(tl.where(of_expert, starts[None, :], 0), axis=1)
         group_count = tl.sum(tl.where(of_expert, total[None, :], 0), axis=1)
         is_padding = offs_r - group_start >= group_count
-        tl.store(sorted_pairs_ptr + offs_r, tl.zeros_like(offs_r) + num_pairs, mask=in_layout & is_padding)
-        tl.store(block_experts_ptr + offs_r // BLOCK_M, expert, mask=in_layout & (offs_r % BLOCK_M == 0))
+        tl.store(
+            sorted_pairs_ptr + offs_r,
+            tl.zeros_like(offs_r) + num_pairs,
+            mask=in_layout & is_padding,
+        )
+        tl.store(
+            block_experts_ptr + offs_r // BLOCK_M, expert, mask=in_layout & (offs_r % BLOCK_M == 0)
+        )
 
 
-def select_experts_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def select_experts_triton(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``layer.select_experts`` in one launch: (weights [num_tokens, top_k] float32, expert ids
     [num_tokens, top_k] int32), the same experts in the same order (the largest logits first, the
     lower id first among equal logits), the same weights up to float32 rounding."""
     if router_logits.dim() != 2 or not router_logits.is_floating_point():
-        raise ValueError(f"router_logits must be a floating-point [num_tokens, num_experts] tensor, got "
-                         f"shape {tuple(router_logits.shape)} and dtype {router_logits.dtype}")
+        raise ValueError(
+            f"router_logits must be a floating-point [num_tokens, num_experts] tensor, got "
+            f"shape {tuple(router_logits.shape)} and dtype {router_logits.dtype}"
+        )
     num_tokens, num_experts = router_logits.shape
     if not 1 <= num_experts <= MAX_ROUTED_EXPERTS:
-        raise ValueError(f"num_experts must be in [1, {MAX_ROUTED_EXPERTS}] for the routing kernel, got {num_experts}")
+        raise ValueError(
+            f"num_experts must be in [1, {MAX_ROUTED_EXPERTS}] for the routing kernel, got {num_experts}"
+        )
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}")
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
@@ -159,8 +204,15 @@ def select_experts_triton(router_logits: torch.Tensor, top_k: int, renormalize: 
     logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
     block_e = triton.next_power_of_2(num_experts)
     _select_experts_kernel[(num_tokens,)](
-        logits, weights, ids, num_experts, logits.stride(0),
-        TOP_K=top_k, RENORMALIZE=bool(renormalize), BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k),
+        logits,
+        weights,
+        ids,
+        num_experts,
+        logits.stride(0),
+        TOP_K=top_k,
+        RENORMALIZE=bool(renormalize),
+        BLOCK_E=block_e,
+        BLOCK_K=triton.next_power_of_2(top_k),
         num_warps=1 if block_e <= 128 else 2,
     )
     return weights, ids
@@ -179,10 +231,14 @@ def group_by_expert_triton(topk_ids: torch.Tensor, num_experts: int, block_m: in
     """``fused.group_by_expert`` in two launches, field for field the same layout. The ids must lie in
     [0, num_experts) (not checked: that would synchronise with the device)."""
     if topk_ids.dim() != 2 or topk_ids.dtype not in ID_DTYPES:
-        raise ValueError(f"topk_ids must be an int32 or int64 [num_tokens, top_k] tensor, got shape "
-                         f"{tuple(topk_ids.shape)} and dtype {topk_ids.dtype}")
+        raise ValueError(
+            f"topk_ids must be an int32 or int64 [num_tokens, top_k] tensor, got shape "
+            f"{tuple(topk_ids.shape)} and dtype {topk_ids.dtype}"
+        )
     if not 1 <= num_experts <= MAX_ROUTED_EXPERTS:
-        raise ValueError(f"num_experts must be in [1, {MAX_ROUTED_EXPERTS}] for the grouping kernels, got {num_experts}")
+        raise ValueError(
+            f"num_experts must be in [1, {MAX_ROUTED_EXPERTS}] for the grouping kernels, got {num_experts}"
+        )
     if isinstance(block_m, bool) or not isinstance(block_m, int) or block_m < 1:
         raise ValueError(f"block_m must be a positive int, got {block_m!r}")
     ids = topk_ids.contiguous().view(-1)  # [num_pairs]
@@ -197,15 +253,28 @@ def group_by_expert_triton(topk_ids: torch.Tensor, num_experts: int, block_m: in
     block_p, chunk_size, num_chunks = grouping_chunks(num_pairs, num_experts)
     block_e = triton.next_power_of_2(num_experts)
     chunk_counts = torch.empty(num_chunks, block_e, **like)  # [num_chunks, BLOCK_E]
-    _count_kernel[(num_chunks,)](ids, chunk_counts, num_pairs, chunk_size, BLOCK_P=block_p, BLOCK_E=block_e)
+    _count_kernel[(num_chunks,)](
+        ids, chunk_counts, num_pairs, chunk_size, BLOCK_P=block_p, BLOCK_E=block_e
+    )
     # more programs than chunks where the rows are many and the pairs few (decode: up to 15 padding
     # rows per used expert), so that no program walks many row tiles alone
     num_programs = max(num_chunks, min(triton.cdiv(num_rows, block_p), MAX_CHUNKS))
     rows_per_program = triton.cdiv(triton.cdiv(num_rows, num_programs), block_p) * block_p
     _scatter_kernel[(num_programs,)](
-        ids, chunk_counts, sorted_pairs, block_experts, expert_ends,
-        num_pairs, num_chunks, chunk_size, num_rows, rows_per_program,
-        NUM_EXPERTS=num_experts, BLOCK_M=block_m, BLOCK_P=block_p,
-        BLOCK_C=max(1, min(64, 8192 // block_e)), BLOCK_E=block_e,
+        ids,
+        chunk_counts,
+        sorted_pairs,
+        block_experts,
+        expert_ends,
+        num_pairs,
+        num_chunks,
+        chunk_size,
+        num_rows,
+        rows_per_program,
+        NUM_EXPERTS=num_experts,
+        BLOCK_M=block_m,
+        BLOCK_P=block_p,
+        BLOCK_C=max(1, min(64, 8192 // block_e)),
+        BLOCK_E=block_e,
     )
     return ExpertGroups(sorted_pairs, block_experts, expert_ends)

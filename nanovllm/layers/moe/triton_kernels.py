@@ -10,6 +10,7 @@ the rows in use (the last of ``expert_ends``, read on the device) returns at onc
 masked at the K and N edges, so neither hidden nor inter needs to be a multiple of the tile (or a
 power of two). The dots accumulate in float32; float32 inputs use IEEE dots, not TF32.
 """
+
 import torch
 import triton
 import triton.language as tl
@@ -28,11 +29,27 @@ def _block_rows(block, sorted_pairs_ptr, block_experts_ptr, num_pairs, BLOCK_M: 
 # Counts that change with each step's tokens are not specialised on (see fp8_triton._quantize_kernel).
 @triton.jit(do_not_specialize=["num_pairs"])
 def _gate_up_kernel(
-    x_ptr, w13_ptr, h_ptr, sorted_pairs_ptr, block_experts_ptr, expert_ends_ptr,
-    num_pairs, hidden, inter,
-    stride_xt, stride_xh, stride_we, stride_wn, stride_wk, stride_hr,
-    TOP_K: tl.constexpr, NUM_EXPERTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr,
+    w13_ptr,
+    h_ptr,
+    sorted_pairs_ptr,
+    block_experts_ptr,
+    expert_ends_ptr,
+    num_pairs,
+    hidden,
+    inter,
+    stride_xt,
+    stride_xh,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_hr,
+    TOP_K: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """h[r, n] = silu(x[t] @ w13[e, n]) * (x[t] @ w13[e, inter + n]) for the rows r of one block,
     where row r holds pair p = sorted_pairs[r] of token t = p // TOP_K and e is the block's expert.
@@ -41,7 +58,9 @@ def _gate_up_kernel(
     n_tile = tl.program_id(1)
     if block * BLOCK_M >= tl.load(expert_ends_ptr + NUM_EXPERTS - 1):
         return
-    expert, offs_r, pairs, row_mask = _block_rows(block, sorted_pairs_ptr, block_experts_ptr, num_pairs, BLOCK_M)
+    expert, offs_r, pairs, row_mask = _block_rows(
+        block, sorted_pairs_ptr, block_experts_ptr, num_pairs, BLOCK_M
+    )
     tokens = (pairs // TOP_K).to(tl.int64)
     offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < inter
@@ -49,7 +68,9 @@ def _gate_up_kernel(
 
     x_ptrs = x_ptr + tokens[:, None] * stride_xt + offs_k[None, :] * stride_xh  # [BLOCK_M, BLOCK_K]
     # the gate rows as a [BLOCK_K, BLOCK_N] tile; the up rows sit inter rows further
-    gate_ptrs = w13_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    gate_ptrs = (
+        w13_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    )
     up_ptrs = gate_ptrs + inter * stride_wn
     gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -70,11 +91,26 @@ def _gate_up_kernel(
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _down_kernel(
-    h_ptr, w2_ptr, out_ptr, topk_weights_ptr, sorted_pairs_ptr, block_experts_ptr, expert_ends_ptr,
-    num_pairs, hidden, inter,
-    stride_hr, stride_we, stride_wn, stride_wk, stride_op,
-    NUM_EXPERTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    h_ptr,
+    w2_ptr,
+    out_ptr,
+    topk_weights_ptr,
+    sorted_pairs_ptr,
+    block_experts_ptr,
+    expert_ends_ptr,
+    num_pairs,
+    hidden,
+    inter,
+    stride_hr,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_op,
+    NUM_EXPERTS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """out[p, n] = topk_weights[p] * (h[r] @ w2[e, n]) for the rows r of one block, with p =
     sorted_pairs[r] and e the block's expert; padding rows are not stored.
@@ -83,12 +119,16 @@ def _down_kernel(
     n_tile = tl.program_id(1)
     if block * BLOCK_M >= tl.load(expert_ends_ptr + NUM_EXPERTS - 1):
         return
-    expert, offs_r, pairs, row_mask = _block_rows(block, sorted_pairs_ptr, block_experts_ptr, num_pairs, BLOCK_M)
+    expert, offs_r, pairs, row_mask = _block_rows(
+        block, sorted_pairs_ptr, block_experts_ptr, num_pairs, BLOCK_M
+    )
     offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < hidden
     offs_k = tl.arange(0, BLOCK_K)
 
-    h_ptrs = h_ptr + offs_r.to(tl.int64)[:, None] * stride_hr + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+    h_ptrs = (
+        h_ptr + offs_r.to(tl.int64)[:, None] * stride_hr + offs_k[None, :]
+    )  # [BLOCK_M, BLOCK_K]
     # [BLOCK_K, BLOCK_N]
     w_ptrs = w2_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -107,14 +147,18 @@ def _down_kernel(
 
 
 @triton.jit
-def _sum_pairs_kernel(pair_ptr, out_ptr, hidden, stride_p, stride_o, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+def _sum_pairs_kernel(
+    pair_ptr, out_ptr, hidden, stride_p, stride_o, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr
+):
     """out[t] = the sum of pair rows t * TOP_K ... t * TOP_K + TOP_K - 1, in float32 in k order, cast once."""
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = cols < hidden
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for k in range(TOP_K):
-        acc += tl.load(pair_ptr + (token * TOP_K + k) * stride_p + cols, mask=mask, other=0.0).to(tl.float32)
+        acc += tl.load(pair_ptr + (token * TOP_K + k) * stride_p + cols, mask=mask, other=0.0).to(
+            tl.float32
+        )
     tl.store(out_ptr + token * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -129,12 +173,27 @@ def launch_gate_up(x, w13, intermediate, groups, top_k: int, num_pairs: int, til
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
     grid = (groups.block_experts.numel(), triton.cdiv(inter, tile.block_n))
     _gate_up_kernel[grid](
-        x, w13, intermediate, groups.sorted_pairs, groups.block_experts, groups.expert_ends,
-        num_pairs, x.shape[1], inter,
-        x.stride(0), x.stride(1), *w13.stride(), intermediate.stride(0),
-        TOP_K=top_k, NUM_EXPERTS=num_experts, DOT_PRECISION=_dot_precision(x.dtype),
-        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
+        x,
+        w13,
+        intermediate,
+        groups.sorted_pairs,
+        groups.block_experts,
+        groups.expert_ends,
+        num_pairs,
+        x.shape[1],
+        inter,
+        x.stride(0),
+        x.stride(1),
+        *w13.stride(),
+        intermediate.stride(0),
+        TOP_K=top_k,
+        NUM_EXPERTS=num_experts,
+        DOT_PRECISION=_dot_precision(x.dtype),
+        BLOCK_M=tile.block_m,
+        BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k,
+        num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
     )
 
 
@@ -144,12 +203,26 @@ def launch_down(intermediate, w2, pair_out, topk_weights, groups, num_pairs: int
     num_experts, hidden, inter = w2.shape
     grid = (groups.block_experts.numel(), triton.cdiv(hidden, tile.block_n))
     _down_kernel[grid](
-        intermediate, w2, pair_out, topk_weights, groups.sorted_pairs, groups.block_experts, groups.expert_ends,
-        num_pairs, hidden, inter,
-        intermediate.stride(0), *w2.stride(), pair_out.stride(0),
-        NUM_EXPERTS=num_experts, DOT_PRECISION=_dot_precision(intermediate.dtype),
-        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
+        intermediate,
+        w2,
+        pair_out,
+        topk_weights,
+        groups.sorted_pairs,
+        groups.block_experts,
+        groups.expert_ends,
+        num_pairs,
+        hidden,
+        inter,
+        intermediate.stride(0),
+        *w2.stride(),
+        pair_out.stride(0),
+        NUM_EXPERTS=num_experts,
+        DOT_PRECISION=_dot_precision(intermediate.dtype),
+        BLOCK_M=tile.block_m,
+        BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k,
+        num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
     )
 
 
@@ -163,5 +236,6 @@ def sum_pairs(pair_out: torch.Tensor, top_k: int, dtype: torch.dtype) -> torch.T
     block = min(1024, triton.next_power_of_2(hidden))
     if out.numel():
         _sum_pairs_kernel[(out.shape[0], triton.cdiv(hidden, block))](
-            pair_out, out, hidden, pair_out.stride(0), out.stride(0), TOP_K=top_k, BLOCK_H=block)
+            pair_out, out, hidden, pair_out.stride(0), out.stride(0), TOP_K=top_k, BLOCK_H=block
+        )
     return out

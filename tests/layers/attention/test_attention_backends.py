@@ -6,6 +6,7 @@ On a CUDA GPU the same cases run in bf16 for "triton" and "flash-attn", plus a C
 decode. Every case draws fresh random inputs; cache slots no sequence owns hold NaN, so a kernel that
 reads past a sequence's context or through a padded block-table entry fails the comparison.
 """
+
 import importlib.util
 import json
 
@@ -13,7 +14,10 @@ import pytest
 import torch
 from test_kv_store import rope_store_kvcache
 from triton_interpreter import (
-    results_under_interpreter, round_interpreter_casts_to_nearest, run_cases, squeeze_interpreter_loop_bounds,
+    results_under_interpreter,
+    round_interpreter_casts_to_nearest,
+    run_cases,
+    squeeze_interpreter_loop_bounds,
 )
 
 from nanovllm.layers.attention.reference import TorchAttentionBackend
@@ -23,7 +27,12 @@ HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
 
 # (cached tokens, new tokens) per sequence
 PREFILL_SEQS = [(0, 1), (0, 37), (0, 70)]
-PREFIX_SEQS = [(32, 5), (16, 50), (0, 9), (48, 1)]  # cached prefixes of whole blocks, one sequence without
+PREFIX_SEQS = [
+    (32, 5),
+    (16, 50),
+    (0, 9),
+    (48, 1),
+]  # cached prefixes of whole blocks, one sequence without
 CHUNKED_SEQS = [(5, 3), (23, 41), (70, 1), (0, 66)]  # a chunk continues mid-block
 DECODE_LENS = [1, 16, 17, 100, 0, 33]  # 0: a padded row, as CUDA-graph replay leaves it
 
@@ -40,7 +49,9 @@ def poison_next_alloc(shape: tuple, dtype: torch.dtype, device: torch.device) ->
         torch.full(shape, float("nan"), dtype=dtype, device=device)
 
 
-def paged_layout(lengths: list[int], block_size: int, device, spare_blocks: int = 3, extra_width: int = 2):
+def paged_layout(
+    lengths: list[int], block_size: int, device, spare_blocks: int = 3, extra_width: int = 2
+):
     """Random, non-contiguous block ids for sequences of these lengths. Returns the per-sequence
     block lists, the int32 block tables padded with -1 (``extra_width`` more columns than needed)
     and the number of blocks in the cache (``spare_blocks`` of them owned by no sequence, block 0
@@ -53,20 +64,31 @@ def paged_layout(lengths: list[int], block_size: int, device, spare_blocks: int 
         blocks.append(perm[i : i + n])
         i += n
     width = max(needed) + extra_width
-    tables = torch.tensor([b + [-1] * (width - len(b)) for b in blocks], dtype=torch.int32, device=device)
+    tables = torch.tensor(
+        [b + [-1] * (width - len(b)) for b in blocks], dtype=torch.int32, device=device
+    )
     return blocks, tables, num_blocks
 
 
 def new_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype, device):
     """k_cache, v_cache as views of one NaN-filled tensor, like the model runner's layout."""
-    kv = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype, device=device)
+    kv = torch.full(
+        (2, num_blocks, block_size, num_kv_heads, head_dim),
+        float("nan"),
+        dtype=dtype,
+        device=device,
+    )
     return kv[0], kv[1]
 
 
 def qkv_views(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype, device):
     """q, k, v as strided views of one fused projection, as the model hands them over."""
-    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, device=device)
-    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    qkv = torch.randn(
+        num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, device=device
+    )
+    q, k, v = qkv.split(
+        [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1
+    )
     return (
         q.view(-1, num_heads, head_dim),
         k.view(-1, num_kv_heads, head_dim),
@@ -74,7 +96,9 @@ def qkv_views(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int,
     )
 
 
-def check_prefill(backend, seqs, *, device, dtype, head_dim, block_size, num_heads=4, num_kv_heads=2) -> dict:
+def check_prefill(
+    backend, seqs, *, device, dtype, head_dim, block_size, num_heads=4, num_kv_heads=2
+) -> dict:
     """Store the new tokens' K/V with ``backend`` (on top of a random cached prefix), then prefill;
     the same with the torch backend in float32. Returns the output's relative error and whether
     both caches agree exactly."""
@@ -90,8 +114,12 @@ def check_prefill(backend, seqs, *, device, dtype, head_dim, block_size, num_hea
         for p in range(c + n):
             slot = b[p // block_size] * block_size + p % block_size
             if p < c:  # the cached prefix, written by an earlier step
-                k_cache.flatten(0, 1)[slot] = torch.randn(num_kv_heads, head_dim, dtype=dtype, device=device)
-                v_cache.flatten(0, 1)[slot] = torch.randn(num_kv_heads, head_dim, dtype=dtype, device=device)
+                k_cache.flatten(0, 1)[slot] = torch.randn(
+                    num_kv_heads, head_dim, dtype=dtype, device=device
+                )
+                v_cache.flatten(0, 1)[slot] = torch.randn(
+                    num_kv_heads, head_dim, dtype=dtype, device=device
+                )
             else:
                 slots.append(slot)
         cu_q.append(cu_q[-1] + n)
@@ -110,15 +138,22 @@ def check_prefill(backend, seqs, *, device, dtype, head_dim, block_size, num_hea
     ref_k_cache, ref_v_cache = k_cache.clone(), v_cache.clone()
     reference = TorchAttentionBackend()
     reference.store_kvcache(k, v, ref_k_cache, ref_v_cache, context.slot_mapping)
-    ref = reference.prefill(q.float(), k.float(), v.float(), ref_k_cache.float(), ref_v_cache.float(), context, scale)
+    ref = reference.prefill(
+        q.float(), k.float(), v.float(), ref_k_cache.float(), ref_v_cache.float(), context, scale
+    )
 
     rope_store_kvcache(k, v, k_cache, v_cache, context.slot_mapping)  # the kernel backends' store
     poison_next_alloc(q.shape, dtype, device)
     out = backend.prefill(q, k, v, k_cache, v_cache, context, scale)
     cache_equal = all(
-        torch.equal(a.nan_to_num(123.0), b.nan_to_num(123.0)) for a, b in ((k_cache, ref_k_cache), (v_cache, ref_v_cache))
+        torch.equal(a.nan_to_num(123.0), b.nan_to_num(123.0))
+        for a, b in ((k_cache, ref_k_cache), (v_cache, ref_v_cache))
     )
-    return {"rel_err": relative_error(out, ref), "cache_equal": cache_equal, "shape_ok": out.shape == q.shape}
+    return {
+        "rel_err": relative_error(out, ref),
+        "cache_equal": cache_equal,
+        "shape_ok": out.shape == q.shape,
+    }
 
 
 def decode_inputs(context_lens, *, device, dtype, head_dim, block_size, num_heads, num_kv_heads):
@@ -131,9 +166,15 @@ def decode_inputs(context_lens, *, device, dtype, head_dim, block_size, num_head
         if n == 0:
             tables[i] = 0
             continue
-        slots = torch.tensor([b[p // block_size] * block_size + p % block_size for p in range(n)], device=device)
-        k_cache.flatten(0, 1)[slots] = torch.randn(n, num_kv_heads, head_dim, dtype=dtype, device=device)
-        v_cache.flatten(0, 1)[slots] = torch.randn(n, num_kv_heads, head_dim, dtype=dtype, device=device)
+        slots = torch.tensor(
+            [b[p // block_size] * block_size + p % block_size for p in range(n)], device=device
+        )
+        k_cache.flatten(0, 1)[slots] = torch.randn(
+            n, num_kv_heads, head_dim, dtype=dtype, device=device
+        )
+        v_cache.flatten(0, 1)[slots] = torch.randn(
+            n, num_kv_heads, head_dim, dtype=dtype, device=device
+        )
     q = qkv_views(len(context_lens), num_heads, num_kv_heads, head_dim, dtype, device)[0]
     context = Context(
         is_prefill=False,
@@ -149,16 +190,25 @@ def decode_reference(q, k_cache, v_cache, context, scale) -> torch.Tensor:
     ref = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     keep = [i for i, n in enumerate(context.context_lens.tolist()) if n > 0]
     sub = Context(context_lens=context.context_lens[keep], block_tables=context.block_tables[keep])
-    ref[keep] = TorchAttentionBackend().decode(q[keep].float(), k_cache.float(), v_cache.float(), sub, scale)
+    ref[keep] = TorchAttentionBackend().decode(
+        q[keep].float(), k_cache.float(), v_cache.float(), sub, scale
+    )
     return ref
 
 
-def check_decode(backend, context_lens, *, device, dtype, head_dim, block_size, num_heads=4, num_kv_heads=2) -> dict:
+def check_decode(
+    backend, context_lens, *, device, dtype, head_dim, block_size, num_heads=4, num_kv_heads=2
+) -> dict:
     """Relative error over the rows with a context; padded rows only need to be finite."""
     scale = head_dim**-0.5
     q, k_cache, v_cache, context = decode_inputs(
-        context_lens, device=device, dtype=dtype, head_dim=head_dim, block_size=block_size,
-        num_heads=num_heads, num_kv_heads=num_kv_heads,
+        context_lens,
+        device=device,
+        dtype=dtype,
+        head_dim=head_dim,
+        block_size=block_size,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
     )
     ref = decode_reference(q, k_cache, v_cache, context, scale)
     poison_next_alloc(q.shape, dtype, q.device)
@@ -171,22 +221,30 @@ def check_decode(backend, context_lens, *, device, dtype, head_dim, block_size, 
     }
 
 
-def check_decode_quantized(backend, context_lens, *, device, dtype, head_dim, block_size, num_heads=4,
-                           num_kv_heads=2) -> dict:
+def check_decode_quantized(
+    backend, context_lens, *, device, dtype, head_dim, block_size, num_heads=4, num_kv_heads=2
+) -> dict:
     """Decode with ``quantize=True`` (the input of an FP8 o_proj, one 128-channel group per head)
     against ``quantize_activation_groups`` of the plain decode output in the model's dtype: the same
     e4m3 bytes and scales; the rows padded to 16 with zeros of scale 1."""
     from nanovllm.quantization.fp8 import quantize_activation_groups
 
     q, k_cache, v_cache, context = decode_inputs(
-        context_lens, device=device, dtype=dtype, head_dim=head_dim, block_size=block_size,
-        num_heads=num_heads, num_kv_heads=num_kv_heads,
+        context_lens,
+        device=device,
+        dtype=dtype,
+        head_dim=head_dim,
+        block_size=block_size,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
     )
     scale = head_dim**-0.5
     out = backend.decode(q, k_cache, v_cache, context, scale)
     want_q, want_scales = quantize_activation_groups(out.flatten(1))
     n, m_out = len(context_lens), -(-len(context_lens) // 16) * 16
-    poison_next_alloc((num_heads, m_out), torch.float32, q.device)  # the scales: NaN where a kernel forgets one
+    poison_next_alloc(
+        (num_heads, m_out), torch.float32, q.device
+    )  # the scales: NaN where a kernel forgets one
     rows = backend.decode(q, k_cache, v_cache, context, scale, quantize=True)
     got_q = rows.q.view(torch.uint8)
     return {
@@ -213,12 +271,14 @@ def check_store(store, *, device, dtype, head_dim, block_size, num_kv_heads=2) -
     TorchAttentionBackend().store_kvcache(k, v, ref_k_cache, ref_v_cache, slots)
     store(k, v, k_cache, v_cache, slots)
     equal = all(
-        torch.equal(a.nan_to_num(123.0), b.nan_to_num(123.0)) for a, b in ((k_cache, ref_k_cache), (v_cache, ref_v_cache))
+        torch.equal(a.nan_to_num(123.0), b.nan_to_num(123.0))
+        for a, b in ((k_cache, ref_k_cache), (v_cache, ref_v_cache))
     )
     return {"cache_equal": equal}
 
 
 # ---- CPU: the Triton kernels under the interpreter ------------------------------------------------
+
 
 def small_tiles(num_splits: int):
     """The Triton backend with 16-key decode tiles, one pipeline stage."""
@@ -234,16 +294,23 @@ INTERPRETER_CASES = {
     "prefill": lambda b: check_prefill(b, PREFILL_SEQS, **CPU_DIMS),
     "prefill_prefix": lambda b: check_prefill(b, PREFIX_SEQS, **CPU_DIMS),
     "chunked_prefill": lambda b: check_prefill(b, CHUNKED_SEQS, **CPU_DIMS),
-    "prefill_mha": lambda b: check_prefill(b, CHUNKED_SEQS, num_heads=2, num_kv_heads=2, **CPU_DIMS),
+    "prefill_mha": lambda b: check_prefill(
+        b, CHUNKED_SEQS, num_heads=2, num_kv_heads=2, **CPU_DIMS
+    ),
     "decode": lambda b: check_decode(b, DECODE_LENS, **CPU_DIMS),
     # 16-key tiles: several per sequence (the default tile covers these contexts at once) and per split
     "decode_small_tiles": lambda b: check_decode(small_tiles(1), DECODE_LENS, **CPU_DIMS),
     "decode_split4": lambda b: check_decode(small_tiles(4), DECODE_LENS, **CPU_DIMS),
-    "decode_group8": lambda b: check_decode(b, DECODE_LENS, num_heads=8, num_kv_heads=1, **CPU_DIMS),
+    "decode_group8": lambda b: check_decode(
+        b, DECODE_LENS, num_heads=8, num_kv_heads=1, **CPU_DIMS
+    ),
     # an FP8 o_proj's input: head_dim 128, one group per head; with splits the merge kernel quantizes
-    "decode_quantized": lambda b: check_decode_quantized(b, DECODE_LENS, **(CPU_DIMS | dict(head_dim=128))),
+    "decode_quantized": lambda b: check_decode_quantized(
+        b, DECODE_LENS, **(CPU_DIMS | dict(head_dim=128))
+    ),
     "decode_quantized_split4": lambda b: check_decode_quantized(
-        small_tiles(4), DECODE_LENS, **(CPU_DIMS | dict(head_dim=128))),
+        small_tiles(4), DECODE_LENS, **(CPU_DIMS | dict(head_dim=128))
+    ),
 }
 
 
@@ -274,8 +341,15 @@ def test_triton_interpreter(interpreter_results, case):
     if "padded_finite" in result:
         assert result["padded_finite"], result
     if "values_equal" in result:
-        assert result["layout"] and result["values_equal"] and result["scales_equal"] and result["padding"], result
-        assert result["scale_range"][0] < result["scale_range"][1], result  # the groups' scales differ
+        assert (
+            result["layout"]
+            and result["values_equal"]
+            and result["scales_equal"]
+            and result["padding"]
+        ), result
+        assert result["scale_range"][0] < result["scale_range"][1], (
+            result
+        )  # the groups' scales differ
 
 
 def test_triton_rejects_bad_split_count():
@@ -291,7 +365,11 @@ H100_SHARED_MEMORY = 232448  # bytes per block, also the H200's
 def test_triton_tiles_fit_shared_memory():
     """float32 and head_dim 256 get tiles whose estimate fits the H100/H200 limit; 2-byte types
     with head_dim <= 128 keep the tiles they always had."""
-    from nanovllm.layers.attention.triton_backend import decode_tiles, prefill_tiles, shared_memory_estimate
+    from nanovllm.layers.attention.triton_backend import (
+        decode_tiles,
+        prefill_tiles,
+        shared_memory_estimate,
+    )
 
     # bf16's long-prefill tiles at float32: what Triton refused on an H200 ("Required: 262144")
     assert shared_memory_estimate(128, 64, 128, 3, 4) == 262144 > H100_SHARED_MEMORY
@@ -299,11 +377,17 @@ def test_triton_tiles_fit_shared_memory():
         for itemsize in (2, 4):
             for max_seqlen_q in (1, 64, 65, 4096):
                 block_m, block_n, _, num_stages = prefill_tiles(head_dim, itemsize, max_seqlen_q)
-                assert shared_memory_estimate(block_m, block_n, head_dim, num_stages, itemsize) <= H100_SHARED_MEMORY
+                assert (
+                    shared_memory_estimate(block_m, block_n, head_dim, num_stages, itemsize)
+                    <= H100_SHARED_MEMORY
+                )
             for group_pad in (16, 64):
                 for fp8 in (False, True):
                     block_n, num_stages = decode_tiles(head_dim, itemsize, group_pad, fp8)
-                    assert shared_memory_estimate(group_pad, block_n, head_dim, num_stages, itemsize) <= H100_SHARED_MEMORY
+                    assert (
+                        shared_memory_estimate(group_pad, block_n, head_dim, num_stages, itemsize)
+                        <= H100_SHARED_MEMORY
+                    )
     for head_dim in (64, 128):
         assert prefill_tiles(head_dim, 2, 4096) == (128, 64, 8, 3)
         assert prefill_tiles(head_dim, 2, 64) == (64, 64, 4, 3)
@@ -319,7 +403,9 @@ GPU_BACKENDS = [
     pytest.param("triton", 16, id="triton-bs16"),
     pytest.param("triton", 256, id="triton-bs256"),
     pytest.param(
-        "flash-attn", 256, id="flash-attn-bs256",
+        "flash-attn",
+        256,
+        id="flash-attn-bs256",
         marks=pytest.mark.skipif(not HAS_FLASH_ATTN, reason="flash_attn not installed"),
     ),
 ]
@@ -350,7 +436,11 @@ def make_backend(name: str):
 @pytest.mark.parametrize("heads", [(16, 8), (32, 4)], ids=["gqa2", "gqa8"])
 def test_gpu_prefill(name, block_size, case, heads):
     result = check_prefill(
-        make_backend(name), GPU_PREFILL[case], num_heads=heads[0], num_kv_heads=heads[1], **gpu_dims(block_size)
+        make_backend(name),
+        GPU_PREFILL[case],
+        num_heads=heads[0],
+        num_kv_heads=heads[1],
+        **gpu_dims(block_size),
     )
     assert result["cache_equal"] and result["shape_ok"], result
     assert result["rel_err"] < GPU_TOL, result
@@ -361,7 +451,11 @@ def test_gpu_prefill(name, block_size, case, heads):
 @pytest.mark.parametrize("heads", [(16, 8), (32, 4)], ids=["gqa2", "gqa8"])
 def test_gpu_decode(name, block_size, heads):
     result = check_decode(
-        make_backend(name), GPU_DECODE_LENS, num_heads=heads[0], num_kv_heads=heads[1], **gpu_dims(block_size)
+        make_backend(name),
+        GPU_DECODE_LENS,
+        num_heads=heads[0],
+        num_kv_heads=heads[1],
+        **gpu_dims(block_size),
     )
     assert result["shape_ok"] and result["padded_finite"], result
     assert result["rel_err"] < GPU_TOL, result
@@ -374,7 +468,10 @@ def test_gpu_triton_decode_splits(num_splits, block_size):
     from nanovllm.layers.attention.triton_backend import TritonAttentionBackend
 
     result = check_decode(
-        TritonAttentionBackend(num_splits=num_splits), [3000, 0, 1, 700], num_heads=16, num_kv_heads=8,
+        TritonAttentionBackend(num_splits=num_splits),
+        [3000, 0, 1, 700],
+        num_heads=16,
+        num_kv_heads=8,
         **gpu_dims(block_size),
     )
     assert result["padded_finite"], result
@@ -388,19 +485,35 @@ def test_gpu_triton_decode_quantized(num_splits, heads):
     """bf16: the e4m3 rows and scales equal the plain output's quantization (in bf16, then per group)."""
     from nanovllm.layers.attention.triton_backend import TritonAttentionBackend
 
-    result = check_decode_quantized(TritonAttentionBackend(num_splits=num_splits), GPU_DECODE_LENS,
-                                    num_heads=heads[0], num_kv_heads=heads[1], **gpu_dims(256))
-    assert result["layout"] and result["values_equal"] and result["scales_equal"] and result["padding"], result
+    result = check_decode_quantized(
+        TritonAttentionBackend(num_splits=num_splits),
+        GPU_DECODE_LENS,
+        num_heads=heads[0],
+        num_kv_heads=heads[1],
+        **gpu_dims(256),
+    )
+    assert (
+        result["layout"] and result["values_equal"] and result["scales_equal"] and result["padding"]
+    ), result
 
 
 @gpu
 # head_dim 256 once, with a cached prefix: its float32 kernels take ~40 s to compile per variant
-@pytest.mark.parametrize("case,head_dim", [(case, 128) for case in GPU_PREFILL] + [("prefill_prefix", 256)])
+@pytest.mark.parametrize(
+    "case,head_dim", [(case, 128) for case in GPU_PREFILL] + [("prefill_prefix", 256)]
+)
 def test_gpu_triton_float32(case, head_dim):
     """float32 prefill and decode: tiles chosen for 4-byte elements fit shared memory."""
     from nanovllm.layers.attention.triton_backend import TritonAttentionBackend
 
-    dims = dict(device="cuda", dtype=torch.float32, head_dim=head_dim, block_size=16, num_heads=16, num_kv_heads=8)
+    dims = dict(
+        device="cuda",
+        dtype=torch.float32,
+        head_dim=head_dim,
+        block_size=16,
+        num_heads=16,
+        num_kv_heads=8,
+    )
     result = check_prefill(TritonAttentionBackend(), GPU_PREFILL[case], **dims)
     assert result["cache_equal"] and result["rel_err"] < GPU_TOL, result
     result = check_decode(TritonAttentionBackend(), GPU_DECODE_LENS, **dims)
@@ -411,7 +524,9 @@ def test_gpu_triton_float32(case, head_dim):
 @pytest.mark.parametrize("block_size", [16, 256])
 def test_gpu_store_kvcache(block_size):
     for dtype in (torch.bfloat16, torch.float32):
-        result = check_store(rope_store_kvcache, device="cuda", dtype=dtype, head_dim=128, block_size=block_size)
+        result = check_store(
+            rope_store_kvcache, device="cuda", dtype=dtype, head_dim=128, block_size=block_size
+        )
         assert result["cache_equal"], (dtype, result)
 
 

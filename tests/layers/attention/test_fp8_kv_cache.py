@@ -15,6 +15,7 @@ head) row.
 - The bytes per cache block, and the ValueErrors of impossible combinations, raised at
   ``Config``/``LLM`` construction before any weights load.
 """
+
 import json
 import os
 import shutil
@@ -24,15 +25,24 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from hf_reference import BLOCK_SIZE, random_prompts
 from test_attention_backends import (
-    CHUNKED_SEQS, DECODE_LENS, PREFILL_SEQS, PREFIX_SEQS, paged_layout, qkv_views, relative_error,
+    CHUNKED_SEQS,
+    DECODE_LENS,
+    PREFILL_SEQS,
+    PREFIX_SEQS,
+    paged_layout,
+    qkv_views,
+    relative_error,
 )
 from test_kv_store import rope_store_kvcache
 from triton_interpreter import (
-    results_under_interpreter, round_interpreter_casts_to_nearest, run_cases, squeeze_interpreter_loop_bounds,
+    results_under_interpreter,
+    round_interpreter_casts_to_nearest,
+    run_cases,
+    squeeze_interpreter_loop_bounds,
 )
+
 from nanovllm.layers.attention import empty_kv_scales
 from nanovllm.layers.attention.reference import TorchAttentionBackend, quantize_fp8
 from nanovllm.utils.context import Context
@@ -61,7 +71,9 @@ def reference_dequantize(values: torch.Tensor, scale: torch.Tensor) -> torch.Ten
     return values.float() * scale[..., None]
 
 
-def varied_rows(*shape: int, decades: float = 6.0, device="cpu", dtype=torch.float32, generator=None) -> torch.Tensor:
+def varied_rows(
+    *shape: int, decades: float = 6.0, device="cpu", dtype=torch.float32, generator=None
+) -> torch.Tensor:
     """Random rows whose magnitudes span ``decades`` powers of ten, centred on 1, from row to row
     (one scale per row must follow)."""
     x = torch.randn(*shape, generator=generator)
@@ -78,8 +90,15 @@ def cache_rows(n: int, num_kv_heads: int, head_dim: int, device) -> torch.Tensor
 def fp8_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, device):
     """k_cache, v_cache (NaN bytes) and k_scale, v_scale (NaN) as views of one tensor each, in
     the model runner's layout (the scales head-major)."""
-    cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), E4M3_NAN, dtype=torch.uint8, device=device)
-    scales = empty_kv_scales(2, num_blocks, block_size, num_kv_heads, device=device).fill_(float("nan"))
+    cache = torch.full(
+        (2, num_blocks, block_size, num_kv_heads, head_dim),
+        E4M3_NAN,
+        dtype=torch.uint8,
+        device=device,
+    )
+    scales = empty_kv_scales(2, num_blocks, block_size, num_kv_heads, device=device).fill_(
+        float("nan")
+    )
     cache = cache.view(E4M3)
     return cache[0], cache[1], scales[0], scales[1]
 
@@ -92,7 +111,9 @@ def same_scales(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.nan_to_num(123.0), b.nan_to_num(123.0))
 
 
-def write_rows(k_cache, v_cache, k_scale, v_scale, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+def write_rows(
+    k_cache, v_cache, k_scale, v_scale, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
     """Put rows into cache slots as an earlier step would have, quantized by the reference."""
     for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
         values, scales = reference_quantize(x)
@@ -113,26 +134,38 @@ def guarded(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
     """A poisoned, contiguous tensor in the middle of a larger poisoned buffer."""
     n = torch.Size(shape).numel()
     if dtype == E4M3:
-        return torch.full((GUARD + n + GUARD,), POISON_BYTE, dtype=torch.uint8)[GUARD : GUARD + n].view(E4M3).view(shape)
-    return torch.full((GUARD + n + GUARD,), POISON_SCALE, dtype=dtype)[GUARD : GUARD + n].view(shape)
+        return (
+            torch.full((GUARD + n + GUARD,), POISON_BYTE, dtype=torch.uint8)[GUARD : GUARD + n]
+            .view(E4M3)
+            .view(shape)
+        )
+    return torch.full((GUARD + n + GUARD,), POISON_SCALE, dtype=dtype)[GUARD : GUARD + n].view(
+        shape
+    )
 
 
 def guards_intact(t: torch.Tensor) -> bool:
     raw = t.view(torch.uint8) if t.dtype == E4M3 else t
     buffer = torch.empty(0, dtype=raw.dtype).set_(raw.untyped_storage())
     poison = POISON_BYTE if t.dtype == E4M3 else POISON_SCALE
-    return bool((buffer[:GUARD] == poison).all() and (buffer[GUARD + raw.numel() :] == poison).all())
+    return bool(
+        (buffer[:GUARD] == poison).all() and (buffer[GUARD + raw.numel() :] == poison).all()
+    )
 
 
 STORE_CASES = {
     "basic": dict(num_tokens=10, num_kv_heads=2, head_dim=16),
     "heads_and_dim_not_power_of_two": dict(num_tokens=9, num_kv_heads=3, head_dim=20),
     "one_kv_head": dict(num_tokens=6, num_kv_heads=1, head_dim=32),
-    "qkv_slices_float16": dict(num_tokens=12, num_kv_heads=2, head_dim=32, from_qkv=True, dtype=torch.float16),
+    "qkv_slices_float16": dict(
+        num_tokens=12, num_kv_heads=2, head_dim=32, from_qkv=True, dtype=torch.float16
+    ),
     "token_major_scales": dict(num_tokens=10, num_kv_heads=3, head_dim=16, head_major=False),
 }
 # the Triton store (``rope_and_store``) takes a head_dim of a power of two, as every model's is
-TRITON_STORE_CASES = [name for name, case in STORE_CASES.items() if case["head_dim"] & (case["head_dim"] - 1) == 0]
+TRITON_STORE_CASES = [
+    name for name, case in STORE_CASES.items() if case["head_dim"] & (case["head_dim"] - 1) == 0
+]
 
 
 def guarded_scales(shape: tuple, head_major: bool) -> torch.Tensor:
@@ -143,8 +176,16 @@ def guarded_scales(shape: tuple, head_major: bool) -> torch.Tensor:
     return guarded((shape[0], shape[2], shape[1]), torch.float32).transpose(1, 2)
 
 
-def check_store(store, num_tokens, num_kv_heads, head_dim, from_qkv=False, dtype=torch.float32, device="cpu",
-                head_major=True) -> dict:
+def check_store(
+    store,
+    num_tokens,
+    num_kv_heads,
+    head_dim,
+    from_qkv=False,
+    dtype=torch.float32,
+    device="cpu",
+    head_major=True,
+) -> dict:
     """Quantize-and-store into guarded caches: bytes and scales must be the reference's exactly,
     slot -1 skipped, nothing written outside the caches. Row 0 head 0 is all zeros; the other
     rows span six orders of magnitude. ``head_major``: the scales in the model runner's layout."""
@@ -177,7 +218,13 @@ def check_store(store, num_tokens, num_kv_heads, head_dim, from_qkv=False, dtype
     problems = []
     for name, got, (ref_cache, ref_scale), got_scale in zip("kv", caches, expected, scales):
         if not same_bytes(got, ref_cache):
-            bad = (got.view(torch.uint8) != ref_cache.view(torch.uint8)).any(-1).any(-1).nonzero().tolist()
+            bad = (
+                (got.view(torch.uint8) != ref_cache.view(torch.uint8))
+                .any(-1)
+                .any(-1)
+                .nonzero()
+                .tolist()
+            )
             problems.append(f"{name}_cache differs at (block, offset) {bad[:8]}")
         if not torch.equal(got_scale, ref_scale):
             problems.append(f"{name}_scale differs")
@@ -189,34 +236,70 @@ def check_store(store, num_tokens, num_kv_heads, head_dim, from_qkv=False, dtype
     return {"problems": "; ".join(problems) or None}
 
 
-def check_decode(backend, context_lens, *, device="cpu", dtype=torch.float32, head_dim=32, block_size=16,
-                 num_heads=4, num_kv_heads=2) -> dict:
+def check_decode(
+    backend,
+    context_lens,
+    *,
+    device="cpu",
+    dtype=torch.float32,
+    head_dim=32,
+    block_size=16,
+    num_heads=4,
+    num_kv_heads=2,
+) -> dict:
     """Decode over an FP8 cache against the torch backend's dequantize-then-attend in float32 over
     the same stored values. Slots no sequence owns are NaN; padded rows (context 0) must be finite."""
     device = torch.device(device)
     scale = head_dim**-0.5
     blocks, tables, num_blocks = paged_layout([max(n, 1) for n in context_lens], block_size, device)
-    k_cache, v_cache, k_scale, v_scale = fp8_cache(num_blocks, block_size, num_kv_heads, head_dim, device)
+    k_cache, v_cache, k_scale, v_scale = fp8_cache(
+        num_blocks, block_size, num_kv_heads, head_dim, device
+    )
     for i, (b, n) in enumerate(zip(blocks, context_lens)):
         if n == 0:
             tables[i] = 0
             continue
-        slots = torch.tensor([b[p // block_size] * block_size + p % block_size for p in range(n)], device=device)
-        write_rows(k_cache, v_cache, k_scale, v_scale, slots,
-                   cache_rows(n, num_kv_heads, head_dim, device), cache_rows(n, num_kv_heads, head_dim, device))
+        slots = torch.tensor(
+            [b[p // block_size] * block_size + p % block_size for p in range(n)], device=device
+        )
+        write_rows(
+            k_cache,
+            v_cache,
+            k_scale,
+            v_scale,
+            slots,
+            cache_rows(n, num_kv_heads, head_dim, device),
+            cache_rows(n, num_kv_heads, head_dim, device),
+        )
     q = qkv_views(len(context_lens), num_heads, num_kv_heads, head_dim, dtype, device)[0]
     context = Context(
-        is_prefill=False, slot_mapping=torch.full((len(context_lens),), -1, dtype=torch.int32, device=device),
-        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device), block_tables=tables,
+        is_prefill=False,
+        slot_mapping=torch.full((len(context_lens),), -1, dtype=torch.int32, device=device),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+        block_tables=tables,
     )
-    ref = TorchAttentionBackend().decode(q.float(), k_cache, v_cache, context, scale, k_scale, v_scale)
+    ref = TorchAttentionBackend().decode(
+        q.float(), k_cache, v_cache, context, scale, k_scale, v_scale
+    )
     out = backend.decode(q, k_cache, v_cache, context, scale, k_scale, v_scale)
     keep = [i for i, n in enumerate(context_lens) if n > 0]
-    return {"rel_err": relative_error(out[keep], ref[keep]), "padded_finite": bool(out.isfinite().all())}
+    return {
+        "rel_err": relative_error(out[keep], ref[keep]),
+        "padded_finite": bool(out.isfinite().all()),
+    }
 
 
-def check_prefill(backend, seqs, *, device="cpu", dtype=torch.float32, head_dim=32, block_size=16,
-                  num_heads=4, num_kv_heads=2) -> dict:
+def check_prefill(
+    backend,
+    seqs,
+    *,
+    device="cpu",
+    dtype=torch.float32,
+    head_dim=32,
+    block_size=16,
+    num_heads=4,
+    num_kv_heads=2,
+) -> dict:
     """(cached, new) tokens per sequence: the cached prefix is in the FP8 cache already; ``backend``
     stores the new tokens (the kernel backends' store, ``rope_and_store``), then prefills. The reference: the torch backend's store and prefill
     (dequantize-then-attend in float32; over the fresh k/v where nothing is cached)."""
@@ -224,13 +307,22 @@ def check_prefill(backend, seqs, *, device="cpu", dtype=torch.float32, head_dim=
     scale = head_dim**-0.5
     totals = [c + n for c, n in seqs]
     blocks, tables, num_blocks = paged_layout(totals, block_size, device)
-    k_cache, v_cache, k_scale, v_scale = fp8_cache(num_blocks, block_size, num_kv_heads, head_dim, device)
+    k_cache, v_cache, k_scale, v_scale = fp8_cache(
+        num_blocks, block_size, num_kv_heads, head_dim, device
+    )
     slots, cu_q, cu_k = [], [0], [0]
     for b, (c, n) in zip(blocks, seqs):
         seq_slots = [b[p // block_size] * block_size + p % block_size for p in range(c + n)]
         if c:
-            write_rows(k_cache, v_cache, k_scale, v_scale, torch.tensor(seq_slots[:c], device=device),
-                       cache_rows(c, num_kv_heads, head_dim, device), cache_rows(c, num_kv_heads, head_dim, device))
+            write_rows(
+                k_cache,
+                v_cache,
+                k_scale,
+                v_scale,
+                torch.tensor(seq_slots[:c], device=device),
+                cache_rows(c, num_kv_heads, head_dim, device),
+                cache_rows(c, num_kv_heads, head_dim, device),
+            )
         slots += seq_slots[c:]
         cu_q.append(cu_q[-1] + n)
         cu_k.append(cu_k[-1] + c + n)
@@ -238,24 +330,41 @@ def check_prefill(backend, seqs, *, device="cpu", dtype=torch.float32, head_dim=
         is_prefill=True,
         cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device=device),
         cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32, device=device),
-        max_seqlen_q=max(n for _, n in seqs), max_seqlen_k=max(totals),
+        max_seqlen_q=max(n for _, n in seqs),
+        max_seqlen_k=max(totals),
         slot_mapping=torch.tensor(slots, dtype=torch.int32, device=device),
         block_tables=tables if any(c for c, _ in seqs) else None,
     )
     q, k, v = qkv_views(sum(n for _, n in seqs), num_heads, num_kv_heads, head_dim, dtype, device)
     ref_caches = [t.clone() for t in (k_cache, v_cache, k_scale, v_scale)]
     reference = TorchAttentionBackend()
-    reference.store_kvcache(k, v, ref_caches[0], ref_caches[1], context.slot_mapping, ref_caches[2], ref_caches[3])
-    ref = reference.prefill(q.float(), k.float(), v.float(), ref_caches[0], ref_caches[1], context, scale,
-                            ref_caches[2], ref_caches[3])
+    reference.store_kvcache(
+        k, v, ref_caches[0], ref_caches[1], context.slot_mapping, ref_caches[2], ref_caches[3]
+    )
+    ref = reference.prefill(
+        q.float(),
+        k.float(),
+        v.float(),
+        ref_caches[0],
+        ref_caches[1],
+        context,
+        scale,
+        ref_caches[2],
+        ref_caches[3],
+    )
     rope_store_kvcache(k, v, k_cache, v_cache, context.slot_mapping, k_scale, v_scale)
     out = backend.prefill(q, k, v, k_cache, v_cache, context, scale, k_scale, v_scale)
-    cache_equal = (same_bytes(k_cache, ref_caches[0]) and same_bytes(v_cache, ref_caches[1])
-                   and same_scales(k_scale, ref_caches[2]) and same_scales(v_scale, ref_caches[3]))
+    cache_equal = (
+        same_bytes(k_cache, ref_caches[0])
+        and same_bytes(v_cache, ref_caches[1])
+        and same_scales(k_scale, ref_caches[2])
+        and same_scales(v_scale, ref_caches[3])
+    )
     return {"rel_err": relative_error(out, ref), "cache_equal": cache_equal}
 
 
 # ---- CPU: the Triton kernels under the interpreter --------------------------------------------------
+
 
 def small_tiles(num_splits: int):
     """The Triton backend with 16-key decode tiles, one pipeline stage."""
@@ -265,8 +374,10 @@ def small_tiles(num_splits: int):
 
 
 INTERPRETER_CASES = {
-    **{f"store_{name}": (lambda b, name=name: check_store(rope_store_kvcache, **STORE_CASES[name]))
-       for name in TRITON_STORE_CASES},
+    **{
+        f"store_{name}": (lambda b, name=name: check_store(rope_store_kvcache, **STORE_CASES[name]))
+        for name in TRITON_STORE_CASES
+    },
     "decode": lambda b: check_decode(b, DECODE_LENS),
     # 16-key tiles: several per sequence (the default tile covers these contexts at once) and per split
     "decode_small_tiles": lambda b: check_decode(small_tiles(1), DECODE_LENS),
@@ -277,7 +388,9 @@ INTERPRETER_CASES = {
     "prefill_without_prefix": lambda b: check_prefill(b, PREFILL_SEQS),
     # a bf16 query: the kernels' dots then run in float16 on operands scaled into (-2, 2)
     "decode_bf16_query": lambda b: check_decode(b, DECODE_LENS, dtype=torch.bfloat16),
-    "decode_bf16_query_group8": lambda b: check_decode(b, DECODE_LENS, dtype=torch.bfloat16, num_heads=8, num_kv_heads=1),
+    "decode_bf16_query_group8": lambda b: check_decode(
+        b, DECODE_LENS, dtype=torch.bfloat16, num_heads=8, num_kv_heads=1
+    ),
     "prefill_bf16_query": lambda b: check_prefill(b, CHUNKED_SEQS, dtype=torch.bfloat16),
 }
 
@@ -337,7 +450,9 @@ def test_quantization_error_is_bounded():
 
 @pytest.mark.parametrize("case", list(STORE_CASES))
 def test_torch_backend_store_fp8(case):
-    assert check_store(TorchAttentionBackend().store_kvcache, **STORE_CASES[case])["problems"] is None
+    assert (
+        check_store(TorchAttentionBackend().store_kvcache, **STORE_CASES[case])["problems"] is None
+    )
 
 
 def float64_attention(q, k, v, scale):
@@ -360,7 +475,9 @@ def test_torch_backend_fp8_decode_and_prefill_match_float64_reference():
     block_size, kv_heads, head_dim = 4, 2, 16
     lens = [7, 1, 12]
     blocks, tables, num_blocks = paged_layout(lens, block_size, "cpu")
-    k_cache, v_cache, k_scale, v_scale = fp8_cache(num_blocks, block_size, kv_heads, head_dim, "cpu")
+    k_cache, v_cache, k_scale, v_scale = fp8_cache(
+        num_blocks, block_size, kv_heads, head_dim, "cpu"
+    )
     rows = []
     for b, n in zip(blocks, lens):
         slots = torch.tensor([b[p // block_size] * block_size + p % block_size for p in range(n)])
@@ -372,17 +489,29 @@ def test_torch_backend_fp8_decode_and_prefill_match_float64_reference():
     context = Context(context_lens=torch.tensor(lens, dtype=torch.int32), block_tables=tables)
     out = backend.decode(q, k_cache, v_cache, context, scale, k_scale, v_scale)
     for i, (k, v) in enumerate(rows):
-        torch.testing.assert_close(out[i : i + 1].double(), float64_attention(q[i : i + 1], k, v, scale), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            out[i : i + 1].double(),
+            float64_attention(q[i : i + 1], k, v, scale),
+            rtol=1e-5,
+            atol=1e-5,
+        )
     # prefill of each sequence's last 3 tokens (already stored) over its cached prefix
     cu_k = [0, *torch.tensor(lens).cumsum(0).tolist()]
     new = [min(3, n) for n in lens]
     cu_q = [0, *torch.tensor(new).cumsum(0).tolist()]
     q = torch.randn(sum(new), 4, head_dim)
-    context = Context(is_prefill=True, cu_seqlens_q=torch.tensor(cu_q), cu_seqlens_k=torch.tensor(cu_k), block_tables=tables)
+    context = Context(
+        is_prefill=True,
+        cu_seqlens_q=torch.tensor(cu_q),
+        cu_seqlens_k=torch.tensor(cu_k),
+        block_tables=tables,
+    )
     out = backend.prefill(q, None, None, k_cache, v_cache, context, scale, k_scale, v_scale)
     for i, (k, v) in enumerate(rows):
         expected = float64_attention(q[cu_q[i] : cu_q[i + 1]], k, v, scale)
-        torch.testing.assert_close(out[cu_q[i] : cu_q[i + 1]].double(), expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            out[cu_q[i] : cu_q[i + 1]].double(), expected, rtol=1e-5, atol=1e-5
+        )
 
 
 # ---- the engine on the CPU --------------------------------------------------------------------------
@@ -420,7 +549,9 @@ def test_llm_fp8_cache_matches_round_trip_reference(ckpt_tied):
 
     prompts = random_prompts(11, [40, 3, 21])
     prompts.append(prompts[0][:32] + [7, 8, 9])  # shares two blocks with the first prompt
-    kwargs = dict(kvcache_block_size=BLOCK_SIZE, num_kvcache_blocks=48, max_model_len=128, device="cpu")
+    kwargs = dict(
+        kvcache_block_size=BLOCK_SIZE, num_kvcache_blocks=48, max_model_len=128, device="cpu"
+    )
     with LLM(ckpt_tied.path, kv_cache_dtype="auto", **kwargs) as ref_llm:
         for m in attention_modules(ref_llm):
             m.backend = RoundTripCacheBackend()
@@ -440,7 +571,9 @@ def test_llm_fp8_cache_matches_round_trip_reference(ckpt_tied):
 
         assert modules[0].k_cache.dtype == E4M3 and modules[0].k_scale.dtype == torch.float32
         assert modules[0].k_scale.shape == modules[0].k_cache.shape[:3] == (48, BLOCK_SIZE, 2)
-        assert any(o["num_cached_tokens"] > 0 for o in got[len(prompts) :]), "no prefix-cache hit: paged prefill untested"
+        assert any(o["num_cached_tokens"] > 0 for o in got[len(prompts) :]), (
+            "no prefix-cache hit: paged prefill untested"
+        )
         for e, o in zip(expected, got):
             assert o["token_ids"] == e["token_ids"]
             assert len(o["logprobs"]) == len(e["logprobs"]) == len(e["token_ids"])
@@ -452,7 +585,9 @@ def test_llm_fp8_cache_matches_round_trip_reference(ckpt_tied):
             for cache, scale, ref in ((k_cache, k_scale, ref_k), (v_cache, v_scale, ref_v)):
                 stored = ~ref.isnan().any(-1)  # [blocks, block_size, kv_heads]
                 assert torch.equal(reference_dequantize(cache, scale)[stored], ref[stored])
-                assert (cache.view(torch.uint8)[~stored] == E4M3_NAN).all()  # nothing else was written
+                assert (
+                    cache.view(torch.uint8)[~stored] == E4M3_NAN
+                ).all()  # nothing else was written
                 written += int(stored.sum())
         assert written > 0
 
@@ -463,8 +598,11 @@ def test_block_bytes_count_the_scales():
     from nanovllm.runner import kv_cache
 
     def block_bytes(kv_cache_dtype):
-        config = SimpleNamespace(hf_config=SimpleNamespace(num_hidden_layers=28), kv_cache_dtype=kv_cache_dtype,
-                                 kvcache_block_size=256)
+        config = SimpleNamespace(
+            hf_config=SimpleNamespace(num_hidden_layers=28),
+            kv_cache_dtype=kv_cache_dtype,
+            kvcache_block_size=256,
+        )
         return kv_cache.block_bytes(config, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
 
     auto, fp8 = block_bytes("auto"), block_bytes("fp8")
@@ -479,13 +617,24 @@ def test_block_bytes_count_the_scales():
 def test_allocated_cache_matches_block_bytes(ckpt_tied, kv_cache_dtype):
     from nanovllm import LLM
 
-    with LLM(ckpt_tied.path, kvcache_block_size=BLOCK_SIZE, num_kvcache_blocks=5, max_model_len=64,
-             kv_cache_dtype=kv_cache_dtype) as llm:
+    with LLM(
+        ckpt_tied.path,
+        kvcache_block_size=BLOCK_SIZE,
+        num_kvcache_blocks=5,
+        max_model_len=64,
+        kv_cache_dtype=kv_cache_dtype,
+    ) as llm:
         from nanovllm.runner import kv_cache
 
         runner = llm.core.executor.runner
-        scale_bytes = sum(m.k_scale.nbytes + m.v_scale.nbytes for m in attention_modules(llm) if m.k_scale is not None)
-        one_block = kv_cache.block_bytes(llm.config, runner.num_kv_heads, runner.head_dim, runner.dtype)
+        scale_bytes = sum(
+            m.k_scale.nbytes + m.v_scale.nbytes
+            for m in attention_modules(llm)
+            if m.k_scale is not None
+        )
+        one_block = kv_cache.block_bytes(
+            llm.config, runner.num_kv_heads, runner.head_dim, runner.dtype
+        )
         assert runner.kv_cache.nbytes + scale_bytes == 5 * one_block
         assert (scale_bytes > 0) == (kv_cache_dtype == "fp8")
 
@@ -513,7 +662,9 @@ def test_auto_backend_resolution(fake_gpu, monkeypatch):
     assert resolve("auto", "cuda", 256, torch.bfloat16, "fp8") == "triton"
     assert resolve("auto", "cuda", 256, torch.float16, "fp8_e4m3") == "triton"
     assert resolve("auto", "cuda", 256, torch.bfloat16, "auto", "fp8") == "triton"  # FP8 weights
-    assert resolve("flash-attn", "cuda", 256, torch.bfloat16, "auto", "fp8") == "flash-attn"  # asked for
+    assert (
+        resolve("flash-attn", "cuda", 256, torch.bfloat16, "auto", "fp8") == "flash-attn"
+    )  # asked for
     assert resolve("auto", "cpu", 256, torch.bfloat16, "auto", "fp8") == "torch"
     assert resolve("auto", "cpu", 256, torch.float32, "fp8") == "torch"
     assert resolve("triton", "cuda", 16, torch.float32, "fp8") == "triton"
@@ -531,7 +682,12 @@ def test_bad_kv_cache_dtype(ckpt_tied, value):
     with pytest.raises(ValueError) as e:
         Config(ckpt_tied.path, kv_cache_dtype=value)
     message = str(e.value)
-    assert "kv_cache_dtype" in message and repr(value) in message and "'fp8'" in message and "'auto'" in message
+    assert (
+        "kv_cache_dtype" in message
+        and repr(value) in message
+        and "'fp8'" in message
+        and "'auto'" in message
+    )
 
 
 def test_fp8_with_flash_attn_is_refused(ckpt_tied):
@@ -540,7 +696,9 @@ def test_fp8_with_flash_attn_is_refused(ckpt_tied):
     for kv in ("fp8", "fp8_e4m3"):
         with pytest.raises(ValueError) as e:
             Config(ckpt_tied.path, attention_backend="flash-attn", kv_cache_dtype=kv)
-        assert "flash-attn" in str(e.value) and repr(kv) in str(e.value) and "triton" in str(e.value)
+        assert (
+            "flash-attn" in str(e.value) and repr(kv) in str(e.value) and "triton" in str(e.value)
+        )
 
 
 def test_float32_with_flash_attn_is_refused_on_gpu(ckpt_tied, fake_gpu):
@@ -549,10 +707,16 @@ def test_float32_with_flash_attn_is_refused_on_gpu(ckpt_tied, fake_gpu):
 
     for dtype in ("float32", "auto"):
         with pytest.raises(ValueError, match="float32") as e:
-            Config(ckpt_tied.path, attention_backend="flash-attn", kvcache_block_size=256, dtype=dtype)
+            Config(
+                ckpt_tied.path, attention_backend="flash-attn", kvcache_block_size=256, dtype=dtype
+            )
         assert "flash-attn" in str(e.value)
-    Config(ckpt_tied.path, attention_backend="flash-attn", kvcache_block_size=256, dtype="bfloat16")  # accepted
-    Config(ckpt_tied.path, attention_backend="auto", kvcache_block_size=256, dtype="float32")  # resolves to triton
+    Config(
+        ckpt_tied.path, attention_backend="flash-attn", kvcache_block_size=256, dtype="bfloat16"
+    )  # accepted
+    Config(
+        ckpt_tied.path, attention_backend="auto", kvcache_block_size=256, dtype="float32"
+    )  # resolves to triton
 
 
 @pytest.fixture(scope="module")

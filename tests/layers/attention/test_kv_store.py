@@ -9,6 +9,7 @@ one subprocess: this file run as a script prints one verdict per case as JSON. T
 ``store_kvcache`` runs the same cases in-process. Every cache is poisoned first, so a write to a
 wrong slot, a skipped slot (-1) or past the row shows up.
 """
+
 import json
 import os
 import sys
@@ -22,8 +23,15 @@ GUARD = 1024  # poisoned elements on each side of a cache
 
 
 def make_case(
-    num_tokens: int, num_kv_heads: int, head_dim: int, num_blocks: int, block_size: int,
-    slots: list[int] | None = None, from_qkv: bool = False, dtype: torch.dtype = torch.float32, seed: int = 0,
+    num_tokens: int,
+    num_kv_heads: int,
+    head_dim: int,
+    num_blocks: int,
+    block_size: int,
+    slots: list[int] | None = None,
+    from_qkv: bool = False,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
 ):
     """Inputs for one store: k/v ``[num_tokens, num_kv_heads, head_dim]`` (optionally strided views
     into a fused qkv tensor), poisoned caches and a slot mapping (distinct slots, some -1)."""
@@ -65,20 +73,36 @@ CASES = {
     # row of 2 * 16 = 32 values (a power of two), a third of the slots -1
     "basic": dict(num_tokens=10, num_kv_heads=2, head_dim=16, num_blocks=4, block_size=8),
     # row of 3 * 20 = 60 values: the kernel's power-of-two block must be masked
-    "row_not_power_of_two": dict(num_tokens=9, num_kv_heads=3, head_dim=20, num_blocks=3, block_size=16),
-    "row_not_power_of_two_odd": dict(num_tokens=5, num_kv_heads=1, head_dim=7, num_blocks=2, block_size=4),
+    "row_not_power_of_two": dict(
+        num_tokens=9, num_kv_heads=3, head_dim=20, num_blocks=3, block_size=16
+    ),
+    "row_not_power_of_two_odd": dict(
+        num_tokens=5, num_kv_heads=1, head_dim=7, num_blocks=2, block_size=4
+    ),
     # k and v are strided views into one qkv projection output
-    "qkv_slices": dict(num_tokens=12, num_kv_heads=2, head_dim=32, num_blocks=4, block_size=16, from_qkv=True),
+    "qkv_slices": dict(
+        num_tokens=12, num_kv_heads=2, head_dim=32, num_blocks=4, block_size=16, from_qkv=True
+    ),
     "qkv_slices_not_power_of_two": dict(
         num_tokens=6, num_kv_heads=3, head_dim=12, num_blocks=2, block_size=8, from_qkv=True
     ),
-    "all_slots_skipped": dict(num_tokens=4, num_kv_heads=2, head_dim=16, num_blocks=2, block_size=4, slots=[-1] * 4),
+    "all_slots_skipped": dict(
+        num_tokens=4, num_kv_heads=2, head_dim=16, num_blocks=2, block_size=4, slots=[-1] * 4
+    ),
     # first and last slot of the cache, and a padded decode row at the end
-    "cache_edges": dict(num_tokens=3, num_kv_heads=2, head_dim=8, num_blocks=3, block_size=4, slots=[11, 0, -1]),
-    "single_token": dict(num_tokens=1, num_kv_heads=4, head_dim=64, num_blocks=2, block_size=16, slots=[17]),
-    "float16": dict(num_tokens=8, num_kv_heads=2, head_dim=24, num_blocks=2, block_size=8, dtype=torch.float16),
+    "cache_edges": dict(
+        num_tokens=3, num_kv_heads=2, head_dim=8, num_blocks=3, block_size=4, slots=[11, 0, -1]
+    ),
+    "single_token": dict(
+        num_tokens=1, num_kv_heads=4, head_dim=64, num_blocks=2, block_size=16, slots=[17]
+    ),
+    "float16": dict(
+        num_tokens=8, num_kv_heads=2, head_dim=24, num_blocks=2, block_size=8, dtype=torch.float16
+    ),
     # the Triton store pads the heads to a power of two: those lanes must be masked
-    "heads_not_power_of_two": dict(num_tokens=9, num_kv_heads=3, head_dim=16, num_blocks=3, block_size=16),
+    "heads_not_power_of_two": dict(
+        num_tokens=9, num_kv_heads=3, head_dim=16, num_blocks=3, block_size=16
+    ),
     "five_heads": dict(num_tokens=5, num_kv_heads=5, head_dim=8, num_blocks=2, block_size=4),
     "qkv_slices_heads_not_power_of_two": dict(
         num_tokens=6, num_kv_heads=3, head_dim=8, num_blocks=2, block_size=8, from_qkv=True
@@ -89,12 +113,19 @@ CASES = {
 }
 # rope_and_store rotates halves of head_dim that must be a power of two, as every model's is: the
 # Triton store takes the cases of such a head_dim (the torch store takes them all)
-TRITON_CASES = [name for name, case in CASES.items() if case["head_dim"] & (case["head_dim"] - 1) == 0]
+TRITON_CASES = [
+    name for name, case in CASES.items() if case["head_dim"] & (case["head_dim"] - 1) == 0
+]
 
 
 def rope_store_kvcache(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Store k/v ``[num_tokens, num_kv_heads, head_dim]`` through ``kv_store.rope_and_store``, the one
     Triton store: k and v packed as a fused projection (k's rows standing in for q), no QK-norm, and
@@ -107,8 +138,20 @@ def rope_store_kvcache(
     positions = torch.zeros(num_tokens, dtype=torch.int64, device=k.device)
     half = head_dim // 2
     cos_sin = torch.cat([torch.ones(half), torch.zeros(half)]).view(1, 1, head_dim).to(k.device)
-    rope_and_store(qkv, positions, num_kv_heads, num_kv_heads, cos_sin, None, k_cache, v_cache, slot_mapping,
-                   k_scale, v_scale, write_k=False)
+    rope_and_store(
+        qkv,
+        positions,
+        num_kv_heads,
+        num_kv_heads,
+        cos_sin,
+        None,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k_scale,
+        v_scale,
+        write_k=False,
+    )
 
 
 def reference_store(k, v, k_cache, v_cache, slot_mapping):
@@ -178,5 +221,7 @@ def test_reference_store_is_not_a_no_op():
 
 if __name__ == "__main__":
     if os.environ.get("TRITON_INTERPRET") != "1":
-        sys.exit("run with TRITON_INTERPRET=1 (the Triton interpreter) set before triton is imported")
+        sys.exit(
+            "run with TRITON_INTERPRET=1 (the Triton interpreter) set before triton is imported"
+        )
     print(json.dumps(run_triton_cases()))

@@ -6,6 +6,7 @@ The kernel runs under the Triton interpreter in a subprocess (this file run as a
 ``triton_interpreter.py``). Caches and scales are poisoned, inside larger poisoned buffers, so a
 write to a wrong slot, a skipped slot (-1) or outside the cache shows up.
 """
+
 import json
 import os
 import sys
@@ -23,7 +24,9 @@ CASES = {
     "float32_qk_norm": dict(num_heads=4, num_kv_heads=2, head_dim=16),
     "bfloat16_qk_norm": dict(num_heads=4, num_kv_heads=2, head_dim=32, dtype=torch.bfloat16),
     "float32_no_norm": dict(num_heads=4, num_kv_heads=2, head_dim=16, norm=False),
-    "bfloat16_heads_not_power_of_two": dict(num_heads=6, num_kv_heads=3, head_dim=16, dtype=torch.bfloat16),
+    "bfloat16_heads_not_power_of_two": dict(
+        num_heads=6, num_kv_heads=3, head_dim=16, dtype=torch.bfloat16
+    ),
     "fp8_cache": dict(num_heads=4, num_kv_heads=2, head_dim=32, dtype=torch.bfloat16, fp8=True),
     "fp8_cache_float32": dict(num_heads=2, num_kv_heads=1, head_dim=16, fp8=True),
     "no_cache_decode": dict(num_heads=4, num_kv_heads=2, head_dim=16, store=False, write_k=False),
@@ -33,8 +36,20 @@ CASES = {
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2**-7}
 
 
-def run_case(num_heads, num_kv_heads, head_dim, dtype=torch.float32, norm=True, fp8=False, store=True,
-             write_k=True, num_tokens=11, num_blocks=3, block_size=8, seed=0) -> dict:
+def run_case(
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    dtype=torch.float32,
+    norm=True,
+    fp8=False,
+    store=True,
+    write_k=True,
+    num_tokens=11,
+    num_blocks=3,
+    block_size=8,
+    seed=0,
+) -> dict:
     from nanovllm.layers.attention.kv_store import rope_and_store
 
     g = torch.Generator().manual_seed(seed)
@@ -54,8 +69,14 @@ def run_case(num_heads, num_kv_heads, head_dim, dtype=torch.float32, norm=True, 
     else:
         k_cache, v_cache = (guarded_cache(shape, dtype) for _ in range(2))
     # scales head-major, as the model runner stores them (``empty_kv_scales``)
-    k_scale, v_scale = (guarded_cache((num_blocks, num_kv_heads, block_size), torch.float32).transpose(1, 2)
-                        for _ in range(2)) if fp8 else (None, None)
+    k_scale, v_scale = (
+        (
+            guarded_cache((num_blocks, num_kv_heads, block_size), torch.float32).transpose(1, 2)
+            for _ in range(2)
+        )
+        if fp8
+        else (None, None)
+    )
     if not store:
         k_cache = v_cache = torch.tensor([], dtype=dtype)
 
@@ -67,12 +88,27 @@ def run_case(num_heads, num_kv_heads, head_dim, dtype=torch.float32, norm=True, 
         q_ref, k_ref = rms_norm(q_ref, weights[0], eps), rms_norm(k_ref, weights[1], eps)
     q_ref, k_ref = apply_rotary_emb(positions, q_ref, k_ref, rope.cos_sin_cache)
 
-    q, k, v = rope_and_store(qkv, positions, num_heads, num_kv_heads, rope.cos_sin_cache,
-                             (weights[0], weights[1], eps) if norm else None, k_cache, v_cache, slots,
-                             k_scale, v_scale, write_k=write_k)
+    q, k, v = rope_and_store(
+        qkv,
+        positions,
+        num_heads,
+        num_kv_heads,
+        rope.cos_sin_cache,
+        (weights[0], weights[1], eps) if norm else None,
+        k_cache,
+        v_cache,
+        slots,
+        k_scale,
+        v_scale,
+        write_k=write_k,
+    )
     tol = TOLERANCE[dtype]
-    out = dict(q_err=rel_err(q, q_ref, tol), k_none=k is None, v_is_view=v.data_ptr() == qkv[:, q_size + kv_size :].data_ptr(),
-               v_equal=torch.equal(v, v_ref))
+    out = dict(
+        q_err=rel_err(q, q_ref, tol),
+        k_none=k is None,
+        v_is_view=v.data_ptr() == qkv[:, q_size + kv_size :].data_ptr(),
+        v_equal=torch.equal(v, v_ref),
+    )
     if write_k:
         out["k_err"] = rel_err(k, k_ref, tol)
     if store:
@@ -85,16 +121,28 @@ def run_case(num_heads, num_kv_heads, head_dim, dtype=torch.float32, norm=True, 
                     continue
                 for src, cache, scale in ((k_src, k_cache, k_scale), (v_ref, v_cache, v_scale)):
                     values, s = quantize_fp8(src[token])
-                    ok &= torch.equal(cache[b, o].view(torch.uint8), values.view(torch.uint8)) and torch.equal(scale[b, o], s)
+                    ok &= torch.equal(
+                        cache[b, o].view(torch.uint8), values.view(torch.uint8)
+                    ) and torch.equal(scale[b, o], s)
             written = sum(s != -1 for s in slots.tolist())
-            untouched = int(torch.isnan(k_cache.float()).all(-1).all(-1).sum()) == num_blocks * block_size - written
-            out.update(stored_exact=ok, untouched_slots=untouched, guards=guards_intact(k_scale) and guards_intact(v_scale),
-                       scale_poison_left=int((k_scale == POISON).sum()) == (num_blocks * block_size - written) * num_kv_heads)
+            untouched = (
+                int(torch.isnan(k_cache.float()).all(-1).all(-1).sum())
+                == num_blocks * block_size - written
+            )
+            out.update(
+                stored_exact=ok,
+                untouched_slots=untouched,
+                guards=guards_intact(k_scale) and guards_intact(v_scale),
+                scale_poison_left=int((k_scale == POISON).sum())
+                == (num_blocks * block_size - written) * num_kv_heads,
+            )
         else:
             poisoned = torch.full(shape, POISON, dtype=dtype)
             k_expect, v_expect = reference_store(k_src, v_ref, poisoned, poisoned, slots)
-            out.update(stored_exact=torch.equal(k_cache, k_expect) and torch.equal(v_cache, v_expect),
-                       guards=guards_intact(k_cache) and guards_intact(v_cache))
+            out.update(
+                stored_exact=torch.equal(k_cache, k_expect) and torch.equal(v_cache, v_expect),
+                guards=guards_intact(k_cache) and guards_intact(v_cache),
+            )
     return out
 
 
@@ -125,8 +173,14 @@ def test_rope_and_store_matches_plain_path(name, results):
 
 if __name__ == "__main__":
     if os.environ.get("TRITON_INTERPRET") != "1":
-        sys.exit("run with TRITON_INTERPRET=1 (the Triton interpreter) set before triton is imported")
-    from triton_interpreter import round_interpreter_casts_to_nearest, run_cases, squeeze_interpreter_loop_bounds
+        sys.exit(
+            "run with TRITON_INTERPRET=1 (the Triton interpreter) set before triton is imported"
+        )
+    from triton_interpreter import (
+        round_interpreter_casts_to_nearest,
+        run_cases,
+        squeeze_interpreter_loop_bounds,
+    )
 
     squeeze_interpreter_loop_bounds()
     round_interpreter_casts_to_nearest()
