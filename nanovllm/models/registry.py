@@ -26,3 +26,12 @@ def architecture(hf_config) -> str:
 def model_class(hf_config) -> type:
     module, name = ARCHITECTURES[architecture(hf_config)]
     return getattr(importlib.import_module(module), name)
+
+
+def build_model(hf_config, quantization: str | None = None):
+    """The model of ``hf_config``'s architecture, its linear layers in ``quantization`` (None or
+    "fp8"), built on the current default device and dtype."""
+    from nanovllm.quantization import building_quantized
+
+    with building_quantized(quantization):
+        return model_class(hf_config)(hf_config)

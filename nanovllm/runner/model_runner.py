@@ -14,7 +14,7 @@ from nanovllm.features import sleep
 from nanovllm.features.prompt_logprobs import score_prompt
 from nanovllm.layers.attention import Attention, get_attention_backend, resolve_backend_name
 from nanovllm.models.llama import head_dim
-from nanovllm.models.registry import model_class
+from nanovllm.models.registry import build_model
 from nanovllm.parallel.distributed import (
     abort_nccl,
     enable_custom_all_reduce,
@@ -22,7 +22,6 @@ from nanovllm.parallel.distributed import (
     leave_group,
     wait_device,
 )
-from nanovllm.quantization import building_quantized
 from nanovllm.runner import kv_cache
 from nanovllm.runner.cuda_graphs import DecodeGraphs
 from nanovllm.runner.step_inputs import DecodeBuffer, decode_inputs, prefill_inputs
@@ -101,8 +100,8 @@ class ModelRunner:
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
-            with self.device, building_quantized(config.weight_quantization):
-                self.model = model_class(hf_config)(hf_config)
+            with self.device:
+                self.model = build_model(hf_config, config.weight_quantization)
         finally:
             torch.set_default_dtype(default_dtype)
         if config.load_format == "dummy":
