@@ -1,9 +1,6 @@
-"""nano-vllm: a small, fast offline LLM inference engine.
+"""nano-vllm: a small, fast offline LLM inference engine. ``import nanovllm`` loads no torch."""
 
-``LLM`` is imported lazily so that ``import nanovllm`` (and the engine core) stays free of torch.
-"""
-
-from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
+from nanovllm.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams"]
 __version__ = "0.1.0"
@@ -14,4 +11,8 @@ def __getattr__(name: str):
         from nanovllm.llm import LLM
 
         return LLM
+    if name == "StructuredOutputsParams":
+        from nanovllm.features.structured_outputs.params import StructuredOutputsParams
+
+        return StructuredOutputsParams
     raise AttributeError(f"module 'nanovllm' has no attribute {name!r}")

@@ -1,61 +1,57 @@
-"""Per-request sampling settings, with vLLM's names, defaults and meaning (pure Python: imported
-by the engine core). Every field is checked here; a bad value is a TypeError or ValueError naming
-the field, the value and what is allowed."""
+"""Per-request sampling settings, with vLLM's names, defaults and meaning (pure Python). A bad value
+is a TypeError or ValueError naming the field, the value and what is allowed."""
 
+import copy
 from dataclasses import dataclass, fields, replace
 
-from nanovllm.features.structured_outputs.params import StructuredOutputsParams
+__all__ = ["SamplingParams"]  # and StructuredOutputsParams, loaded when asked for
 
-__all__ = ["SamplingParams", "StructuredOutputsParams"]
+GREEDY_BELOW = 1e-5  # a temperature under this samples greedily (as in vLLM)
 
-GREEDY_BELOW = (
-    1e-5  # a temperature under this samples greedily (as in vLLM): logits / T would overflow
-)
+
+def __getattr__(name: str):
+    if name == "StructuredOutputsParams":  # the feature's module loads only when asked for
+        from nanovllm.features.structured_outputs.params import StructuredOutputsParams
+
+        return StructuredOutputsParams
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
 def _checked(values: dict) -> dict:
-    """Every field's value checked, and normalised (numbers as float, ``stop`` and
-    ``stop_token_ids`` as lists, ``top_k=-1`` as 0); ``values`` holds every field. The one check,
-    run by the constructor and by every assignment."""
+    """Every field checked and normalised (numbers as float, ``stop`` and ``stop_token_ids`` as
+    lists, ``top_k=-1`` as 0): the one check, run by the constructor and by every assignment."""
     v = dict(values)
-    _check_number(
-        v, "temperature", lambda t: 0 <= t < float("inf"), "a finite number >= 0 (0 = greedy)"
-    )
-    _check_int(v, "max_tokens", 1)
-    _check_int(v, "n", 1)
-    _check_number(v, "top_p", lambda p: 0 < p <= 1, "in (0, 1] (1 = off)")
-    _check_int(v, "top_k", -1, extra=" (0 or -1 = off)")
-    _check_number(v, "min_p", lambda p: 0 <= p <= 1, "in [0, 1] (0 = off)")
-    _check_int(v, "min_tokens", 0)
+    inf = float("inf")
+    _number(v, "temperature", lambda t: 0 <= t < inf, "a finite number >= 0 (0 = greedy)")
+    _int(v, "max_tokens", 1)
+    _int(v, "n", 1)
+    _number(v, "top_p", lambda p: 0 < p <= 1, "in (0, 1] (1 = off)")
+    _int(v, "top_k", -1, " (0 or -1 = off)")
+    _number(v, "min_p", lambda p: 0 <= p <= 1, "in [0, 1] (0 = off)")
+    _int(v, "min_tokens", 0)
     if v["min_tokens"] > v["max_tokens"]:
         raise ValueError(
             f"SamplingParams.min_tokens must be <= max_tokens, got min_tokens={v['min_tokens']} "
             f"and max_tokens={v['max_tokens']}"
         )
-    _check_number(
-        v, "repetition_penalty", lambda r: 0 < r < float("inf"), "a finite number > 0 (1 = off)"
-    )
+    _number(v, "repetition_penalty", lambda r: 0 < r < inf, "a finite number > 0 (1 = off)")
     for name in ("presence_penalty", "frequency_penalty"):
-        _check_number(v, name, lambda x: -2 <= x <= 2, "in [-2, 2] (0 = off)")
+        _number(v, name, lambda x: -2 <= x <= 2, "in [-2, 2] (0 = off)")
     if v["seed"] is not None and not _is_int(v["seed"]):
-        raise TypeError(
-            f"SamplingParams.seed must be an int or None, got {v['seed']!r} ({type(v['seed']).__name__})"
-        )
+        seed = v["seed"]
+        raise TypeError(f"SamplingParams.seed must be an int or None, got {seed!r} ({_type(seed)})")
     for name in ("logprobs", "prompt_logprobs"):
         if v[name] is not None:
-            _check_int(v, name, 0, extra=" or None")
+            _int(v, name, 0, " or None")
     for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
         if not isinstance(v[name], bool):
             raise TypeError(f"SamplingParams.{name} must be a bool, got {v[name]!r}")
-    _check_structured_outputs(v)
+    if v["structured_outputs"] is not None:
+        _check_structured_outputs(v)
     v["stop"] = _string_list(v["stop"])
     v["stop_token_ids"] = _id_list(v["stop_token_ids"])
     if v["top_k"] == -1:
@@ -63,39 +59,42 @@ def _checked(values: dict) -> dict:
     return v
 
 
-def _check_number(v: dict, name: str, ok, allowed: str) -> None:
+def _type(x) -> str:
+    return type(x).__name__
+
+
+def _number(v: dict, name: str, ok, allowed: str) -> None:
     value = v[name]
-    if not _is_number(value):
-        raise TypeError(
-            f"SamplingParams.{name} must be a number, got {value!r} ({type(value).__name__})"
-        )
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise TypeError(f"SamplingParams.{name} must be a number, got {value!r} ({_type(value)})")
     if not ok(value):  # NaN fails every comparison
         raise ValueError(f"SamplingParams.{name} must be {allowed}, got {value!r}")
     v[name] = float(value)
 
 
-def _check_int(v: dict, name: str, low: int, extra: str = "") -> None:
+def _int(v: dict, name: str, low: int, extra: str = "") -> None:
     value = v[name]
     if not _is_int(value):
         raise TypeError(
-            f"SamplingParams.{name} must be an int{extra}, got {value!r} ({type(value).__name__})"
+            f"SamplingParams.{name} must be an int{extra}, got {value!r} ({_type(value)})"
         )
     if value < low:
         raise ValueError(f"SamplingParams.{name} must be >= {low}{extra}, got {value}")
 
 
 def _check_structured_outputs(v: dict) -> None:
+    from nanovllm.features.structured_outputs.params import StructuredOutputsParams
+
     so = v["structured_outputs"]
-    if so is None:
-        return
     if not isinstance(so, StructuredOutputsParams):
         raise TypeError(
-            f"SamplingParams.structured_outputs must be a StructuredOutputsParams or None, got {so!r}"
+            "SamplingParams.structured_outputs must be a StructuredOutputsParams or None, "
+            f"got {so!r}"
         )
-    if v["min_tokens"]:  # the grammar decides where the completion ends
+    if v["min_tokens"]:
         raise ValueError(
-            f"SamplingParams.min_tokens must be 0 with structured_outputs (the grammar decides where the "
-            f"completion ends), got min_tokens={v['min_tokens']}"
+            "SamplingParams.min_tokens must be 0 with structured_outputs (the grammar decides "
+            f"where the completion ends), got min_tokens={v['min_tokens']}"
         )
 
 
@@ -122,42 +121,8 @@ def _id_list(ids) -> list[int]:
 
 @dataclass
 class SamplingParams:
-    """How one request is sampled and when it stops.
-
-    Order on the logits, as in vLLM: ``min_tokens`` suppression, penalties, temperature, min-p,
-    top-k, top-p; greedy (``temperature=0``) takes the argmax after the penalties.
-
-    temperature: 0 means greedy (argmax); > 0 samples from softmax(logits / temperature); below
-        1e-5 it is greedy too.
-    max_tokens: most completion tokens (the request also stops at EOS, a stop condition or max_model_len).
-    ignore_eos: keep generating past the end-of-sequence token.
-    n: completions per prompt; they share the prompt's cached blocks. Completion ``i`` of a seeded
-        request uses ``seed + i``.
-    top_p: keep the smallest set of most likely tokens whose probability reaches ``top_p`` (the token
-        that crosses it included); 1 = off.
-    top_k: keep the ``top_k`` most likely tokens; 0 or -1 = off.
-    min_p: drop tokens whose probability is below ``min_p`` times the most likely one's; 0 = off.
-    seed: a seeded request draws the same tokens whatever else is in the batch (same device and dtype).
-    stop: strings that end the completion when they appear in its text (across token boundaries);
-        they are removed from ``text`` unless ``include_stop_str_in_output``.
-    stop_token_ids: token ids that end the completion; the id stays in ``token_ids``.
-    min_tokens: EOS and ``stop_token_ids`` are suppressed, and stop strings not checked, until this
-        many tokens have been generated.
-    repetition_penalty: over prompt and output tokens, positive logits are divided by it and
-        negative ones multiplied; 1 = off.
-    presence_penalty, frequency_penalty: over output tokens,
-        ``logits -= frequency_penalty * count + presence_penalty * (count > 0)``.
-    logprobs: None, or how many top tokens' log-probabilities to return per generated token (the
-        sampled token's is always included); from log_softmax of the raw logits.
-    skip_special_tokens: leave special tokens out of ``text``.
-    prompt_logprobs: None, or how many top tokens' log-probabilities to return for each prompt
-        token after the first (the prompt token's own is always included), from log_softmax of
-        the raw logits at the position before it. A request that asks computes its whole prompt:
-        it takes no prefix-cache hits (its blocks still serve later requests).
-    structured_outputs: a ``StructuredOutputsParams``: the completion matches its JSON schema,
-        regex, choices or grammar; it ends with "stop" where the grammar ends (also with
-        ``ignore_eos``), or with "length" at ``max_tokens``. Not with ``min_tokens``.
-    """
+    """How one request is sampled and when it stops (vLLM's fields; docs/frontend.md lists them).
+    Every assignment is checked like the constructor; a queued request owns a ``snapshot()``."""
 
     temperature: float = 1.0
     max_tokens: int = 64
@@ -177,22 +142,18 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None
-    structured_outputs: StructuredOutputsParams | None = None
+    structured_outputs: "StructuredOutputsParams | None" = None  # noqa: F821
 
     def __post_init__(self) -> None:
         self.__dict__.update(_checked({name: self.__dict__[name] for name in _FIELDS}))
 
     def __setattr__(self, name: str, value) -> None:
-        """Assignment after construction runs the constructor's checks on the new set of values:
-        a bad value (or one that breaks ``min_tokens <= max_tokens``) raises and leaves the old
-        value in place; a good one is normalised as the constructor would."""
+        """Checked like the constructor: a bad value raises and the old one stays."""
         if name not in _FIELDS:
             raise AttributeError(
                 f"SamplingParams has no field {name!r}; fields: {', '.join(_FIELDS)}"
             )
-        if (
-            name not in self.__dict__
-        ):  # the dataclass __init__ sets each field once, then checks them all
+        if name not in self.__dict__:  # the dataclass __init__ sets each field once
             object.__setattr__(self, name, value)
             return
         self.__dict__.update(_checked({**{f: self.__dict__[f] for f in _FIELDS}, name: value}))
@@ -200,7 +161,17 @@ class SamplingParams:
     def __delattr__(self, name: str) -> None:
         raise AttributeError(f"SamplingParams fields cannot be deleted (tried {name!r})")
 
-    # ---- derived, for the engine ---------------------------------------------------------------
+    def snapshot(self) -> "SamplingParams":
+        """A checked, independent copy (``stop`` and ``stop_token_ids`` as tuples): what a queued
+        request reads, whatever later happens to this object (also in-place edits of its lists)."""
+        values = _checked(copy.deepcopy({f: self.__dict__[f] for f in _FIELDS}))
+        values["stop"], values["stop_token_ids"] = (
+            tuple(values["stop"]),
+            tuple(values["stop_token_ids"]),
+        )
+        snap = object.__new__(SamplingParams)
+        snap.__dict__.update(values)
+        return snap
 
     @property
     def has_penalties(self) -> bool:
@@ -220,9 +191,8 @@ class SamplingParams:
         return not self.is_greedy and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)
 
     def for_completion(self, index: int) -> "SamplingParams":
-        """The settings of completion ``index`` of ``n``: one completion, seed + index when seeded."""
-        seed = None if self.seed is None else self.seed + index
-        return replace(self, n=1, seed=seed)
+        """Completion ``index`` of ``n``: one completion, with ``seed + index`` when seeded."""
+        return replace(self, n=1, seed=None if self.seed is None else self.seed + index)
 
 
 _FIELDS = tuple(f.name for f in fields(SamplingParams))

@@ -1,51 +1,34 @@
-"""A completion's text, token by token: for stop strings and streaming (pure Python; any Hugging
-Face tokenizer)."""
+"""A completion's text token by token, for stop strings and streams (pure Python; any Hugging
+Face tokenizer). Loaded only by a request that needs it."""
 
 
 class IncrementalDetokenizer:
-    """Decodes each new token in a small window of the tokens before it, so a character split over
-    several tokens appears once whole, never as half a multi-byte sequence; finds stop strings
-    across token boundaries; and tells a stream which text it may already hand out.
+    """Decodes each new token in a small window of the tokens before it, so that a character split
+    over several tokens appears once, whole; finds stop strings across token boundaries. ``text``:
+    all decoded so far; ``stopped_text``: the final text, once a stop string is found."""
 
-    ``text`` is everything decoded so far (only whole characters). Once a stop string is found,
-    ``stopped_text`` is the final text: ``text`` cut before the stop string, or after it with
-    ``include_stop_str_in_output``.
-    """
-
-    def __init__(
-        self,
-        tokenizer,
-        stop: list[str],
-        include_stop_str_in_output: bool,
-        skip_special_tokens: bool,
-    ):
+    def __init__(self, tokenizer, sampling_params):
+        sp = sampling_params
         self.tokenizer = tokenizer
-        self.stop = stop
-        self.include_stop = include_stop_str_in_output
-        self.skip_special_tokens = skip_special_tokens
+        self.stop = sp.stop
+        self.include_stop = sp.include_stop_str_in_output
+        self.skip_special_tokens = sp.skip_special_tokens
         self.token_ids: list[int] = []
         self.num_text_tokens = 0
         self.text = ""
         self.stopped_text: str | None = None
         self._window_start = 0  # tokens before this are decoded and their text final
         self._read = 0  # tokens before this are in ``text``
-        # a stream holds back this many characters: they may yet begin a stop string
-        self.hold_back = max(map(len, stop), default=1) - 1
-        self.sent_text = 0  # characters and tokens a stream has handed out
-        self.sent_tokens = 0
-        self.sent_final = (
-            False  # the stream has handed out the finished completion's last increment
-        )
+        self.hold_back = max(map(len, self.stop), default=1) - 1  # may yet begin a stop string
+        self.sent_text = self.sent_tokens = 0  # characters and tokens a stream has handed out
+        self.sent_final = False  # a stream has handed out the finished completion's last increment
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
-    def add_tokens(
-        self, token_ids: list[int], check_stop: bool = True, hide_last: bool = False
-    ) -> str | None:
-        """Take the completion's new tokens; returns the stop string that ends it, if one appears
-        in the new text (and ``check_stop``). ``hide_last``: the last token (an EOS or stop id that
-        ended the completion) is left out of the text."""
+    def add_tokens(self, token_ids: list[int], check_stop=True, hide_last=False) -> str | None:
+        """Take new tokens; returns the stop string that ends the completion, if one appears in
+        the new text (and ``check_stop``). ``hide_last``: the last token stays out of the text."""
         self.token_ids += token_ids
         self.num_text_tokens = len(self.token_ids) - hide_last
         text_ids = self.token_ids[: self.num_text_tokens]
@@ -71,22 +54,49 @@ class IncrementalDetokenizer:
         return s
 
     def final_text(self) -> str:
-        """The completion's text once it has finished."""
         if self.stopped_text is not None:
             return self.stopped_text
         return self._decode(self.token_ids[: self.num_text_tokens])
 
     def take_increment(self, finished: bool) -> tuple[list[int], str]:
-        """The tokens and text a stream has not handed out yet: while running, all but the last
-        ``hold_back`` characters; when finished, up to the end of ``final_text()``."""
+        """The tokens and text not handed out yet: while running, all but the last ``hold_back``
+        characters; when finished, up to the end of ``final_text()``."""
         self.sent_final = finished
         ids = self.token_ids[self.sent_tokens :]
         self.sent_tokens = len(self.token_ids)
-        text = (
-            self.final_text()
-            if finished
-            else self.text[: max(self.sent_text, len(self.text) - self.hold_back)]
-        )
+        if finished:
+            text = self.final_text()
+        else:
+            text = self.text[: max(self.sent_text, len(self.text) - self.hold_back)]
         new_text = text[self.sent_text :]
         self.sent_text = len(text)
         return ids, new_text
+
+
+def increments(request) -> list[tuple[int, dict]]:
+    """A stream's new output of each completion of ``request`` (an ``OutputProcessor`` state):
+    ``(completion index, dict)`` with ``token_ids`` and ``text`` new since the last increment
+    (text never ends inside a character or a possible stop string), ``logprobs``,
+    ``prompt_logprobs`` (completion 0's first increment; else None), ``finished``, and once
+    finished ``finish_reason`` and ``stop_reason``."""
+    out = []
+    for i, c in enumerate(request.completions):
+        d = c.detokenizer
+        if d.sent_final or (d.sent_tokens == len(d.token_ids) and not c.finished):
+            continue  # done, or nothing new
+        start = d.sent_tokens
+        token_ids, text = d.take_increment(c.finished)
+        logprobs = None if c.logprobs is None else c.logprobs[start : start + len(token_ids)]
+        inc = {
+            "token_ids": token_ids,
+            "text": text,
+            "finished": c.finished,
+            "logprobs": logprobs,
+            "prompt_logprobs": None,
+        }
+        if i == 0 and not request.prompt_logprobs_sent:
+            inc["prompt_logprobs"], request.prompt_logprobs_sent = request.prompt_logprobs, True
+        if c.finished:
+            inc["finish_reason"], inc["stop_reason"] = c.finish_reason, c.stop_reason
+        out.append((i, inc))
+    return out

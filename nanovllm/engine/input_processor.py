@@ -1,110 +1,177 @@
-"""The front end's input side: prompts of every form and their sampling params, checked and turned
-into token ids (all or nothing per call), and conversations through the chat template."""
+"""The front end's input side: prompts of every form (text, token ids, conversations) and their
+sampling params, checked and turned into token ids and params snapshots, all or nothing per call."""
 
-from collections.abc import Callable
+from numbers import Integral
 
-from nanovllm.engine.requests import as_prompt_list, prompt_token_ids
 from nanovllm.sampling_params import SamplingParams
 
 
+def _is_token_sequence(x) -> bool:
+    if isinstance(x, (list, tuple)):
+        return bool(x) and isinstance(x[0], Integral) and not isinstance(x[0], bool)
+    return getattr(x, "ndim", None) == 1  # an array or tensor
+
+
+def as_prompt_list(prompts) -> list:
+    """A single string or token sequence becomes a list of one; a 2-D array, one per row."""
+    if isinstance(prompts, str) or _is_token_sequence(prompts):
+        return [prompts]
+    if getattr(prompts, "ndim", None) == 2 or isinstance(prompts, (list, tuple)):
+        return list(prompts)
+    raise TypeError(
+        "prompts must be a str, a sequence of token ids, or a list of them, "
+        f"got {type(prompts).__name__}"
+    )
+
+
+def prompt_token_ids(prompt, tokenizer, vocab_size: int, where: str) -> list[int]:
+    """The token ids of one prompt (text, or a 1-D sequence of ints), each checked against the
+    model's vocabulary; ``where`` names the prompt in errors."""
+    if isinstance(prompt, str):
+        try:
+            token_ids = tokenizer.encode(prompt)
+        except (TypeError, ValueError) as error:  # the tokenizer's message names no character
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:  # a lone surrogate such as "\ud800"
+                raise ValueError(
+                    f"{where}: character {e.start} ({prompt[e.start]!r}) cannot be encoded as "
+                    "UTF-8 (a lone surrogate); the prompt must be valid Unicode text"
+                ) from error
+            raise
+    elif isinstance(prompt, (list, tuple)) or getattr(prompt, "ndim", None) == 1:
+        token_ids = prompt.tolist() if hasattr(prompt, "tolist") else list(prompt)
+        if set(map(type, token_ids)) - {int}:  # plain ints take this one pass
+            token_ids = [_token_id(t, i, where) for i, t in enumerate(token_ids)]
+    else:
+        shape = f" with shape {tuple(prompt.shape)}" if hasattr(prompt, "shape") else ""
+        raise TypeError(
+            f"{where}: a prompt must be a str or a 1-D sequence of token ids, "
+            f"got {type(prompt).__name__}{shape}"
+        )
+    if not token_ids:
+        raise ValueError(f"{where}: the prompt is empty")
+    if min(token_ids) < 0 or max(token_ids) >= vocab_size:
+        i, t = next((i, t) for i, t in enumerate(token_ids) if not 0 <= t < vocab_size)
+        raise ValueError(f"{where}: token {i} is {t}, outside the vocabulary [0, {vocab_size})")
+    return token_ids
+
+
+def _token_id(t, i: int, where: str) -> int:
+    if isinstance(t, bool) or not isinstance(t, Integral):
+        raise TypeError(f"{where}: token {i} must be an int, got {t!r} ({type(t).__name__})")
+    return int(t)
+
+
+def _snapshot(sp, where: str) -> SamplingParams:
+    if not isinstance(sp, SamplingParams):
+        raise TypeError(
+            f"{where}: sampling_params must be a SamplingParams, got {type(sp).__name__}"
+        )
+    return sp.snapshot()
+
+
 class InputProcessor:
-    def __init__(
-        self,
-        tokenizer,
-        vocab_size: int,
-        max_model_len: int,
-        block_size: int,
-        num_kvcache_blocks: int,
-    ):
+    def __init__(self, tokenizer, config, num_kvcache_blocks: int):
         self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
-        self.max_model_len = max_model_len
-        self.block_size = block_size
+        self.vocab_size = config.hf_config.vocab_size
+        self.max_model_len = config.max_model_len
+        self.max_num_seqs = config.max_num_seqs
+        self.block_size = config.kvcache_block_size
         self.num_kvcache_blocks = num_kvcache_blocks
 
-    def check(self, prompt, sampling_params: SamplingParams, where: str) -> list[int]:
-        """One request's prompt token ids, with its params checked against the model and the
-        cache; ``where`` names it in error messages."""
-        if not isinstance(sampling_params, SamplingParams):
-            raise TypeError(
-                f"{where}: sampling_params must be a SamplingParams, got {type(sampling_params).__name__}"
-            )
+    def check(self, prompt, sp: SamplingParams, where: str) -> tuple[list[int], SamplingParams]:
+        """One request's prompt token ids and its params' snapshot, checked against the model
+        and the cache; ``where`` names it in errors."""
+        return self._check(prompt, _snapshot(sp, where), where)
+
+    def _check(self, prompt, sp: SamplingParams, where: str) -> tuple[list[int], SamplingParams]:
         token_ids = prompt_token_ids(prompt, self.tokenizer, self.vocab_size, where)
-        for t in sampling_params.stop_token_ids:
+        if sp.n > self.max_num_seqs:
+            raise ValueError(
+                f"{where}: SamplingParams.n is {sp.n}, more completions than the engine runs at "
+                f"once (max_num_seqs={self.max_num_seqs})"
+            )
+        for t in sp.stop_token_ids:
             if t >= self.vocab_size:
                 raise ValueError(
-                    f"{where}: stop_token_ids holds {t}, outside the vocabulary [0, {self.vocab_size})"
+                    f"{where}: stop_token_ids holds {t}, outside the vocabulary "
+                    f"[0, {self.vocab_size})"
                 )
         max_len = self.max_model_len
         if len(token_ids) >= max_len:
             raise ValueError(
-                f"{where}: the prompt has {len(token_ids)} tokens; max_model_len={max_len} leaves room for "
-                f"prompts of at most {max_len - 1} tokens"
+                f"{where}: the prompt has {len(token_ids)} tokens; max_model_len={max_len} leaves "
+                f"room for prompts of at most {max_len - 1} tokens"
             )
-        longest = min(len(token_ids) + sampling_params.max_tokens, max_len)
-        blocks = -(-longest // self.block_size)
+        blocks = -(-min(len(token_ids) + sp.max_tokens, max_len) // self.block_size)
         if blocks > self.num_kvcache_blocks:
             raise ValueError(
-                f"{where}: prompt ({len(token_ids)} tokens) plus max_tokens ({sampling_params.max_tokens}) needs up "
-                f"to {blocks} KV-cache blocks of {self.block_size} tokens, but the whole cache holds "
-                f"{self.num_kvcache_blocks}"
+                f"{where}: prompt ({len(token_ids)} tokens) plus max_tokens ({sp.max_tokens}) "
+                f"needs up to {blocks} KV-cache blocks of {self.block_size} tokens, but the whole "
+                f"cache holds {self.num_kvcache_blocks}"
             )
-        return token_ids
+        return token_ids, sp
 
     def check_all(
-        self, prompts, sampling_params, default: Callable[[], SamplingParams]
+        self, prompts, sampling_params, default
     ) -> list[tuple[list[int], SamplingParams]]:
-        """Every prompt of a call and its params (one for all, one per prompt, or None for
+        """Every prompt of a call with its params (one for all, one per prompt, or None for
         ``default()``), checked before any is queued."""
         prompts = as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = default()
-        if isinstance(sampling_params, (list, tuple)):
-            if len(sampling_params) != len(prompts):
-                raise ValueError(
-                    f"sampling_params has {len(sampling_params)} entries but there are {len(prompts)} prompts"
-                )
-        else:
+        if not isinstance(sampling_params, (list, tuple)):
             sampling_params = [sampling_params] * len(prompts)
-        return [
-            (self.check(p, sp, f"prompts[{i}]"), sp)
-            for i, (p, sp) in enumerate(zip(prompts, sampling_params))
-        ]
+        elif len(sampling_params) != len(prompts):
+            raise ValueError(
+                f"sampling_params has {len(sampling_params)} entries but there are "
+                f"{len(prompts)} prompts"
+            )
+        snapshots, checked = {}, []
+        for i, (prompt, sp) in enumerate(zip(prompts, sampling_params)):
+            if id(sp) not in snapshots:  # one snapshot per params object of the call
+                snapshots[id(sp)] = _snapshot(sp, f"prompts[{i}]")
+            checked.append(self._check(prompt, snapshots[id(sp)], f"prompts[{i}]"))
+        return checked
 
     def chat_prompts(self, messages, chat_template_kwargs: dict | None) -> list[list[int]]:
-        """Conversations (one, or a list of them; each a list of ``{"role", "content"}`` dicts)
+        """Conversations (one, or a list; each a non-empty list of ``{"role", "content"}`` dicts)
         through the tokenizer's chat template, with the assistant's turn opened."""
         if isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], dict):
             messages = [messages]
         if not isinstance(messages, (list, tuple)):
             raise TypeError(
-                f"messages must be a conversation or a list of conversations, got {type(messages).__name__}"
+                "messages must be a conversation or a list of conversations, "
+                f"got {type(messages).__name__}"
             )
-        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+        kwargs = chat_template_kwargs
+        if kwargs is not None and not isinstance(kwargs, dict):
             raise TypeError(
-                f"chat_template_kwargs must be a dict or None, got {type(chat_template_kwargs).__name__}"
+                f"chat_template_kwargs must be a dict or None, got {type(kwargs).__name__}"
             )
-        return [self._chat_prompt(c, i, chat_template_kwargs or {}) for i, c in enumerate(messages)]
-
-    def _chat_prompt(self, conversation, i: int, template_kwargs: dict) -> list[int]:
-        if not isinstance(conversation, (list, tuple)) or not conversation:
-            raise TypeError(
-                f"messages[{i}]: a conversation must be a non-empty list of message dicts, got {conversation!r}"
-            )
-        for j, m in enumerate(conversation):
-            if not (
-                isinstance(m, dict)
-                and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str)
-            ):
+        prompts = []
+        for i, conversation in enumerate(messages):
+            if not isinstance(conversation, (list, tuple)) or not conversation:
                 raise TypeError(
-                    f"messages[{i}][{j}]: a message must be a dict with str 'role' and 'content', got {m!r}"
+                    f"messages[{i}]: a conversation must be a non-empty list of message dicts, "
+                    f"got {conversation!r}"
                 )
-        encoded = self.tokenizer.apply_chat_template(
-            list(conversation),
-            add_generation_prompt=True,
-            tokenize=True,
-            return_dict=True,
-            **template_kwargs,
-        )
-        return list(encoded["input_ids"])
+            for j, m in enumerate(conversation):
+                if not (
+                    isinstance(m, dict)
+                    and all(isinstance(m.get(k), str) for k in ("role", "content"))
+                ):
+                    raise TypeError(
+                        f"messages[{i}][{j}]: a message must be a dict with str 'role' and "
+                        f"'content', got {m!r}"
+                    )
+            encoded = self.tokenizer.apply_chat_template(
+                list(conversation),
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=True,
+                **(kwargs or {}),
+            )
+            prompts.append(list(encoded["input_ids"]))
+        return prompts

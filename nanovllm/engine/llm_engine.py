@@ -10,7 +10,7 @@ from time import perf_counter
 from tqdm.auto import tqdm
 
 from nanovllm.config import Config
-from nanovllm.engine.core import ASLEEP, EngineCore
+from nanovllm.engine.core import EngineCore
 from nanovllm.engine.input_processor import InputProcessor
 from nanovllm.engine.output_processor import OutputProcessor
 from nanovllm.runner.executor import Executor
@@ -19,7 +19,8 @@ from nanovllm.utils.interrupts import deferred_interrupt
 from nanovllm.utils.model_folder import load_tokenizer, read_generation_config, sampling_defaults
 from nanovllm.utils.profiling import phase
 
-PROGRESS_INTERVAL = 0.5  # seconds between progress-bar throughput updates
+ASLEEP = "the engine is asleep; call wake_up()"
+EXITED = "this LLM has exited (exit() or the end of its with block); create a new LLM to continue"
 
 
 def _as_list(x) -> list:
@@ -32,7 +33,8 @@ class LLMEngine:
         for key in kwargs:
             if key not in accepted:
                 raise TypeError(
-                    f"LLM() got an unexpected keyword argument {key!r}; accepted: {', '.join(accepted)}"
+                    f"LLM() got an unexpected keyword argument {key!r}; "
+                    f"accepted: {', '.join(accepted)}"
                 )
         self.config = config = Config(model, **kwargs)
         self.tokenizer = load_tokenizer(config.model)  # before any process starts
@@ -43,7 +45,6 @@ class LLMEngine:
             *_as_list(self.generation_config.get("eos_token_id")),
         }
         self.eos_token_ids = sorted(e for e in eos if e is not None)
-        self.vocab_size = config.hf_config.vocab_size
         self._exited = True  # until the core has started
         if config.data_parallel_size > 1 or config.data_parallel_backend == "ray":
             from nanovllm.parallel.data_parallel import DataParallelCore
@@ -53,33 +54,29 @@ class LLMEngine:
             self.core = EngineCore(config, self.eos_token_ids, Executor(config), self.tokenizer)
         self._exited = False
         atexit.register(self.exit)
+        self.sleep_level = 0  # 0: awake; 1 or 2: asleep (features/sleep.py sets it)
         self.num_kvcache_blocks = self.core.num_kvcache_blocks
-        self.inputs = InputProcessor(
-            self.tokenizer,
-            self.vocab_size,
-            config.max_model_len,
-            config.kvcache_block_size,
-            self.num_kvcache_blocks,
-        )
+        self.inputs = InputProcessor(self.tokenizer, config, self.num_kvcache_blocks)
         self.outputs = OutputProcessor(self.tokenizer)
         self._request_ids = count()
-        self._owned: set[int] = (
-            set()
-        )  # requests whose results a generate/chat/stream call in flight takes
-        self._unclaimed: list[
-            tuple[int, list[int]]
-        ] = []  # finished add_request completions, for step()'s caller
-        self.last_throughput = {
-            "prefill": 0.0,
-            "decode": 0.0,
-        }  # tokens/s of the last generate/chat/stream
+        self._owned: set[int] = set()  # requests a generate/chat/stream call in flight takes
+        self._unclaimed: list[tuple[int, list[int]]] = []  # add_request's, for step()'s caller
+        self._final_stats: dict | None = None  # get_stats() once exited
+        self.last_throughput = {"prefill": 0.0, "decode": 0.0}  # of the last generate call
 
     def exit(self) -> None:
-        """Release worker processes, shared memory and the process group (idempotent)."""
+        """Release worker processes, shared memory and the process group (idempotent). Queued
+        requests are dropped: afterwards ``is_finished()`` is True and nothing counts as running."""
         if self._exited:
             return
         self._exited = True
         atexit.unregister(self.exit)
+        idle = {"num_requests_running": 0, "num_requests_waiting": 0, "kv_cache_usage": 0.0}
+        stats = self._final_stats = {**self.get_stats(), **idle}
+        if "replicas" in stats:
+            stats["replicas"] = [{**r, **idle} for r in stats["replicas"]]
+        self._unclaimed, self._owned = [], set()
+        self.outputs.requests.clear()
         self.core.exit()
 
     def __enter__(self):
@@ -90,54 +87,47 @@ class LLMEngine:
 
     def _check_running(self, asleep_ok: bool = False) -> None:
         if self._exited:
-            raise RuntimeError(
-                "this LLM has exited (exit() or the end of its with block); create a new LLM to continue"
-            )
+            raise RuntimeError(EXITED)
         if self.core.failure_message:
             raise RuntimeError(self.core.failure_message)
-        if self.core.sleep_level and not asleep_ok:
+        if self.sleep_level and not asleep_ok:
             raise RuntimeError(ASLEEP)
 
-    def _check_idle(self, what: str) -> None:
-        """Let a step that computes only past its sequences' ends finish; then nothing may be queued."""
+    def check_idle(self, what: str) -> None:
+        """Let a step that computes only past its sequences' ends finish; then a RuntimeError
+        naming ``what`` unless nothing is queued or in flight."""
         self._process(self.core.settle())
         if not self.core.is_finished():
             stats = self.core.stats()
             raise RuntimeError(
-                f"{what} needs an idle engine, but sequences are queued (running {stats['num_requests_running']}, "
-                f"waiting {stats['num_requests_waiting']}): let them finish (generate, or step() until "
-                f"is_finished()) or abort them first"
+                f"{what} needs an idle engine, but sequences are queued (running "
+                f"{stats['num_requests_running']}, waiting {stats['num_requests_waiting']}): let "
+                "them finish (generate, or step() until is_finished()) or abort them first"
             )
 
     # ---- requests and steps ------------------------------------------------------------------
 
     def get_default_sampling_params(self) -> SamplingParams:
-        """What the model folder's ``generation_config.json`` recommends (temperature, top_p, top_k,
-        min_p, repetition_penalty, and max_new_tokens as max_tokens), over ``SamplingParams()``'s
-        defaults; used when a call passes no sampling params."""
+        """``SamplingParams()`` with the model folder's ``generation_config.json`` over it."""
         return SamplingParams(**sampling_defaults(self.generation_config))
 
-    def _queue(
-        self, token_ids: list[int], sampling_params: SamplingParams, stream: bool = False
-    ) -> int:
-        """Start a checked request's output state and queue it in the core. Its completion ``i``
-        is sequence ``request_id + i``."""
+    def _queue(self, token_ids: list[int], sp: SamplingParams, stream: bool = False) -> int:
+        """Queue a checked request (``sp``: its snapshot); completion i is ``request_id + i``."""
         request_id = next(self._request_ids)
-        for _ in range(sampling_params.n - 1):
+        for _ in range(sp.n - 1):
             next(self._request_ids)
-        every_step = self.outputs.add_request(request_id, token_ids, sampling_params, stream)
-        self.core.add_request(request_id, token_ids, sampling_params, every_step)
+        every_step = self.outputs.add_request(request_id, token_ids, sp, stream)
+        self.core.add_request(request_id, token_ids, sp, every_step)
         return request_id
 
     def add_request(self, prompt, sampling_params: SamplingParams) -> int:
-        """Queue one request; returns its request id, which is the sequence id ``step`` reports
-        (with ``n > 1``, completion ``i`` is reported as ``request_id + i``)."""
+        """Queue one request; returns its id, the sequence id ``step`` reports (completion ``i``
+        of ``n`` as ``request_id + i``)."""
         self._check_running()
-        return self._queue(self.inputs.check(prompt, sampling_params, "prompt"), sampling_params)
+        return self._queue(*self.inputs.check(prompt, sampling_params, "prompt"))
 
     def abort_request(self, request_id: int) -> bool:
-        """End a waiting or running request and free its blocks; its completions are not reported.
-        Returns False when no such request is queued (unknown, or already finished)."""
+        """End a queued request; its completions are not reported. False when none is queued."""
         if self._exited or not self.core.abort_request(request_id):
             return False
         self.outputs.abort(request_id)
@@ -146,16 +136,14 @@ class LLMEngine:
         return True
 
     def step(self) -> tuple[list[tuple[int, list[int]]], int]:
-        """Run one scheduled step. Returns the ``(seq_id, completion_token_ids)`` of the sequences
-        of ``add_request``'s requests that finished (with async scheduling, by the tokens of the step
-        before), and the prefill tokens this step computes (> 0) or minus the sequences it decodes
-        (< 0; 0 when none was launched). Ctrl-C during a step takes effect when it is complete."""
+        """Run one step. Returns ``(seq_id, completion_token_ids)`` of ``add_request``'s sequences
+        that finished, and the prefill tokens computed (> 0) or minus the sequences decoded (< 0;
+        0: none launched). Ctrl-C during a step takes effect when it is complete."""
         _, num_tokens = self._step()
         outputs, self._unclaimed = self._unclaimed, []
         return outputs, num_tokens
 
     def _step(self) -> tuple[list[int], int]:
-        """One core step and its outputs; returns the requests that finished and the step's tokens."""
         self._check_running()
         with deferred_interrupt():
             outputs, num_tokens = self.core.step()
@@ -178,160 +166,117 @@ class LLMEngine:
         return done
 
     def is_finished(self) -> bool:
-        return self.core.is_finished() and not self._unclaimed
+        return self._exited or (self.core.is_finished() and not self._unclaimed)
 
     def get_stats(self) -> dict:
-        """Counts now (sequences: a request with ``n`` completions counts ``n``), cumulative
-        token counts, and the last generate/chat/stream call's prefill and decode tokens/s."""
+        """Counts now (a request with ``n`` completions counts ``n``), cumulative token counts,
+        and the last generate/chat/stream call's prefill and decode tokens/s."""
+        if self._final_stats is not None:
+            return dict(self._final_stats)
+        t = self.last_throughput
         return {
             **self.core.stats(),
-            "prefill_throughput": self.last_throughput["prefill"],
-            "decode_throughput": self.last_throughput["decode"],
+            "prefill_throughput": t["prefill"],
+            "decode_throughput": t["decode"],
         }
 
-    # ---- weights and the prefix cache --------------------------------------------------------
+    # ---- every rank, weights, sleep, the prefix cache ----------------------------------------
+
+    def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
+        """Call ``method`` (a ModelRunner method name, or a top-level function called with the
+        runner first) on every rank of every replica; returns each replica's rank-0 result."""
+        self._check_running(asleep_ok=True)
+        return self.core.collective_rpc(method, args, kwargs)
 
     def update_weights(self, weights) -> None:
-        """Copy new weights into the model in place, on every tensor-parallel rank and every
-        data-parallel replica, and drop the prefix cache (its KV came from the old weights): for
-        RL rollouts between training steps. ``weights``: ``(name, tensor)`` pairs under the
-        checkpoint's Hugging Face names (a trainer's ``model.state_dict().items()``, or any subset),
-        or a mapping of them; read once (a generator is fine); tensors on any device, in any
-        floating-point dtype. Fused projections, experts and tensor-parallel shards load as from
-        the checkpoint's files.
-
-        All or nothing: every tensor is checked before any is written; an unknown name or a shape
-        that config.json does not imply is a ValueError naming the tensor and both shapes, a pair
-        that is not a name and a floating-point tensor a TypeError, and the engine is unchanged.
-        Only between requests: with any request queued or running it is a RuntimeError (let them
-        finish, or abort them, first)."""
-        from nanovllm.utils.loader import named_tensors
+        """Load ``(name, tensor)`` pairs into the model in place (features/weight_update.py)."""
+        from nanovllm.features.weight_update import update_weights
 
         self._check_running()
-        named = named_tensors(weights)
-        self._check_idle("update_weights")
-        self.core.update_weights(named)
-
-    def reset_prefix_cache(self) -> bool:
-        """Forget the prefix cache, on every replica: later requests hit nothing cached so far
-        (requests running now keep their blocks). Returns True."""
-        self._check_running(asleep_ok=True)
-        self._process(
-            self.core.settle()
-        )  # with replicas: no call in flight, so each takes this one
-        return self.core.reset_prefix_cache()
-
-    # ---- sleep mode (features/sleep.py) ----------------------------------------------------------
+        update_weights(self, weights)
 
     def sleep(self, level: int = 1) -> None:
-        """Free the device memory the engine holds, for a trainer that shares the GPUs: the KV
-        cache, the CUDA graphs and the weights, on every rank and replica. Level 1 keeps the
-        weights in host memory for ``wake_up``; level 2 drops them (load new ones with
-        ``update_weights`` after ``wake_up``). The prefix cache is dropped. Needs
-        ``enable_sleep_mode=True``, an awake engine and no request queued (else a RuntimeError)."""
-        from nanovllm.features.sleep import check_level
+        """Free the engine's device memory (features/sleep.py); level 1 keeps weights on host."""
+        from nanovllm.features.sleep import sleep
 
         self._check_running(asleep_ok=True)
-        if not self.config.enable_sleep_mode:
-            raise RuntimeError(
-                "sleep() needs sleep mode: create the LLM with enable_sleep_mode=True"
-            )
-        level = check_level(level)
-        if self.core.sleep_level:
-            raise RuntimeError(
-                f"the engine is already asleep (level {self.core.sleep_level}); call wake_up() first"
-            )
-        self._check_idle("sleep")
-        self.core.sleep(level)
+        sleep(self, level)
 
     def wake_up(self) -> None:
-        """Reallocate the weights (level 1's restored; level 2's undefined until ``update_weights``),
-        the KV cache with as many blocks as before, and the CUDA graphs. A no-op while awake."""
+        """Reallocate what ``sleep`` freed (a no-op while awake)."""
+        from nanovllm.features.sleep import wake_up
+
         self._check_running(asleep_ok=True)
-        self.core.wake_up()
+        wake_up(self)
 
     def is_sleeping(self) -> bool:
-        return bool(self.core.sleep_level)
+        return self.sleep_level != 0
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache on every replica (running requests keep their blocks)."""
+        self._check_running(asleep_ok=True)
+        self._process(self.core.settle())  # with replicas: no call in flight
+        return self.core.reset_prefix_cache()
 
     # ---- offline calls -----------------------------------------------------------------------
 
-    def generate(
-        self,
-        prompts,
-        sampling_params: SamplingParams | list[SamplingParams] | None = None,
-        use_tqdm: bool = True,
-    ) -> list[dict]:
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[dict]:
         """Complete every prompt (a string or a 1-D sequence of token ids, or a list of them);
-        returns one dict per prompt, in input order. ``sampling_params``: one for all, one per
-        prompt, or None for ``get_default_sampling_params()``. Every prompt is checked first."""
+        one dict per prompt, in input order. ``sampling_params``: one for all, one per prompt,
+        or None for ``get_default_sampling_params()``. Every prompt is checked first."""
         self._check_running()
         requests = self.inputs.check_all(prompts, sampling_params, self.get_default_sampling_params)
+        if not requests:
+            return []
         results: dict[int, dict] = {}
-        pbar = tqdm(
-            total=len(requests), desc="Generating", dynamic_ncols=True, disable=not use_tqdm
-        )
-        with pbar, closing(self._run(requests)) as steps:
+        bar = tqdm(total=len(requests), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        with bar, closing(self._run(requests)) as steps:
             shown = perf_counter()
             for request_ids, finished in steps:
-                # a request's output (its text decoded) is made when it finishes, while the device
-                # computes the next step
-                for request_id in finished:
+                for request_id in finished:  # decoded while the device computes the next step
                     results[request_id] = self.outputs.request_output(request_id)
-                pbar.update(len(finished))
-                if use_tqdm and perf_counter() - shown > PROGRESS_INTERVAL:
-                    shown = perf_counter()
-                    t = self.last_throughput
-                    pbar.set_postfix(
+                bar.update(len(finished))
+                if use_tqdm and perf_counter() - shown > 0.5:
+                    shown, t = perf_counter(), self.last_throughput
+                    bar.set_postfix(
                         prefill=f"{t['prefill']:.0f}tok/s", decode=f"{t['decode']:.0f}tok/s"
                     )
         return [results[request_id] for request_id in request_ids]
 
     def chat(
-        self,
-        messages: list[dict] | list[list[dict]],
-        sampling_params=None,
-        use_tqdm: bool = True,
-        chat_template_kwargs: dict | None = None,
+        self, messages, sampling_params=None, use_tqdm: bool = True, chat_template_kwargs=None
     ) -> list[dict]:
-        """``generate`` over conversations (one, or a list of them; each a list of ``{"role",
-        "content"}`` dicts) through the tokenizer's chat template, with the assistant's turn opened.
-        ``chat_template_kwargs`` go to the template (Qwen3: ``enable_thinking=False``)."""
+        """``generate`` over conversations (one, or a list; each a list of ``{"role", "content"}``
+        dicts) through the chat template, the assistant's turn opened."""
         self._check_running()
-        return self.generate(
-            self.inputs.chat_prompts(messages, chat_template_kwargs), sampling_params, use_tqdm
-        )
+        prompts = self.inputs.chat_prompts(messages, chat_template_kwargs)
+        return self.generate(prompts, sampling_params, use_tqdm)
 
-    def stream(
-        self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
-    ) -> Iterator[dict]:
-        """Like ``generate``, as an iterator of per-step increments, each a dict with ``index`` (the
-        prompt's position), ``completion`` (its index among ``n``) and ``OutputProcessor.increments``'
-        keys. Prompts are checked now; they are queued when iteration starts, and closing the
-        iterator early (``break``) aborts the unfinished ones."""
+    def stream(self, prompts, sampling_params=None) -> Iterator[dict]:
+        """``generate`` as an iterator of per-step increments (dicts with ``index``, the prompt's
+        position, ``completion``, its index among ``n``, and ``detokenizer.increments``' keys).
+        Prompts are checked now, queued when iteration starts; closing it early aborts them."""
         self._check_running()
-        return self._stream(
-            self.inputs.check_all(prompts, sampling_params, self.get_default_sampling_params)
-        )
+        requests = self.inputs.check_all(prompts, sampling_params, self.get_default_sampling_params)
+        return self._stream(requests)
 
-    def _stream(self, requests: list[tuple[list[int], SamplingParams]]) -> Iterator[dict]:
+    def _stream(self, requests: list) -> Iterator[dict]:
+        from nanovllm.engine.detokenizer import increments
+
         with closing(self._run(requests, stream=True)) as steps:
             for request_ids, _ in steps:
                 for index, request_id in enumerate(request_ids):
-                    for completion, increment in self.outputs.increments(request_id):
-                        yield {"index": index, "completion": completion, **increment}
+                    for completion, inc in increments(self.outputs.requests[request_id]):
+                        yield {"index": index, "completion": completion, **inc}
 
-    def _run(
-        self, requests: list[tuple[list[int], SamplingParams]], stream: bool = False
-    ) -> Iterator[tuple[list[int], list[int]]]:
-        """Queue ``requests`` and step until all are finished, yielding after each step their
-        request ids and those that finished in it. Left early (an exception, or closed), it aborts
-        whatever of them is unfinished."""
+    def _run(self, requests: list, stream: bool = False) -> Iterator[tuple[list[int], list[int]]]:
+        """Queue ``requests`` and step until all are finished, yielding after each step their ids
+        and those that finished in it. Left early (an error, or closed), it aborts the rest."""
         self._check_running()
         request_ids = [self._queue(token_ids, sp, stream) for token_ids, sp in requests]
         self._owned.update(request_ids)
         remaining = set(request_ids)
-        tokens = {"prefill": 0, "decode": 0}
-        seconds = {"prefill": 0.0, "decode": 0.0}
+        tokens, seconds = {"prefill": 0, "decode": 0}, {"prefill": 0.0, "decode": 0.0}
         self.last_throughput = {"prefill": 0.0, "decode": 0.0}
         try:
             while remaining:
@@ -341,10 +286,10 @@ class LLMEngine:
                 tokens[kind] += abs(num_tokens)
                 seconds[kind] += perf_counter() - t
                 self.last_throughput[kind] = tokens[kind] / seconds[kind]
-                finished = [request_id for request_id in done if request_id in remaining]
+                finished = [r for r in done if r in remaining]
                 if num_tokens == 0:  # nothing ran: some of ours were aborted meanwhile
                     finished += [
-                        r for r in remaining if self.outputs.is_finished(r) and r not in finished
+                        r for r in remaining - set(finished) if self.outputs.is_finished(r)
                     ]
                 remaining.difference_update(finished)
                 yield request_ids, finished

@@ -1,18 +1,16 @@
-"""The front end's output side: each request's completions as the engine core reports their tokens:
-text (token by token where a stream or stop strings need it), stop strings, log-probabilities,
-stream increments and the result dicts."""
+"""The front end's output side: each request's completions as the engine core reports their tokens
+(text, stop strings, log-probabilities) and the result dicts."""
 
 from dataclasses import dataclass, field
 
 from nanovllm.engine.core import SeqOutput
-from nanovllm.engine.detokenizer import IncrementalDetokenizer
 from nanovllm.sampling_params import SamplingParams
 
 
 @dataclass
 class Completion:
     params: SamplingParams
-    detokenizer: IncrementalDetokenizer | None
+    detokenizer: object = None  # IncrementalDetokenizer, for streams and stop strings
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
@@ -23,8 +21,8 @@ class Completion:
 
     @property
     def num_text_tokens(self) -> int:
-        """Tokens that make up its text: all but a final EOS or stop token id, which, as in vLLM,
-        stay in ``token_ids`` but not in the text (unless include_stop_str_in_output)."""
+        """All tokens but a final EOS or stop token id: as in vLLM, it stays in ``token_ids`` but
+        not in the text (unless include_stop_str_in_output)."""
         stopped_by_id = self.finish_reason == "stop" and not isinstance(self.stop_reason, str)
         return len(self.token_ids) - (stopped_by_id and not self.params.include_stop_str_in_output)
 
@@ -33,12 +31,8 @@ class Completion:
 class RequestState:
     prompt_token_ids: list[int]
     completions: list[Completion]
-    prompt_logprobs: list[dict[int, float] | None] | None = (
-        None  # ``prompt_logprobs``, once the core sends them
-    )
-    prompt_logprobs_sent: bool = (
-        False  # a stream sends them once, in completion 0's first increment
-    )
+    prompt_logprobs: list | None = None  # once the core sends them
+    prompt_logprobs_sent: bool = False  # a stream sends them in completion 0's first increment
 
     @property
     def finished(self) -> bool:
@@ -51,27 +45,19 @@ class OutputProcessor:
         self.requests: dict[int, RequestState] = {}
 
     def add_request(
-        self,
-        request_id: int,
-        prompt_token_ids: list[int],
-        sampling_params: SamplingParams,
-        stream: bool,
+        self, request_id: int, prompt_token_ids, sp: SamplingParams, stream: bool
     ) -> bool:
         """Start the request's output state. Returns whether the core must report its tokens every
         step (a stream, stop strings or log-probabilities), not only when a completion finishes."""
-        sp = sampling_params
         text_each_step = stream or bool(sp.stop)
-        completions = []
-        for i in range(sp.n):
-            detokenizer = None
+        completions = [Completion(sp) for _ in range(sp.n)]
+        for c in completions:
             if text_each_step:
-                detokenizer = IncrementalDetokenizer(
-                    self.tokenizer, sp.stop, sp.include_stop_str_in_output, sp.skip_special_tokens
-                )
-            c = Completion(sp.for_completion(i) if sp.n > 1 else sp, detokenizer)
+                from nanovllm.engine.detokenizer import IncrementalDetokenizer
+
+                c.detokenizer = IncrementalDetokenizer(self.tokenizer, sp)
             if sp.logprobs is not None:
                 c.logprobs, c.cumulative_logprob = [], 0.0
-            completions.append(c)
         self.requests[request_id] = RequestState(prompt_token_ids, completions)
         return text_each_step or sp.logprobs is not None
 
@@ -79,7 +65,7 @@ class OutputProcessor:
         self, outputs: list[SeqOutput]
     ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """Take a step's outputs. Returns the ``(request_id, seq_id)`` of the completions that
-        finished, and those that a stop string ended while the core still runs them."""
+        finished, and of those a stop string ended while the core still runs them."""
         finished, stopped = [], []
         for out in outputs:
             request = self.requests.get(out.request_id)
@@ -101,11 +87,7 @@ class OutputProcessor:
                     out.finish_reason,
                     out.stop_reason,
                 )
-            if (
-                c.detokenizer is not None
-                and out.new_token_ids
-                and self._stop_string(c, out.new_token_ids)
-            ):
+            if c.detokenizer is not None and out.new_token_ids and self._stop_string(c, out):
                 if out.finish_reason is None:
                     stopped.append((out.request_id, out.seq_id))
                     c.finished = True
@@ -114,13 +96,12 @@ class OutputProcessor:
         return finished, stopped
 
     @staticmethod
-    def _stop_string(c: Completion, new_token_ids: list[int]) -> bool:
+    def _stop_string(c: Completion, out: SeqOutput) -> bool:
         """Feed the new tokens to the detokenizer; True when a stop string ends the completion
-        (also one that ended by length meanwhile). Stop strings count after ``min_tokens`` tokens."""
+        (also one that ended by length meanwhile). Stop strings count after ``min_tokens``."""
         check = c.finish_reason in (None, "length") and len(c.token_ids) > c.params.min_tokens
-        stop = c.detokenizer.add_tokens(
-            new_token_ids, check, hide_last=c.num_text_tokens < len(c.token_ids)
-        )
+        hide_last = c.num_text_tokens < len(c.token_ids)
+        stop = c.detokenizer.add_tokens(out.new_token_ids, check, hide_last)
         if stop is None:
             return False
         c.finish_reason, c.stop_reason = "stop", stop
@@ -138,28 +119,24 @@ class OutputProcessor:
     def pop(self, request_id: int) -> RequestState | None:
         return self.requests.pop(request_id, None)
 
-    # ---- results -----------------------------------------------------------------------------
-
     def request_output(self, request_id: int) -> dict:
-        """The request's result dict (it keeps its state until ``pop``)."""
+        """The request's result dict (its state stays until ``pop``)."""
         request = self.requests[request_id]
-        completions = [self._completion_output(i, c) for i, c in enumerate(request.completions)]
-        first = {k: v for k, v in completions[0].items() if k != "index"}
+        completions = [self._completion(i, c) for i, c in enumerate(request.completions)]
         return {
-            **first,
+            **{k: v for k, v in completions[0].items() if k != "index"},
             "prompt_token_ids": request.prompt_token_ids,
             "prompt_logprobs": request.prompt_logprobs,
             "num_cached_tokens": request.completions[0].num_cached_tokens,
             "outputs": completions,
         }
 
-    def _completion_output(self, index: int, c: Completion) -> dict:
+    def _completion(self, index: int, c: Completion) -> dict:
         if c.detokenizer is not None:
             text = c.detokenizer.final_text()
         else:
-            text = self.tokenizer.decode(
-                c.token_ids[: c.num_text_tokens], skip_special_tokens=c.params.skip_special_tokens
-            )
+            skip = c.params.skip_special_tokens
+            text = self.tokenizer.decode(c.token_ids[: c.num_text_tokens], skip_special_tokens=skip)
         return {
             "index": index,
             "text": text,
@@ -169,33 +146,3 @@ class OutputProcessor:
             "logprobs": c.logprobs,
             "cumulative_logprob": c.cumulative_logprob,
         }
-
-    def increments(self, request_id: int) -> list[tuple[int, dict]]:
-        """A stream's new output of each completion of the request: ``(completion index, dict)``
-        with ``token_ids`` and ``text`` new since the last increment (text never ends inside a
-        character or a possible stop string), ``logprobs``, ``prompt_logprobs`` (the request's, in
-        completion 0's first increment; else None), ``finished``, and once finished
-        ``finish_reason`` and ``stop_reason``."""
-        out = []
-        request = self.requests[request_id]
-        for i, c in enumerate(request.completions):
-            d = c.detokenizer
-            if d.sent_final or (d.sent_tokens == len(d.token_ids) and not c.finished):
-                continue  # done, or nothing new
-            start = d.sent_tokens
-            token_ids, text = d.take_increment(c.finished)
-            inc = {
-                "token_ids": token_ids,
-                "text": text,
-                "finished": c.finished,
-                "logprobs": None
-                if c.logprobs is None
-                else c.logprobs[start : start + len(token_ids)],
-                "prompt_logprobs": None,
-            }
-            if i == 0 and not request.prompt_logprobs_sent:
-                inc["prompt_logprobs"], request.prompt_logprobs_sent = request.prompt_logprobs, True
-            if c.finished:
-                inc["finish_reason"], inc["stop_reason"] = c.finish_reason, c.stop_reason
-            out.append((i, inc))
-        return out

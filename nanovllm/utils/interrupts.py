@@ -1,5 +1,5 @@
-"""Ctrl-C between engine steps, not inside one: a step that stopped half-way would leave its
-sequences scheduled but not computed (and tensor-parallel ranks out of step with each other)."""
+"""Ctrl-C between engine steps, not inside one: a step stopped half-way would leave its sequences
+scheduled but not computed (and tensor-parallel ranks out of step)."""
 
 import signal
 import threading
@@ -9,8 +9,7 @@ from contextlib import contextmanager
 @contextmanager
 def deferred_interrupt():
     """Hold back SIGINT until the block ends, then raise KeyboardInterrupt; a second Ctrl-C
-    interrupts at once. Only in the main thread, and only while Python's own handler is installed
-    (a program with its own SIGINT handler keeps it)."""
+    interrupts at once. Only in the main thread, with Python's own handler installed."""
     if (
         threading.current_thread() is not threading.main_thread()
         or signal.getsignal(signal.SIGINT) is not signal.default_int_handler

@@ -1,29 +1,18 @@
-"""The files of a model folder other than the weights, read and checked at start-up: ``config.json``
-as plain JSON, the tokenizer and ``generation_config.json``. A broken file is a ValueError naming
-the file, the key and the value (an unreadable one is the OSError ``open`` raises)."""
+"""The files of a model folder other than the weights, read and checked at start-up: JSON files,
+the tokenizer and ``generation_config.json``. A broken file is a ValueError naming the file, the
+key and the value (an unreadable one is the OSError ``open`` raises)."""
 
 import json
 import os
 
 from nanovllm.sampling_params import SamplingParams
 
-# files one of which a Hugging Face tokenizer is built from (fast, SentencePiece, BPE, WordPiece)
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer.model",
-    "vocab.json",
-    "vocab.txt",
-    "spiece.model",
-    "sentencepiece.bpe.model",
-)
-
-# generation_config.json key -> the SamplingParams field it sets a default for, as vLLM reads them
+# files one of which a Hugging Face tokenizer is built from
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+TOKENIZER_FILES += ("sentencepiece.bpe.model",)
+# generation_config.json key -> the SamplingParams field it sets a default for (as vLLM reads them)
 GENERATION_CONFIG_FIELDS = {
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty",
+    **{key: key for key in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")},
     "max_new_tokens": "max_tokens",
 }
 
@@ -42,51 +31,42 @@ def read_json(path: str) -> dict:
 
 
 def load_tokenizer(model_dir: str):
-    """The folder's Hugging Face tokenizer. A folder without any of ``TOKENIZER_FILES``, a tokenizer
-    that fails to load, or one that turns text into no tokens is a ValueError naming the folder
-    (transformers would otherwise build an empty tokenizer that makes every text prompt empty)."""
+    """The folder's Hugging Face tokenizer; a ValueError naming the folder when it has none of
+    ``TOKENIZER_FILES``, fails to load, or encodes text to no tokens."""
     present = [name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(model_dir, name))]
     if not present:
         raise ValueError(
-            f"model folder {model_dir!r} has no tokenizer: none of {', '.join(TOKENIZER_FILES)} is there"
+            f"model folder {model_dir!r} has no tokenizer: none of {', '.join(TOKENIZER_FILES)} "
+            "is there"
         )
     from transformers import AutoTokenizer
 
+    files = ", ".join(present)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except OSError:
         raise
     except Exception as e:  # tokenizers' own errors name no file
-        raise ValueError(
-            f"cannot load the tokenizer of {model_dir!r} (from {', '.join(present)}): {e}"
-        ) from e
+        raise ValueError(f"cannot load the tokenizer of {model_dir!r} (from {files}): {e}") from e
     if not tokenizer.encode("hello", add_special_tokens=False):
-        raise ValueError(
-            f"the tokenizer of {model_dir!r} (from {', '.join(present)}) encodes text to no tokens"
-        )
+        raise ValueError(f"the tokenizer of {model_dir!r} (from {files}) encodes text to no tokens")
     return tokenizer
 
 
 def read_generation_config(model_dir: str) -> dict:
-    """``generation_config.json`` as a dict ({} when the folder has none), checked: the values it
-    gives SamplingParams defaults for (``GENERATION_CONFIG_FIELDS``) must be accepted by
-    SamplingParams, and ``eos_token_id`` must be a token id or a list of them. A bad value is a
-    ValueError naming the file, the key and the value."""
+    """``generation_config.json`` as a dict ({} when absent): the defaults it gives must be valid
+    SamplingParams, ``eos_token_id`` a token id or a list of them."""
     path = os.path.join(model_dir, "generation_config.json")
     if not os.path.isfile(path):
         return {}
     config = read_json(path)
-    for key, field in GENERATION_CONFIG_FIELDS.items():
+    for key, name in GENERATION_CONFIG_FIELDS.items():
         if config.get(key) is not None:
-            _check_defaults(path, key, {field: config[key]})
-    _check_defaults(
-        path, ", ".join(GENERATION_CONFIG_FIELDS), sampling_defaults(config)
-    )  # together
+            _check_defaults(path, key, {name: config[key]})
+    _check_defaults(path, ", ".join(GENERATION_CONFIG_FIELDS), sampling_defaults(config))
     eos = config.get("eos_token_id")
     ids = eos if isinstance(eos, list) else [eos]
-    if eos is not None and not all(
-        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids
-    ):
+    if eos is not None and not all(type(t) is int and t >= 0 for t in ids):
         raise ValueError(
             f"{path}: eos_token_id must be a token id >= 0 or a list of them, got {json.dumps(eos)}"
         )
@@ -96,8 +76,8 @@ def read_generation_config(model_dir: str) -> dict:
 def sampling_defaults(generation_config: dict) -> dict:
     """The SamplingParams keywords ``generation_config`` sets (null values left out)."""
     return {
-        field: generation_config[key]
-        for key, field in GENERATION_CONFIG_FIELDS.items()
+        name: generation_config[key]
+        for key, name in GENERATION_CONFIG_FIELDS.items()
         if generation_config.get(key) is not None
     }
 

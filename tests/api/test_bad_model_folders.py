@@ -15,7 +15,7 @@ from hf_reference import build_checkpoint, edit_json
 from safetensors.torch import load_file, save_file
 
 from nanovllm.config import Config
-from nanovllm.engine.requests import prompt_token_ids
+from nanovllm.engine.input_processor import prompt_token_ids
 from nanovllm.models.registry import model_class
 from nanovllm.utils.loader import load_model
 from nanovllm.utils.model_folder import (
