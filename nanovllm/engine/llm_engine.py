@@ -143,14 +143,13 @@ class LLMEngine:
         outputs, self._unclaimed = self._unclaimed, []
         return outputs, num_tokens
 
-    def _step(self) -> tuple[list[int], int]:
+    def _step(self) -> tuple[list[int], int]:  # the requests that finished, the step's tokens
         self._check_running()
         with deferred_interrupt():
             outputs, num_tokens = self.core.step()
             return self._process(outputs), num_tokens
 
-    def _process(self, outputs: list) -> list[int]:
-        """Take the core's outputs; returns the requests that finished with them."""
+    def _process(self, outputs: list) -> list[int]:  # the requests that finished with them
         with phase("outputs"):
             finished, stopped = self.outputs.process(outputs)
             for request_id, seq_id in stopped:
@@ -203,7 +202,6 @@ class LLMEngine:
         sleep(self, level)
 
     def wake_up(self) -> None:
-        """Reallocate what ``sleep`` freed (a no-op while awake)."""
         from nanovllm.features.sleep import wake_up
 
         self._check_running(asleep_ok=True)
@@ -246,8 +244,7 @@ class LLMEngine:
     def chat(
         self, messages, sampling_params=None, use_tqdm: bool = True, chat_template_kwargs=None
     ) -> list[dict]:
-        """``generate`` over conversations (one, or a list; each a list of ``{"role", "content"}``
-        dicts) through the chat template, the assistant's turn opened."""
+        """``generate`` over conversations (``InputProcessor.chat_prompts``)."""
         self._check_running()
         prompts = self.inputs.chat_prompts(messages, chat_template_kwargs)
         return self.generate(prompts, sampling_params, use_tqdm)

@@ -24,8 +24,8 @@ def test_params_changed_mid_stream_do_not_reach_the_request(llm, ckpt_tied, hf_r
         assert inc["logprobs"] is None
         if i == 1:  # every field, also the lists in place
             sp.logprobs, sp.max_tokens, sp.temperature = 2, 3, 1.0
-            sp.stop.append("")
             sp.stop_token_ids = [tokens[-1]]
+            sp.stop.append("")  # in place: no check runs
     assert_greedy_match(tokens, hf_ref.greedy(ckpt_tied.path, prompt, 12), "stream")
     assert_idle(llm)
 
