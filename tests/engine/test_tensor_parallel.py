@@ -90,8 +90,8 @@ def test_worker_killed_mid_generate(ckpt_tied):
 
 
 def test_worker_killed_while_waiting_for_a_step(ckpt_tied):
-    """A worker killed inside Event.wait() still counts as a sleeper of its event, so a plain
-    Event.set() would wait for it to wake forever; signalling it must return all the same."""
+    """A worker killed while it waits for a call: signalling it must not block, and the next call
+    names it."""
     llm = make_llm(ckpt_tied.path, 2)
     worker = llm.core.executor.workers.processes[0]
     time.sleep(0.5)  # the idle worker waits on its event
@@ -291,20 +291,18 @@ def test_leaving_an_aborted_group_drops_the_one_shot_all_reduce():
     """After a rank died, ``abort_nccl`` has ended the default group before rank 0 leaves it; the
     one-shot all-reduce must go all the same, or the process's next engine would capture it into its
     decode graphs (``distributed.all_reduce``) while its new workers sum through NCCL."""
-    from nanovllm.parallel import distributed
+    from nanovllm.parallel import distributed, group
     from nanovllm.runner.executor import _free_port
 
     try:
-        distributed.init_process_group(torch.device("cpu"), 0, 1, _free_port())
+        group.init_process_group(torch.device("cpu"), 0, 1, _free_port())
         distributed._custom_all_reduce = object()  # stands for the kernel, which needs GPUs
         torch.distributed.distributed_c10d._abort_process_group()  # what abort_nccl does with NCCL
         assert not torch.distributed.is_initialized()
-        distributed.leave_group()
+        group.leave_group()
         assert distributed._custom_all_reduce is None
-        distributed.init_process_group(
-            torch.device("cpu"), 0, 1, _free_port()
-        )  # a next group starts
-        distributed.leave_group()
+        group.init_process_group(torch.device("cpu"), 0, 1, _free_port())  # a next group starts
+        group.leave_group()
         assert not torch.distributed.is_initialized()
     finally:
         distributed._custom_all_reduce = None
@@ -315,31 +313,52 @@ def test_leaving_an_aborted_group_drops_the_one_shot_all_reduce():
 def test_symmetric_memory_is_seen(monkeypatch):
     """The one-shot all-reduce, on by default, maps its buffers with torch's symmetric memory: a
     torch that has it (this one) says so, one without it (the module cannot be imported) says not."""
-    from nanovllm.parallel import distributed
+    from nanovllm.parallel import group
 
-    assert distributed.has_symmetric_memory()
+    assert group.has_symmetric_memory()
     monkeypatch.setitem(
         sys.modules, "torch.distributed._symmetric_memory", None
     )  # its import now fails
-    assert not distributed.has_symmetric_memory()
+    assert not group.has_symmetric_memory()
 
 
 def test_without_symmetric_memory_the_ranks_agree_on_nccl(monkeypatch):
     """``enable_custom_all_reduce`` on a group (one gloo rank here; the GPUs' peer check stubbed):
     without symmetric memory it sets nothing up, returns False and warns why."""
-    from nanovllm.parallel import distributed
+    from nanovllm.parallel import distributed, group
     from nanovllm.runner.executor import _free_port
 
-    monkeypatch.setattr(distributed, "_reaches_peers", lambda device, world: True)
-    monkeypatch.setattr(distributed, "has_symmetric_memory", lambda: False)
+    monkeypatch.setattr(group, "_reaches_peers", lambda device, world: True)
+    monkeypatch.setattr(group, "has_symmetric_memory", lambda: False)
     try:
-        distributed.init_process_group(torch.device("cpu"), 0, 1, _free_port())
+        group.init_process_group(torch.device("cpu"), 0, 1, _free_port())
         with pytest.warns(
             UserWarning, match=r"torch .* has no symmetric memory\); NCCL sums everything"
         ):
-            assert (
-                distributed.enable_custom_all_reduce(torch.device("cpu"), torch.bfloat16) is False
-            )
-        assert distributed._custom_all_reduce is None and not distributed._set_up_before
+            assert group.enable_custom_all_reduce(torch.device("cpu"), torch.bfloat16) is False
+        assert distributed._custom_all_reduce is None and not group._set_up_before
     finally:
-        distributed.leave_group()
+        group.leave_group()
+
+
+ONE_RANK = """
+import sys
+from nanovllm import LLM, SamplingParams
+llm = LLM(sys.argv[1], device="cpu", kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=128)
+llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+llm.exit()
+print(sorted(m for m in sys.modules if m.startswith("nanovllm.parallel")))
+"""
+
+
+def test_one_rank_loads_no_parallel_machinery(ckpt_tied):
+    """At tensor_parallel_size=1 only the layers' rank/size/all-reduce helpers are loaded: no
+    process group set-up, workers, control channel or one-shot all-reduce."""
+    out = subprocess.run(
+        [sys.executable, "-c", ONE_RANK, ckpt_tied.path],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[-2] == "['nanovllm.parallel', 'nanovllm.parallel.distributed']"
