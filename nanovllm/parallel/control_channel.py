@@ -3,7 +3,9 @@ shared-memory segment (4-byte little-endian length, then the bytes) under a name
 engine, and one pipe per worker to say "a call is there" and, back, "taken". Tensors never travel
 here (collectives carry them); a step travels as its plain description (``step.Step``)."""
 
+import os
 import pickle
+import uuid
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.shared_memory import SharedMemory
@@ -18,6 +20,25 @@ def channel_bytes(config) -> int:
     max_blocks = -(-config.max_model_len // config.kvcache_block_size)
     worst = config.max_num_batched_tokens * 5 + config.max_num_seqs * (max_blocks * 5 + 512)
     return max(MIN_BYTES, worst + (64 << 10))
+
+
+def channel_name() -> str:
+    """A name unique to this engine: ``nanovllm-<pid of rank 0>-<random>``."""
+    return f"nanovllm-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+
+
+def release_channels(pid: int) -> None:
+    """Unlink the channels of rank 0 process ``pid``, which died without doing it (Linux)."""
+    prefix = f"nanovllm-{pid}-"
+    names = os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []
+    for name in names:
+        if name.startswith(prefix):
+            try:
+                shm = SharedMemory(name=name)
+            except FileNotFoundError:
+                continue
+            shm.close()
+            shm.unlink()
 
 
 class ControlChannel:
@@ -41,7 +62,7 @@ class ControlChannel:
 
     def write(self, method_name: str, *args) -> None:
         """Send one call to the workers once each has taken the previous one (rank 0 may run a
-        step ahead of them). A dead worker is a RuntimeError naming it; nothing here blocks on it."""
+        step ahead of them). A dead worker is a RuntimeError naming it, never a hang."""
         data = pickle.dumps([method_name, *args])
         n = len(data)
         if n + 4 > self.shm.size:

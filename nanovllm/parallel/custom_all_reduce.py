@@ -64,7 +64,8 @@ def next_epoch(epochs, COUNTERS: tl.constexpr):
     counters: program ``p`` of ``P`` reads counter ``p`` and stores ``p, p + P, ...``."""
     pid = tl.program_id(0)
     epoch = tl.load(epochs + pid) + 1  # every thread reads the count; one thread stores it
-    tl.debug_barrier()  # so no warp may read the count after it moved on (its waits would never end)
+    # no warp may read the count after it moved on (its waits would never end)
+    tl.debug_barrier()
     for c in range(pid, COUNTERS, tl.num_programs(0)):  # no other program reads these in this call
         tl.store(epochs + c, epoch)
     return epoch

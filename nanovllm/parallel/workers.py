@@ -77,7 +77,8 @@ class WorkerGroup:
         """Which worker has exited, if any."""
         for rank, p in enumerate(self.processes, 1):
             if p.exitcode is not None:
-                return f"tensor-parallel worker rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
+                code = p.exitcode
+                return f"tensor-parallel worker rank {rank} (pid {p.pid}) exited with code {code}"
         return None
 
     def wait_failure(self, timeout: float) -> str | None:

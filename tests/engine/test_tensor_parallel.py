@@ -2,6 +2,7 @@
 and the fault cases: a worker killed mid-generate or at start, clean exit, engines that do not
 collide, and bad parallel sizes rejected before any process starts."""
 
+import json
 import multiprocessing
 import os
 import signal
@@ -174,8 +175,10 @@ SCRIPT = """
 import sys
 from nanovllm import LLM, SamplingParams
 if __name__ == "__main__":
-    llm = LLM(sys.argv[1], device="cpu", tensor_parallel_size=2, kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=128)
-    print(llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]["token_ids"])
+    llm = LLM(sys.argv[1], device="cpu", tensor_parallel_size=2, kvcache_block_size=16,
+              num_kvcache_blocks=64, max_model_len=128)
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    print(llm.generate([[1, 2, 3, 4]], greedy, use_tqdm=False)[0]["token_ids"])
     # no exit(): interpreter exit must release the workers and the shared memory
 """
 
@@ -312,7 +315,7 @@ def test_leaving_an_aborted_group_drops_the_one_shot_all_reduce():
 
 def test_symmetric_memory_is_seen(monkeypatch):
     """The one-shot all-reduce, on by default, maps its buffers with torch's symmetric memory: a
-    torch that has it (this one) says so, one without it (the module cannot be imported) says not."""
+    torch that has it (this one) says so, one without it (its module cannot be imported) not."""
     from nanovllm.parallel import group
 
     assert group.has_symmetric_memory()
@@ -344,7 +347,8 @@ def test_without_symmetric_memory_the_ranks_agree_on_nccl(monkeypatch):
 ONE_RANK = """
 import sys
 from nanovllm import LLM, SamplingParams
-llm = LLM(sys.argv[1], device="cpu", kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=128)
+llm = LLM(sys.argv[1], device="cpu", kvcache_block_size=16, num_kvcache_blocks=64,
+          max_model_len=128)
 llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
 llm.exit()
 print(sorted(m for m in sys.modules if m.startswith("nanovllm.parallel")))
@@ -362,3 +366,63 @@ def test_one_rank_loads_no_parallel_machinery(ckpt_tied):
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split("\n")[-2] == "['nanovllm.parallel', 'nanovllm.parallel.distributed']"
+
+
+TWO_CTRL_C = """
+import json, os, signal, sys, threading, time
+from nanovllm import LLM, SamplingParams
+
+def ctrl_c(llm, gap):  # as a terminal does: SIGINT to every process of the foreground group
+    while llm.get_stats()["generation_tokens"] < 100:
+        time.sleep(0.005)
+    for _ in range(2):
+        os.killpg(os.getpgid(0), signal.SIGINT)
+        time.sleep(gap)
+
+if __name__ == "__main__":
+    llm = LLM(sys.argv[1], device="cpu", tensor_parallel_size=2, kvcache_block_size=16,
+              num_kvcache_blocks=256, max_model_len=512)
+    prompts = [[1 + i, 2, 3] * 5 for i in range(4)]
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    before = [o["token_ids"] for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    result = {"interrupted": [], "after": []}
+    for gap in (0.0, 0.01, 0.03, 0.1):
+        long = SamplingParams(max_tokens=300, ignore_eos=True)
+        threading.Thread(target=ctrl_c, args=(llm, gap), daemon=True).start()
+        try:
+            llm.generate([[1 + i, 2, 3] for i in range(32)], long, use_tqdm=False)
+            result["interrupted"].append(False)
+        except KeyboardInterrupt:
+            result["interrupted"].append(True)
+        try:
+            time.sleep(2 * gap + 0.2)  # a press that comes after the call has ended
+        except KeyboardInterrupt:
+            pass
+        stats = llm.get_stats()
+        assert stats["num_requests_running"] + stats["num_requests_waiting"] == 0, stats
+        outputs = llm.generate(prompts, greedy, use_tqdm=False)
+        result["after"].append([o["token_ids"] for o in outputs])
+    llm.exit()
+    print(json.dumps({"before": before, **result}))
+"""
+
+
+def test_two_ctrl_c_presses(ckpt_tied, tmp_path):
+    """The second press comes while the first one's requests are being aborted: the ranks stay in
+    step, the engine serves the same greedy tokens, and nothing is leaked at exit."""
+    script = tmp_path / "two_ctrl_c.py"
+    script.write_text(TWO_CTRL_C)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.run(
+        [sys.executable, str(script), ckpt_tied.path],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        start_new_session=True,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "leaked" not in proc.stderr, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert all(result["interrupted"]), "the SIGINT did not reach the generate call"
+    assert result["after"] == [result["before"]] * len(result["after"])
