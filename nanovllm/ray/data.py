@@ -1,16 +1,7 @@
 """Ray Data batch inference: a dataset's rows through an actor pool of nano-vllm engines.
-
-Columns in, with the names of Ray Data's own LLM processors (``ray.data.llm``): ``prompt`` (text
-or a list of token ids) or ``messages`` (a conversation, through the model's chat template, with
-the row's ``chat_template_kwargs`` when it has them), and optionally ``sampling_params`` (a dict of
-``SamplingParams`` fields). Columns out: every input column, plus ``generated_text``,
-``generated_tokens``, ``num_input_tokens``, ``num_generated_tokens`` and ``finish_reason``.
-
-Batches reach the engines as Arrow tables (``batch_format="pyarrow"``) and only the request
-columns are read from them, as Python values: Ray's NumPy batches would turn a struct's integer
-field that is null in another row into a float (``max_tokens=3.0``) and lists into object arrays.
-The other columns pass through untouched, so they come out with the types they went in with.
-"""
+Columns in: ``prompt`` or ``messages`` (with ``chat_template_kwargs``), optionally
+``sampling_params``; out: every input column plus ``generated_text``, ``generated_tokens``,
+``num_input_tokens``, ``num_generated_tokens`` and ``finish_reason`` (docs/parallel.md)."""
 
 import reprlib
 from collections.abc import Callable
