@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: nanovllm
 
-from nanovllm.parallel import custom_all_reduce, distributed  # noqa: E402
+from nanovllm.parallel import custom_all_reduce, distributed, group  # noqa: E402
 from nanovllm.parallel.custom_all_reduce import MAX_BYTES  # noqa: E402
 
 SIZES_KIB = [8, 32, 128, 512, 1024, 2048, 4096, 8192, 32768]
@@ -52,10 +52,10 @@ def time_graph(fn, x: torch.Tensor, calls: int, iters: int) -> float:
 def _worker(rank: int, world: int, port: int, args) -> None:
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
-    distributed.init_process_group(device, rank, world, port)
+    group.init_process_group(device, rank, world, port)
     custom_all_reduce.BLOCK, custom_all_reduce.PROGRAMS = args.block, args.programs
     custom_all_reduce.NUM_WARPS = args.warps
-    assert distributed.enable_custom_all_reduce(device, torch.bfloat16), (
+    assert group.enable_custom_all_reduce(device, torch.bfloat16), (
         "the GPUs do not reach each other directly"
     )
     custom = distributed._custom_all_reduce

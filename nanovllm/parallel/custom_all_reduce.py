@@ -1,44 +1,7 @@
-"""A one-shot all-reduce for tensor parallelism on one host: the small sums of a decode step in one
-kernel, where NCCL spends much of its time in latency.
-
-Every rank holds a buffer that the other ranks of the host map (torch's symmetric memory over
-CUDA IPC, without NVLink multicast), with a slot for every rank. A call writes this rank's tensor
-into its slot of every other rank's buffer (the only traffic between GPUs: writes, which need no
-round trip and were measured faster than reads), then sums, in rank order and in float32, its own
-tensor and the peers' slots of its own buffer as their elements arrive, so every rank computes
-exactly the same values.
-
-The data are their own signal: an element not yet written holds negative zero (the sentinel; a
-pushed -0.0 goes as +0.0, which sums the same), so a program reads a block of a peer's slot until
-none of it is the sentinel, with no flag and no fence between the writes and the reads. Having
-read a block it puts the sentinel back. The buffers alternate between two halves by the call's
-parity (the epoch): the peers write this half again two calls later, in a call that needs this
-rank's data of the next call, which it sends only after this call (and its clearing) has ended.
-The sentinel is the bits of -0.0 in the buffer's one dtype (the model's), so only tensors of that
-dtype are taken.
-
-A call runs one program per block of ``BLOCK`` elements, at most ``PROGRAMS`` (few enough to be
-resident at once: a program that waits for its peer must not keep that peer's counterpart from being
-scheduled); program ``p`` of ``P`` handles blocks ``p, p + P, ...`` on every rank (every rank runs
-the same ``P`` for the same size). The epoch counts the calls on the device (CUDA graphs replay the
-same arguments): ``PROGRAMS`` counters all hold it, program ``p`` reads counter ``p`` and advances
-counters ``p, p + P, ...``, so every counter moves on every call whatever ``P`` is.
-
-A spinning kernel never ends if a peer dies; ``abort()`` raises a flag that the waits poll, so the
-device drains and the engine can report the failure. The flag lives in pinned host memory and is
-raised by a plain store from any thread, with no CUDA call: a copy into device memory (tried first)
-never ran while the kernels spun, queued behind work that waited on them, and a thread blocked in a
-CUDA call that waits for the device (eager mode loading a kernel) is freed only this way. A wait
-reads the flag once every ``POLL_ABORT_EVERY`` spins, so a call whose peers come in time never
-reads host memory (polled every 64 spins, it had stalled calls by ~0.6 ms).
-
-Torch pairs the ranks' symmetric-memory set-ups by a count kept per process, so a process sets the
-kernel up once: a later engine in the same process (whose other ranks are new processes) sums with
-NCCL (``distributed.enable_custom_all_reduce``).
-
-Only CUDA graphs launch it (``distributed.all_reduce``): eagerly, a spinning call would sit between
-host work that may wait for the device. ``Config.disable_custom_all_reduce=True`` turns it off; on
-2 × H200 it sums 8 KiB-2 MiB in a third to a half of NCCL's time (BENCHMARKS.md)."""
+"""A one-shot all-reduce for tensor parallelism on one host, launched only inside CUDA graphs:
+each rank writes its tensor into every peer's buffer and sums, in rank order and in float32, as
+the peers' elements arrive (-0.0 marks an element not yet written). ``abort()`` frees every wait
+when a peer died. Design notes: docs/parallel.md."""
 
 import os
 
@@ -64,7 +27,8 @@ def next_epoch(epochs, COUNTERS: tl.constexpr):
     counters: program ``p`` of ``P`` reads counter ``p`` and stores ``p, p + P, ...``."""
     pid = tl.program_id(0)
     epoch = tl.load(epochs + pid) + 1  # every thread reads the count; one thread stores it
-    tl.debug_barrier()  # so no warp may read the count after it moved on (its waits would never end)
+    # no warp may read the count after it moved on (its waits would never end)
+    tl.debug_barrier()
     for c in range(pid, COUNTERS, tl.num_programs(0)):  # no other program reads these in this call
         tl.store(epochs + c, epoch)
     return epoch

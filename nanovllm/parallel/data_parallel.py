@@ -1,19 +1,14 @@
 """Data parallelism: ``data_parallel_size`` engine cores (replicas) behind the interface of one
-``EngineCore``, so that the front end drives them as it drives one.
-
-A request goes whole (all its ``n`` completions, which share its prompt's blocks) to the replica
-with the fewest outstanding tokens (prompt and ``max_tokens`` of each completion, until it ends).
-The replicas run side by side: each step sends every replica that has work its next call (the
-requests added, aborted or stopped since its last one), then takes the replies that are ready,
-at least one. A replica that dies ends the engine with a RuntimeError naming it. Weight updates,
-prefix-cache resets, sleep and wake-up go to every replica as controls, between steps (``_control``).
-"""
+``EngineCore``. A request goes whole to the replica with the fewest outstanding tokens; each step
+sends every replica with work its next call and takes the replies that are ready (at least one).
+A replica that dies ends the engine with a RuntimeError naming it."""
 
 import copy
 from dataclasses import dataclass
 
 from nanovllm.engine.core import SeqOutput
 from nanovllm.parallel.replica import ReplicaCall, ReplicaControl, ReplicaDied, ReplicaReply
+from nanovllm.parallel.shield import shielded
 from nanovllm.sampling_params import SamplingParams
 
 SUMMED_STATS = (
@@ -45,8 +40,8 @@ def replica_class(backend: str):
 
 
 def start_replicas(config, eos_token_ids: list[int]) -> list:
-    """Start ``data_parallel_size`` replicas side by side and wait until each has sized its KV
-    cache; if one fails, the others are stopped and its error raised."""
+    """Start the replicas side by side and wait until each has sized its KV cache; if one fails,
+    the others are stopped and its error raised."""
     cls = replica_class(config.data_parallel_backend)
     replicas = []
     try:
@@ -62,6 +57,9 @@ def start_replicas(config, eos_token_ids: list[int]) -> list:
 
 
 class DataParallelCore:
+    """Every exchange with the replicas runs ``shielded``: a call is sent and its reply taken
+    whole, so a Ctrl-C never leaves a pipe or a replica out of step."""
+
     def __init__(self, config, eos_token_ids: list[int]):
         self.replicas = start_replicas(config, eos_token_ids)
         self.wait = type(self.replicas[0]).wait
@@ -71,8 +69,8 @@ class DataParallelCore:
         self.has_work = [False] * n  # its last reply left work queued or in flight
         self.load = [0] * n  # outstanding tokens of the requests routed to it
         self.requests: dict[int, Routed] = {}  # request id -> where it went, until it ends
+        self.held: list[ReplicaReply] = []  # replies taken early (``stats``), for the next step
         self.failure_message: str | None = None
-        self.sleep_level = 0  # as every replica's core has it (``EngineCore.sleep``)
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -122,11 +120,11 @@ class DataParallelCore:
         """Send each idle replica that has work its next call, then take the replies that are
         ready (waiting for one). Returns their outputs, and the prefill tokens they computed (> 0)
         or, when none, minus the sequences they decoded."""
-        for i, replica in enumerate(self.replicas):
-            if not replica.busy and (self.has_work[i] or self.calls[i]):
-                self._submit(i, step=True)
-        outputs, prefill, decode = [], 0, 0
-        if any(r.busy for r in self.replicas):
+        with shielded():
+            for i, replica in enumerate(self.replicas):
+                if not replica.busy and (self.has_work[i] or self.calls[i]):
+                    self._submit(i, step=True)
+            outputs, prefill, decode = [], 0, 0
             for reply in self._replies():
                 outputs += reply.outputs
                 if reply.num_tokens > 0:
@@ -139,14 +137,15 @@ class DataParallelCore:
         """Deliver what is still to be sent (aborts, stops) and take every reply, so that a call
         ends with nothing in flight; returns the replies' outputs."""
         outputs = []
-        while True:
-            for i, replica in enumerate(self.replicas):
-                if not replica.busy and self.calls[i]:
-                    self._submit(i, step=False)
-            if not any(r.busy for r in self.replicas):
-                return outputs
-            for reply in self._replies():
-                outputs += reply.outputs
+        with shielded():
+            while True:
+                for i, replica in enumerate(self.replicas):
+                    if not replica.busy and self.calls[i]:
+                        self._submit(i, step=False)
+                if not (self.held or any(r.busy for r in self.replicas)):
+                    return outputs
+                for reply in self._replies():
+                    outputs += reply.outputs
 
     def _submit(self, i: int, step: bool) -> None:
         call, self.calls[i] = self.calls[i], ReplicaCall()
@@ -160,80 +159,89 @@ class DataParallelCore:
             self._fail(str(e), e)
 
     def _replies(self) -> list[ReplicaReply]:
-        """The replies that are ready (at least one); a dead replica raises."""
-        replies = []
-        for replica in self.wait(self.replicas):
-            try:
-                reply = replica.result()
-            except ReplicaDied as e:
-                self._fail(str(e), e)
-            self.has_work[replica.index] = not reply.finished
-            replica.stats = reply.stats
-            for out in reply.outputs:
-                if out.finish_reason is not None:
-                    self._ended(out.request_id, out.seq_id)
-            replies.append(reply)
+        """The replies held and those that are ready (waiting for one if none is held)."""
+        replies, self.held = self.held, []
+        if any(r.busy for r in self.replicas):
+            for replica in self.wait(self.replicas, 0 if replies else None):
+                replies.append(self._take(replica))
         return replies
 
-    # ---- controls: every replica, between steps ------------------------------------------------
+    def _take(self, replica) -> ReplicaReply:
+        """``replica``'s reply to its call, with the counts it brings; a dead replica raises."""
+        try:
+            reply = replica.result()
+        except ReplicaDied as e:
+            self._fail(str(e), e)
+        self.has_work[replica.index] = not reply.finished
+        replica.stats = reply.stats
+        for out in reply.outputs:
+            if out.finish_reason is not None:
+                self._ended(out.request_id, out.seq_id)
+        return reply
 
-    def update_weights(self, weights: list) -> None:
-        """Every replica loads the ``(name, tensor)`` pairs (``EngineCore.update_weights``; each
-        checks them all before writing any, so they all refuse the same ones). The tensors are
-        moved to the CPU and pickled to each replica in turn: simple, not the fastest way to carry
-        a large model to many replicas."""
-        self._control("update_weights", [(name, tensor.cpu()) for name, tensor in weights])
+    # ---- every replica, between steps ---------------------------------------------------------
+
+    def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
+        """``EngineCore.collective_rpc`` on every replica; one entry per replica (its rank 0's
+        result). Every replica gets the call, also when one of them raises."""
+        results = self._control("collective_rpc", method, tuple(args), kwargs)
+        return [result[0] for result in results]
 
     def reset_prefix_cache(self) -> bool:
         return all(self._control("reset_prefix_cache"))
 
-    def sleep(self, level: int) -> None:
-        """Every replica sleeps (``EngineCore.sleep``)."""
-        self._control("sleep", level)
-        self.sleep_level = level
-
-    def wake_up(self) -> None:
-        """Every replica wakes up (a no-op on one that is awake)."""
-        self._control("wake_up")
-        self.sleep_level = 0
-
     def _control(self, method: str, *args) -> list:
-        """``EngineCore.<method>(*args)`` on every replica (none may have a call in flight:
-        ``settle`` first); returns what each returned. A replica's error is raised once every
-        replica has replied."""
-        if any(r.busy for r in self.replicas):
-            raise RuntimeError(f"{method}: a replica has a call in flight (settle() first)")
-        for i in range(len(self.replicas)):
-            self._send(i, ReplicaControl(method, args))
+        """``EngineCore.<method>(*args)`` on every replica, once none has a call in flight;
+        returns what each returned. A replica's error is raised once every replica has replied."""
         results, error = [], None
-        for replica in self.replicas:
-            try:
-                results.append(replica.result())
-            except ReplicaDied as e:
-                self._fail(str(e), e)
-            except Exception as e:
-                error = error or e
+        with shielded():
+            self.settle_calls()
+            for i in range(len(self.replicas)):
+                self._send(i, ReplicaControl(method, args))
+            for replica in self.replicas:
+                try:
+                    results.append(replica.result())
+                except ReplicaDied as e:
+                    self._fail(str(e), e)
+                except Exception as e:
+                    error = error or e
         if error is not None:
             raise error
         return results
+
+    def settle_calls(self) -> None:
+        """Take every reply in flight (held for the next step) so that each replica is idle."""
+        for replica in self.replicas:
+            if replica.busy:
+                self.held.append(self._take(replica))
 
     def _fail(self, failure: str, cause: BaseException):
         self.failure_message = f"{failure}; the engine has stopped, create a new LLM to continue"
         self.exit()
         raise RuntimeError(self.failure_message) from cause
 
+    # ---- counts and the end ------------------------------------------------------------------
+
     def is_finished(self) -> bool:
-        return not (any(self.has_work) or any(self.calls) or any(r.busy for r in self.replicas))
+        busy = any(r.busy for r in self.replicas)
+        return not (any(self.has_work) or any(self.calls) or busy or self.held)
 
     def stats(self) -> dict:
-        """The replicas' counts summed (the KV-cache usage over all their blocks), as of their last
-        replies, and each replica's own under ``replicas``."""
+        """The replicas' counts summed (the KV-cache usage over all their blocks), each replica's
+        own under ``replicas``. What the front end queued, aborted or stopped since the last step
+        is delivered first, so the counts include it (as one core's do)."""
+        if self.failure_message is None and any(self.calls):
+            with shielded():
+                self.settle_calls()
+                for i, replica in enumerate(self.replicas):
+                    if self.calls[i]:
+                        self._submit(i, step=False)
+                        self.held.append(self._take(replica))
         per = [r.stats for r in self.replicas]
         total = {key: sum(s[key] for s in per) for key in SUMMED_STATS}
         blocks = [r.num_kvcache_blocks for r in self.replicas]
-        total["kv_cache_usage"] = sum(s["kv_cache_usage"] * b for s, b in zip(per, blocks)) / sum(
-            blocks
-        )
+        usage = sum(s["kv_cache_usage"] * b for s, b in zip(per, blocks))
+        total["kv_cache_usage"] = usage / sum(blocks)
         queries = total["prefix_cache_queries"]
         total["prefix_cache_hit_rate"] = total["prefix_cache_hits"] / queries if queries else 0.0
         total["replicas"] = per

@@ -1,9 +1,7 @@
 """One data-parallel replica's side: an engine core serving the front end's calls, as plain
-messages. A call carries the requests to add, abort and stop since the last one, and whether to
-step; the reply carries what the step gave, whether the replica has work left, and its counts. A
-control (a weight update, a prefix-cache reset, sleep and wake-up) is a call of its own between steps.
-The same server runs in a process of this host (``replica_process``) or in a Ray actor
-(``replica_ray``)."""
+messages, one at a time (a process of this host, ``replica_process``, or a Ray actor,
+``replica_ray``). A call carries the requests to add, abort and stop since the last one, and
+whether to step; its reply, what the step gave, whether work is left, and the core's counts."""
 
 from dataclasses import dataclass, field
 
@@ -33,16 +31,14 @@ class ReplicaCall:
 
 @dataclass
 class ReplicaControl:
-    """A call outside the step loop, sent only while the replica is idle (no call in flight):
-    ``EngineCore.<method>(*args)`` for a method of ``CONTROL_METHODS``; the reply is what it
-    returns. ``update_weights``' tensors travel pickled, on the CPU, to each replica in turn:
-    simple, and as fast as a pipe (or Ray's object store) carries them."""
+    """``EngineCore.<method>(*args)`` (a method of ``CONTROL_METHODS``), sent only while the
+    replica is idle; the reply is what it returns."""
 
     method: str
     args: tuple = ()
 
 
-CONTROL_METHODS = ("update_weights", "reset_prefix_cache", "sleep", "wake_up")
+CONTROL_METHODS = ("collective_rpc", "reset_prefix_cache")
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Data-parallel replicas in processes of this host (``data_parallel_backend="mp"``): each runs a
 ``ReplicaServer`` on its own GPUs (replica r sees GPUs r·M … r·M+M−1, M the tensor-parallel size)
 and talks to the front end over a pipe. A replica that dies is seen at once through its process's
-sentinel."""
+sentinel, and what it left in shared memory is released then."""
 
 import multiprocessing as mp
 import os
@@ -9,6 +9,7 @@ import pickle
 import signal
 from multiprocessing.connection import wait as wait_handles
 
+from nanovllm.parallel.control_channel import release_channels
 from nanovllm.parallel.replica import (
     ReplicaCall,
     ReplicaControl,
@@ -74,7 +75,7 @@ class ProcessReplica:
         self.process = ctx.Process(
             target=_replica_main,
             args=(child, config, eos_token_ids, visible_devices),
-            name=f"nanovllm-replica{index}",  # not a daemon: a tensor-parallel replica starts workers
+            name=f"nanovllm-replica{index}",  # no daemon: with tensor parallelism it has workers
         )
         self.process.start()
         child.close()  # so that a dead replica reads as the end of the pipe
@@ -95,8 +96,11 @@ class ProcessReplica:
         self.num_kvcache_blocks, self.stats = self.result()
 
     def failure(self) -> str:
+        """Names the dead replica, and releases the control channel it left behind."""
         self.process.join(1.0)  # its sentinel fires a moment before the exit status can be read
-        return f"data-parallel replica {self.index} (pid {self.process.pid}) exited with code {self.process.exitcode}"
+        release_channels(self.process.pid)
+        pid, code = self.process.pid, self.process.exitcode
+        return f"data-parallel replica {self.index} (pid {pid}) exited with code {code}"
 
     def submit(self, call: ReplicaCall | ReplicaControl) -> None:
         try:
@@ -107,12 +111,13 @@ class ProcessReplica:
 
     def result(self) -> ReplicaReply | bool | None:
         """The reply to the submitted call (waits for it): a ``ReplicaReply``, or what a control
-        returned; the replica's own error is raised as it is, its death as ``ReplicaDied`` naming it."""
-        self.busy = False
+        returned; the replica's own error is raised as it is, its death as ``ReplicaDied``."""
         try:
             reply = self.conn.recv()
         except (EOFError, OSError) as e:
+            self.busy = False
             raise ReplicaDied(self.failure()) from e
+        self.busy = False
         if isinstance(reply, BaseException):
             raise reply
         return reply
@@ -144,6 +149,8 @@ class ProcessReplica:
         if self.process.is_alive():
             self.process.kill()
             self.process.join()
+        if self.process.exitcode != 0:
+            release_channels(self.process.pid)
         self.conn.close()
         self.busy = False
 

@@ -59,7 +59,7 @@ class RayReplica:
         return [num_gpus] * dp
 
     def wait_ready(self) -> None:
-        """Wait until the actor is placed and has sized its KV cache (its start-up error is raised)."""
+        """Wait until the actor is placed and has sized its KV cache (its error is raised)."""
         if not self.placement_group.wait(PLACEMENT_TIMEOUT):
             raise RuntimeError(
                 f"data-parallel replica {self.index}: the Ray cluster found no room for its "
@@ -76,11 +76,12 @@ class RayReplica:
         """The reply to the submitted call (waits for it): a ``ReplicaReply``, or what a control
         returned; the replica's own error is raised as it is (Ray's error is an instance of its
         type), the actor's death as ``ReplicaDied``."""
-        self.busy = False
         try:
             return ray.get(self.ref)
         except RayActorError as e:
             raise ReplicaDied(f"data-parallel replica {self.index} (Ray actor) died: {e}") from e
+        finally:
+            self.busy = False
 
     @staticmethod
     def wait(replicas: list["RayReplica"], timeout: float | None = None) -> list["RayReplica"]:

@@ -9,8 +9,6 @@ import uuid
 
 from nanovllm.config import Config
 from nanovllm.engine.step import Step
-from nanovllm.parallel.control_channel import ControlChannel, channel_bytes
-from nanovllm.parallel.workers import WorkerGroup
 from nanovllm.runner.model_runner import ModelRunner
 
 UPDATE_BATCH = (
@@ -44,6 +42,9 @@ class Executor:
         self.runner = self.workers = self.channel = None
         port = _free_port()
         if config.tensor_parallel_size > 1:
+            from nanovllm.parallel.control_channel import ControlChannel, channel_bytes
+            from nanovllm.parallel.workers import WorkerGroup
+
             name = f"nanovllm-{os.getpid()}-{uuid.uuid4().hex[:12]}"
             self.channel = ControlChannel.create(name, channel_bytes(config))
             try:
@@ -51,7 +52,7 @@ class Executor:
             except BaseException:
                 self.channel.close()
                 raise
-            self.channel.events = self.workers.events
+            self.channel.conns = self.workers.conns
             self.channel.failure = self.workers.failure
         try:
             self.runner = ModelRunner(

@@ -15,13 +15,6 @@ from nanovllm.features.prompt_logprobs import score_prompt
 from nanovllm.layers.attention import Attention, get_attention_backend, resolve_backend_name
 from nanovllm.models.llama import head_dim
 from nanovllm.models.registry import build_model
-from nanovllm.parallel.distributed import (
-    abort_nccl,
-    enable_custom_all_reduce,
-    init_process_group,
-    leave_group,
-    wait_device,
-)
 from nanovllm.runner import kv_cache
 from nanovllm.runner.cuda_graphs import DecodeGraphs
 from nanovllm.runner.step_inputs import DecodeBuffer, decode_inputs, prefill_inputs
@@ -76,6 +69,8 @@ class ModelRunner:
             torch.cuda.set_device(self.rank)
             self.device = torch.device("cuda", self.rank)
         if self.world_size > 1:
+            from nanovllm.parallel.group import init_process_group
+
             init_process_group(self.device, self.rank, self.world_size, dist_port)
             self.owns_group = True
         self.dtype = config.resolved_dtype(self.device.type)
@@ -94,6 +89,8 @@ class ModelRunner:
             config.enforce_eager or self.device.type == "cpu" or backend.name == "torch"
         )
         if self.world_size > 1 and not self.enforce_eager and not config.disable_custom_all_reduce:
+            from nanovllm.parallel.group import enable_custom_all_reduce
+
             enable_custom_all_reduce(
                 self.device, self.dtype
             )  # (only CUDA graphs use it: distributed.all_reduce)
@@ -305,6 +302,8 @@ class ModelRunner:
         if self.watch is None:
             torch.cuda.synchronize()
         else:
+            from nanovllm.parallel.group import wait_device
+
             wait_device(self.watch)
 
     def wait_event(self, event: torch.cuda.Event) -> None:
@@ -312,6 +311,8 @@ class ModelRunner:
         if self.watch is None:
             event.synchronize()
         else:
+            from nanovllm.parallel.group import wait_device
+
             wait_device(self.watch, event)
 
     def barrier(self) -> None:
@@ -329,6 +330,8 @@ class ModelRunner:
     def release(self, failed: bool = False) -> None:
         """Free this rank's resources. After a failure (a rank died) nothing here talks to the
         other ranks, and NCCL is aborted first so that no device work waits on the dead rank."""
+        if self.owns_group:
+            from nanovllm.parallel.group import abort_nccl, leave_group
         if failed and self.owns_group and not abort_nccl(self._drop_graphs):
             return  # the device is stuck: freeing memory would wait on it forever
         self._drop_graphs()

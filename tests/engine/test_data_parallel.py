@@ -3,9 +3,13 @@ seeded, streamed; chunked prefill, n > 1, prefix hits), requests go to the repli
 outstanding tokens, an abort or an early break leaves every replica idle, a killed replica is a
 clear error that leaves nothing behind, and bad values are refused before anything starts."""
 
+import json
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -200,3 +204,122 @@ def test_more_gpus_than_visible_is_refused_before_anything_starts(ckpt_tied, mon
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 needs 2 GPUs, but only 1"):
         LLM(ckpt_tied.path, tensor_parallel_size=2, **kwargs)
     assert children() == running
+
+
+def test_an_abort_leaves_the_counts_at_once(engines):
+    """As with one engine, an aborted request is gone from ``get_stats`` at once, and a queued one
+    is counted at once."""
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    for llm in engines:
+        ids = [llm.add_request(p, long) for p in random_prompts(5, [8, 9, 10, 11])]
+        stats = llm.get_stats()
+        assert stats["num_requests_running"] + stats["num_requests_waiting"] == 4
+        llm.step()
+        assert llm.abort_request(ids[0])
+        stats = llm.get_stats()
+        assert stats["num_requests_running"] + stats["num_requests_waiting"] == 3
+        for i in ids[1:]:
+            assert llm.abort_request(i)
+        stats = llm.get_stats()
+        assert stats["num_requests_running"] + stats["num_requests_waiting"] == 0
+        while not llm.is_finished():
+            llm.step()
+        assert_idle(llm)
+
+
+def run_script(script: str, tmp_path, *args) -> dict:
+    """``script`` in a process group of its own (a Ctrl-C reaches all its processes); its last
+    line of output, as JSON. Nothing may be reported leaked at its exit."""
+    path = tmp_path / "script.py"
+    path.write_text(textwrap.dedent(script))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.run(
+        [sys.executable, str(path), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        start_new_session=True,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "leaked" not in proc.stderr, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+KILLED_REPLICA = """
+    import json, os, signal, sys
+    from nanovllm import LLM, SamplingParams
+
+    if __name__ == "__main__":
+        llm = LLM(sys.argv[1], device="cpu", kvcache_block_size=16, num_kvcache_blocks=64,
+                  max_model_len=128, data_parallel_size=2, tensor_parallel_size=2)
+        prompts = [[1 + i, 2, 3] * 5 for i in range(4)]
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+        pid = llm.core.replicas[1].process.pid
+        left = lambda: sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"nanovllm-{pid}-"))
+        channels = left()
+        os.kill(pid, signal.SIGKILL)
+        try:
+            llm.generate(prompts, SamplingParams(max_tokens=4), use_tqdm=False)
+            error = None
+        except RuntimeError as e:
+            error = str(e)
+        print(json.dumps({"error": error, "channels": channels, "left": left()}))
+        # no exit(): the interpreter's exit must find nothing leaked
+"""
+
+
+def test_a_killed_tensor_parallel_replica_leaves_no_shared_memory(ckpt_tied, tmp_path):
+    result = run_script(KILLED_REPLICA, tmp_path, ckpt_tied.path)
+    assert "data-parallel replica 1" in result["error"]
+    assert len(result["channels"]) == 1, "the replica's control channel should have existed"
+    assert result["left"] == [], "released when the death was found"
+
+
+INTERRUPTED_RPC = """
+    import json, os, signal, sys, threading, time
+    from nanovllm import LLM, SamplingParams
+
+    def mark(runner, value, seconds):
+        time.sleep(seconds)
+        runner.mark = value
+        return value
+
+    def read_mark(runner):
+        return getattr(runner, "mark", None)
+
+    def ctrl_c(*delays):  # as a terminal does: SIGINT to every process of the foreground group
+        for delay in delays:
+            time.sleep(delay)
+            os.killpg(os.getpgid(0), signal.SIGINT)
+
+    if __name__ == "__main__":
+        llm = LLM(sys.argv[1], device="cpu", kvcache_block_size=16, num_kvcache_blocks=64,
+                  max_model_len=128, data_parallel_size=2)
+        prompts = [[1 + i, 2, 3] * 5 for i in range(4)]
+        greedy = SamplingParams(temperature=0, max_tokens=6)
+        before = [o["token_ids"] for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        result = {"before": before, "interrupted": [], "marks": [], "after": []}
+        for value, delays in ((1, [0.5]), (2, [0.5, 0.3])):  # one Ctrl-C, then two
+            threading.Thread(target=ctrl_c, args=delays, daemon=True).start()
+            try:
+                llm.core.collective_rpc(mark, args=(value, 2.0))
+                result["interrupted"].append(False)
+            except KeyboardInterrupt:
+                result["interrupted"].append(True)
+            result["marks"].append(llm.core.collective_rpc(read_mark))
+            result["after"].append([o["token_ids"] for o in llm.generate(prompts, greedy,
+                                                                            use_tqdm=False)])
+        llm.exit()
+        print(json.dumps(result))
+"""
+
+
+def test_ctrl_c_during_a_call_to_every_replica(ckpt_tied, tmp_path):
+    """Once or twice pressed while every replica runs a ``collective_rpc``: the call reaches every
+    replica whole (all end on the same state), KeyboardInterrupt follows, and the engine serves
+    the same greedy tokens."""
+    result = run_script(INTERRUPTED_RPC, tmp_path, ckpt_tied.path)
+    assert result["interrupted"] == [True, True]
+    assert result["marks"] == [[1, 1], [2, 2]]
+    assert result["after"] == [result["before"]] * 2

@@ -70,6 +70,7 @@ def _all_sentinel(custom) -> bool:
 
 def _checks(rank: int) -> None:
     from nanovllm.parallel import distributed
+    from nanovllm.parallel import group as tp_group
     from nanovllm.parallel.custom_all_reduce import CustomAllReduce
 
     group = torch.distributed.group.WORLD.group_name
@@ -92,7 +93,7 @@ def _checks(rank: int) -> None:
                 custom(x)
                 assert torch.equal(x, expected(numel, dtype, seed)), (dtype, numel)
         assert _all_sentinel(custom)  # every element read was put back, every push read
-    assert distributed.enable_custom_all_reduce(torch.device("cuda", rank), torch.bfloat16)
+    assert tp_group.enable_custom_all_reduce(torch.device("cuda", rank), torch.bfloat16)
     custom = distributed._custom_all_reduce
     for numel in SIZES:
         for _ in range(3):
@@ -156,7 +157,7 @@ def _worker(rank: int, port: int, errors) -> None:
     faulthandler.dump_traceback_later(240, exit=True)  # a rank that hangs shows where, and ends
     try:
         torch.cuda.set_device(rank)
-        from nanovllm.parallel.distributed import init_process_group
+        from nanovllm.parallel.group import init_process_group
 
         init_process_group(torch.device("cuda", rank), rank, WORLD, port)
         _checks(rank)

@@ -1,0 +1,137 @@
+"""``ProcessorConfig``: what ``build_llm_processor`` builds, checked when it is made (no Ray
+needed to build one)."""
+
+import os
+from dataclasses import dataclass, field
+
+from nanovllm.config import Config
+
+ENGINE_KWARGS = tuple(name for name in Config.field_names() if name != "model")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_count(name: str, value, low: int = 1) -> None:
+    if not _is_int(value):
+        raise TypeError(
+            f"ProcessorConfig.{name} must be an int, got {value!r} ({type(value).__name__})"
+        )
+    if value < low:
+        raise ValueError(f"ProcessorConfig.{name} must be >= {low}, got {value}")
+
+
+@dataclass(frozen=True)
+class ProcessorConfig:
+    """How ``build_llm_processor`` runs the engines; every value is checked here.
+
+    model_source: the model folder, at this path on every node that runs an engine.
+    engine_kwargs: ``LLM()`` keywords, the same for every engine; an unknown one is a TypeError
+        here (their values are checked by each engine as it starts).
+    concurrency: engines in the actor pool: an int, or ``(min, max)`` for a pool that Ray Data
+        grows and shrinks between those sizes.
+    batch_size: rows per batch sent to an engine (one ``generate`` call each).
+    num_gpus: GPUs each engine's actor asks Ray for. None: when the processor is applied to a
+        dataset, ``tensor_parallel_size`` if the cluster has GPUs, else 0 (an autoscaling cluster
+        with no GPU node up yet counts as CPU-only: set it there).
+    """
+
+    model_source: str
+    engine_kwargs: dict = field(default_factory=dict)
+    concurrency: int | tuple[int, int] = 1
+    batch_size: int = 64
+    num_gpus: float | None = None
+
+    def __post_init__(self) -> None:
+        source = self.model_source
+        if not isinstance(source, (str, os.PathLike)) or not os.fspath(source):
+            kind = ValueError if isinstance(source, (str, os.PathLike)) else TypeError
+            raise kind(
+                f"ProcessorConfig.model_source must be the path of a model folder, got {source!r}"
+            )
+        object.__setattr__(self, "model_source", os.fspath(source))
+        self._check_engine_kwargs()
+        concurrency = self.concurrency
+        if isinstance(concurrency, tuple):
+            if len(concurrency) != 2 or not all(_is_int(c) for c in concurrency):
+                raise TypeError(
+                    f"ProcessorConfig.concurrency must be an int or a (min, max) tuple of ints, "
+                    f"got {concurrency!r}"
+                )
+            if not 1 <= concurrency[0] <= concurrency[1]:
+                raise ValueError(
+                    f"ProcessorConfig.concurrency as (min, max) must have 1 <= min <= max, "
+                    f"got {concurrency!r}"
+                )
+        elif not _is_int(concurrency):
+            raise TypeError(
+                f"ProcessorConfig.concurrency must be an int or a (min, max) tuple of ints, "
+                f"got {concurrency!r} ({type(concurrency).__name__})"
+            )
+        else:
+            _check_count("concurrency", concurrency)
+        _check_count("batch_size", self.batch_size)
+        self._check_num_gpus()
+
+    def _check_engine_kwargs(self) -> None:
+        kwargs = self.engine_kwargs
+        if not isinstance(kwargs, dict):
+            raise TypeError(
+                f"ProcessorConfig.engine_kwargs must be a dict of LLM() keywords, "
+                f"got {type(kwargs).__name__}"
+            )
+        for key in kwargs:
+            if key == "model":
+                raise TypeError(
+                    "ProcessorConfig.engine_kwargs must not hold 'model': "
+                    "model_source names the model"
+                )
+            if key not in ENGINE_KWARGS:
+                raise TypeError(
+                    f"ProcessorConfig.engine_kwargs holds {key!r}, which LLM() does not accept; "
+                    f"accepted: {', '.join(ENGINE_KWARGS)}"
+                )
+        tp = kwargs.get("tensor_parallel_size", 1)
+        if not _is_int(tp) or tp < 1:
+            kind = ValueError if _is_int(tp) else TypeError
+            raise kind(
+                "ProcessorConfig.engine_kwargs['tensor_parallel_size'] must be an int >= 1, "
+                f"got {tp!r}"
+            )
+        object.__setattr__(
+            self, "engine_kwargs", dict(kwargs)
+        )  # its own copy: the caller's later changes stay out
+
+    def _check_num_gpus(self) -> None:
+        gpus = self.num_gpus
+        if gpus is None:
+            return
+        if isinstance(gpus, bool) or not isinstance(gpus, (int, float)):
+            raise TypeError(
+                "ProcessorConfig.num_gpus must be a number or None, "
+                f"got {gpus!r} ({type(gpus).__name__})"
+            )
+        if not 0 <= gpus < float("inf"):
+            raise ValueError(
+                f"ProcessorConfig.num_gpus must be a finite number >= 0 or None, got {gpus!r}"
+            )
+        tp = self.tensor_parallel_size
+        if (
+            tp > 1 and 0 < gpus < tp
+        ):  # one engine may share a GPU (a fraction); tensor-parallel ranks need one each
+            raise ValueError(
+                f"ProcessorConfig.num_gpus must be 0 (engines on the CPU) or at least "
+                f"tensor_parallel_size={tp}, got {gpus}"
+            )
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.engine_kwargs.get("tensor_parallel_size", 1)
+
+    def resolved_num_gpus(self, cluster_gpus: float) -> float:
+        """GPUs per engine: ``num_gpus`` when set, else ``tensor_parallel_size`` when the cluster
+        has GPUs (``cluster_gpus > 0``), else 0."""
+        if self.num_gpus is not None:
+            return self.num_gpus
+        return self.tensor_parallel_size if cluster_gpus > 0 else 0
