@@ -205,7 +205,7 @@ class LLMEngine:
         that is not a name and a floating-point tensor a TypeError, and the engine is unchanged.
         Only between requests: with any request queued or running it is a RuntimeError (let them
         finish, or abort them, first)."""
-        from nanovllm.utils.loader import named_tensors
+        from nanovllm.utils.weights import named_tensors
 
         self._check_running()
         named = named_tensors(weights)

@@ -23,6 +23,9 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_rank, embedding_dim))
         self.weight.weight_loader = self.weight_loader
 
+    def checkpoint_shape(self, param: nn.Parameter) -> tuple[int, int]:
+        return self.num_embeddings, param.shape[1]
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         param.data.copy_(loaded.narrow(0, self.vocab_start, self.num_embeddings_per_rank))
 

@@ -163,11 +163,6 @@ def model_config(shape: str = "qwen3-0.6b", **overrides) -> dict:
     return config
 
 
-def qwen3_config(**overrides) -> dict:
-    """A Qwen3 ``config.json`` as a dict: the Qwen3-0.6B values unless overridden."""
-    return model_config("qwen3-0.6b", **overrides)
-
-
 def weight_bytes(config: dict, itemsize: int = 2, quantization: str | None = None) -> int:
     """The checkpoint's size: every tensor ``random_weights`` would write, at ``itemsize`` bytes
     (``tensor_bytes``)."""
@@ -244,32 +239,6 @@ def weight_shapes(config: dict) -> dict[str, tuple[int, ...]]:
                 shapes[p + "mlp.gate_proj.bias"] = shapes[p + "mlp.up_proj.bias"] = (inter,)
                 shapes[p + "mlp.down_proj.bias"] = (hidden,)
     return shapes
-
-
-def accepted_shapes(config: dict, fp8: bool = False) -> dict[str, tuple[int, ...]]:
-    """Every tensor name a checkpoint, or a transformers model's ``state_dict()``, may hold for
-    the config, with its full shape: ``weight_shapes``', plus a tied head under ``lm_head.weight``
-    too (a state_dict lists both names) and each sparse layer's experts fused as transformers 5
-    holds them (``experts.gate_up_proj`` [experts, 2 * inter, hidden], ``experts.down_proj``
-    [experts, hidden, inter]). With ``fp8``, or a ``quantization_config`` in the config, the
-    quantized weights' ``weight_scale_inv`` too."""
-    shapes = weight_shapes(config)
-    aliases = {}
-    if fp8 or config.get("quantization_config"):
-        aliases |= {
-            name + "_scale_inv": scale_shape(shape)
-            for name, shape in shapes.items()
-            if is_quantized_weight(name)
-        }
-    if config["tie_word_embeddings"]:
-        aliases["lm_head.weight"] = shapes["model.embed_tokens.weight"]
-    for name, shape in shapes.items():
-        if name.endswith(".experts.0.down_proj.weight"):
-            (hidden, inter), experts = shape, config["num_experts"]
-            prefix = name.removesuffix("0.down_proj.weight")
-            aliases[prefix + "gate_up_proj"] = (experts, 2 * inter, hidden)
-            aliases[prefix + "down_proj"] = (experts, hidden, inter)
-    return shapes | aliases
 
 
 def _is_sparse(config: dict, layer_idx: int) -> bool:

@@ -62,6 +62,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> t
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+    fuses_rope = False
 
     def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
         valid = slot_mapping >= 0
