@@ -24,22 +24,14 @@ class LinearMethod:
     def apply(self, layer: "LinearBase", x: torch.Tensor, bias: torch.Tensor | None):
         return F.linear(x, layer.weight, bias)
 
-    def missing(self, layer: "LinearBase") -> list[str]:
-        """Parameters still unloaded after a checkpoint load (see ``load_model``)."""
+    def missing(self, layer: "LinearBase") -> list[str]:  # unloaded after load_model
         return []
 
 
 class LinearBase(nn.Module):
-    """``tp_dim``: the weight dimension split across ranks (0: output, 1: input, None: replicated)."""
+    """``tp_dim``: the weight dimension split across ranks (0: output, 1: input, None: none)."""
 
-    def __init__(
-        self,
-        input_size: int,
-        output_size: int,
-        bias: bool,
-        tp_dim: int | None,
-        quant_method: LinearMethod | None = None,
-    ):
+    def __init__(self, input_size, output_size, bias: bool, tp_dim: int | None, quant_method=None):
         super().__init__()
         self.tp_dim = tp_dim
         self.tp_rank = get_tp_rank()
@@ -74,8 +66,8 @@ class LinearBase(nn.Module):
     def copy_shard(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple, block: int = 1
     ) -> None:
-        """Copy this rank's part of ``loaded`` into ``param``; ``block`` > 1: ``param`` holds one
-        value per ``block`` weight values along ``tp_dim`` (a part's size rounds up)."""
+        """Copy this rank's part of ``loaded`` into ``param``, which holds one value per ``block``
+        weight values along ``tp_dim`` (a part's size rounds up)."""
         if self._replicated(param):
             param.data.copy_(loaded)
             return
@@ -91,26 +83,14 @@ class LinearBase(nn.Module):
 
 
 class ReplicatedLinear(LinearBase):
-    def __init__(
-        self,
-        input_size: int,
-        output_size: int,
-        bias: bool = False,
-        quant_method: LinearMethod | None = None,
-    ):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, quant_method=None):
         super().__init__(input_size, output_size, bias, None, quant_method)
 
 
 class ColumnParallelLinear(LinearBase):
     """Splits the output features; each rank produces its slice (no communication)."""
 
-    def __init__(
-        self,
-        input_size: int,
-        output_size: int,
-        bias: bool = False,
-        quant_method: LinearMethod | None = None,
-    ):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, quant_method=None):
         tp_size = get_tp_size()
         super().__init__(input_size, _divide(output_size, tp_size), bias, 0, quant_method)
 
@@ -118,13 +98,7 @@ class ColumnParallelLinear(LinearBase):
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Column-parallel projections fused in one weight (gate and up), loaded by index."""
 
-    def __init__(
-        self,
-        input_size: int,
-        output_sizes: list[int],
-        bias: bool = False,
-        quant_method: LinearMethod | None = None,
-    ):
+    def __init__(self, input_size: int, output_sizes: list[int], bias=False, quant_method=None):
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias, quant_method)
 
@@ -134,22 +108,15 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """Fused q/k/v projection; each rank holds its query heads and its KV heads."""
+    """Fused q/k/v projection of ``heads`` query and ``kv_heads`` KV heads (in all ranks); each
+    rank holds its share of both."""
 
-    def __init__(
-        self,
-        hidden_size: int,
-        head_dim: int,
-        total_num_heads: int,
-        total_num_kv_heads: int,
-        bias: bool = False,
-        quant_method: LinearMethod | None = None,
-    ):
+    def __init__(self, hidden_size, head_dim, heads, kv_heads, bias=False, quant_method=None):
         tp_size = get_tp_size()
         self.head_dim = head_dim
-        self.num_heads = _divide(total_num_heads, tp_size)
-        self.num_kv_heads = _divide(total_num_kv_heads, tp_size)
-        output_size = (total_num_heads + 2 * total_num_kv_heads) * head_dim
+        self.num_heads = _divide(heads, tp_size)
+        self.num_kv_heads = _divide(kv_heads, tp_size)
+        output_size = (heads + 2 * kv_heads) * head_dim
         super().__init__(hidden_size, output_size, bias, quant_method)
 
     def shard(self, param: nn.Parameter, shard_id: str) -> tuple[int, int, int]:
@@ -163,14 +130,7 @@ class RowParallelLinear(LinearBase):
     is added. ``reduce_results=False`` (only without a bias) returns this rank's partial sums for
     the norm behind it to add up (``parallel/reduce_norm.py``)."""
 
-    def __init__(
-        self,
-        input_size: int,
-        output_size: int,
-        bias: bool = False,
-        quant_method: LinearMethod | None = None,
-        reduce_results: bool = True,
-    ):
+    def __init__(self, input_size, output_size, bias=False, quant_method=None, reduce_results=True):
         tp_size = get_tp_size()
         super().__init__(_divide(input_size, tp_size), output_size, bias, 1, quant_method)
         self.reduce_results = reduce_results

@@ -33,33 +33,22 @@ class DecoderAttention(nn.Module):
     """Self-attention with RoPE. ``qkv_bias``/``o_bias``: biases on the q/k/v and the output
     projections; ``qk_norm``: per-head RMSNorm of q and k before RoPE (Qwen3)."""
 
-    def __init__(
-        self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool, quant_config, reduce_results
-    ):
+    def __init__(self, config, qkv_bias, o_bias, qk_norm: bool, quant_config, reduce_results):
         super().__init__()
         tp_size = get_tp_size()
         hd = head_dim(config)
         linear = quant_config.linear_method() if quant_config else None
         self.quantized_input = quant_config is not None  # qkv_proj reads quantized rows
-        self.qkv_proj = QKVParallelLinear(
-            config.hidden_size,
-            hd,
+        heads, kv_heads, hidden = (
             config.num_attention_heads,
             config.num_key_value_heads,
-            bias=qkv_bias,
-            quant_method=linear,
-        )
-        self.o_proj = RowParallelLinear(
-            config.num_attention_heads * hd,
             config.hidden_size,
-            bias=o_bias,
-            quant_method=linear,
-            reduce_results=reduce_results,
         )
+        self.qkv_proj = QKVParallelLinear(hidden, hd, heads, kv_heads, qkv_bias, linear)
+        self.o_proj = RowParallelLinear(heads * hd, hidden, o_bias, linear, reduce_results)
         theta, scaling = rope_parameters(config)
         self.rotary_emb = RotaryEmbedding(hd, config.max_position_embeddings, theta, scaling)
         quantize = quant_config is not None and quant_config.quantizes_attention_output(hd)
-        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.attn = Attention(heads // tp_size, hd, hd**-0.5, kv_heads // tp_size, quantize)
         if qk_norm:
             self.q_norm = RMSNorm(hd, eps=config.rms_norm_eps)
@@ -76,25 +65,15 @@ class GatedMLP(nn.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), gate and up as one column-parallel GEMM."""
 
     def __init__(
-        self,
-        hidden_size: int,
-        intermediate_size: int,
-        hidden_act: str,
-        bias: bool = False,
-        quant_config=None,
-        reduce_results: bool = True,
+        self, hidden, inter, hidden_act, bias=False, quant_config=None, reduce_results=True
     ):
         super().__init__()
         if hidden_act != "silu":
             raise ValueError(f"hidden_act {hidden_act!r} is not supported (only 'silu')")
         linear = quant_config.linear_method() if quant_config else None
         self.quantized_input = quant_config is not None  # gate_up_proj reads quantized rows
-        self.gate_up_proj = MergedColumnParallelLinear(
-            hidden_size, [intermediate_size] * 2, bias=bias, quant_method=linear
-        )
-        self.down_proj = RowParallelLinear(
-            intermediate_size, hidden_size, bias, linear, reduce_results=reduce_results
-        )
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter] * 2, bias, linear)
+        self.down_proj = RowParallelLinear(inter, hidden, bias, linear, reduce_results)
         self.act_fn = quant_config.activation() if quant_config else SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -165,15 +144,9 @@ class LlamaForCausalLM(nn.Module):
         return bias, bias
 
     def make_mlp(self, config, layer_idx: int, quant_config, reduce_results: bool) -> nn.Module:
+        hidden, inter = config.hidden_size, config.intermediate_size
         bias = getattr(config, "mlp_bias", False)
-        return GatedMLP(
-            config.hidden_size,
-            config.intermediate_size,
-            config.hidden_act,
-            bias,
-            quant_config,
-            reduce_results,
-        )
+        return GatedMLP(hidden, inter, config.hidden_act, bias, quant_config, reduce_results)
 
     def __init__(self, config, quant_config=None):
         super().__init__()

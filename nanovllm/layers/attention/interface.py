@@ -71,9 +71,8 @@ class AttentionBackend:
         k_scale: torch.Tensor | None = None,
         v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Causal attention over variable-length sequences. Without ``context.block_tables`` the
-        keys are ``k``/``v`` themselves; with them, each sequence's keys (cached prefix and the new
-        tokens, already stored) are read from the paged cache."""
+        """Causal attention over variable-length sequences: keys ``k``/``v``, or with
+        ``context.block_tables`` the paged cache (the new tokens already stored)."""
         raise NotImplementedError
 
     def decode(

@@ -16,15 +16,9 @@ def resolve_backend_name(
     kv_cache_dtype: str = "auto",
     weight_quantization: str | None = None,
 ) -> str:
-    """Which backend runs: the one place that decides, called by ``Config`` (to reject a bad
-    combination before anything starts) and by the model runner.
-
-    "auto" is torch on CPU; on GPU it is flash-attn when importable and able to run (a 2-byte
-    ``dtype``, a cache in the model's dtype, ``block_size`` a multiple of 256) and the weights are
-    not FP8, else the Triton kernels. (With FP8 weights the Triton decode also quantizes the output
-    projection's input; on the Qwen3-8B shape on an H100 it ran 1.2% faster than flash-attn even
-    before that, BENCHMARKS.md.) flash-attn takes neither float32 nor an FP8 cache; the Triton
-    kernels read e4m3 only on GPUs of compute capability 8.9 or newer."""
+    """Which backend runs (called by ``Config`` to reject a bad combination early, and by the
+    model runner). "auto": torch on the CPU; on a GPU flash-attn where it can run (2-byte dtype,
+    no FP8 cache or weights, ``block_size`` a multiple of 256), else Triton."""
     fp8 = is_fp8_kv_cache(kv_cache_dtype)
     if name == "flash-attn" and fp8:
         raise ValueError(
