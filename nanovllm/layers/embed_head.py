@@ -55,7 +55,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         return self.gather(logits) if gather else logits
 
     def gather(self, logits: torch.Tensor) -> torch.Tensor | None:
-        """Every rank's slice of the logits, in vocabulary order, on rank 0 (every rank calls this)."""
+        """Every rank's logits slice, in vocabulary order, on rank 0 (every rank calls this)."""
         if self.tp_size == 1:
             return logits
         parts = (

@@ -39,8 +39,8 @@ def apply_qk_norm_rotary_emb(
 
 
 def rope_parameters(config) -> tuple[float, dict]:
-    """(theta, scaling) from ``rope_parameters`` (transformers 5) or ``rope_theta``/``rope_scaling``:
-    ``scaling`` {} for plain RoPE or Llama 3's; any other type is a ValueError."""
+    """(theta, scaling) from ``rope_parameters`` (transformers 5) or ``rope_theta`` and
+    ``rope_scaling``: {} for plain RoPE or Llama 3's; any other type is a ValueError."""
     params = dict(getattr(config, "rope_parameters", None) or {})
     params.update(getattr(config, "rope_scaling", None) or {})
     rope_type = params.get("rope_type", params.get("type", "default"))

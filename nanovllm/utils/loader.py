@@ -31,7 +31,7 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
 
 
 def packed_target(name: str, packed: dict) -> tuple[str, tuple]:
-    """(parameter name, loader arguments) of a checkpoint tensor under ``packed_modules_mapping``."""
+    """(parameter name, loader arguments) of a checkpoint name under ``packed_modules_mapping``."""
     for ckpt_key, (fused_key, shard_id) in packed.items():
         if f".{ckpt_key}." in name:
             return name.replace(ckpt_key, fused_key), (shard_id,)
@@ -86,8 +86,8 @@ def copy_weight(
         loader(param, tensor, *entry.args)
     except RuntimeError as e:  # a shape the check could not know
         raise ValueError(
-            f"checkpoint tensor {entry.name!r}{where} with shape {tuple(tensor.shape)} does not fit "
-            f"parameter {entry.target!r} with shape {tuple(param.shape)}: {e}"
+            f"checkpoint tensor {entry.name!r}{where} with shape {tuple(tensor.shape)} does not "
+            f"fit parameter {entry.target!r} with shape {tuple(param.shape)}: {e}"
         ) from e
 
 

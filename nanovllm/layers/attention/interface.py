@@ -32,7 +32,7 @@ def kv_cache_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> tor
 
 
 class AttentionBackend:
-    """Shapes: q ``[num_tokens, num_heads, head_dim]``, k/v ``[num_tokens, num_kv_heads, head_dim]``;
+    """Shapes: q ``[tokens, num_heads, head_dim]``, k/v ``[tokens, num_kv_heads, head_dim]``;
     the output has q's shape. ``k_scale``/``v_scale``: an FP8 cache's row scales, else None.
     ``fuses_rope``: K/V reach the cache through ``kv_store.rope_and_store`` on a GPU (QK-norm,
     RoPE and the store in one kernel), else through ``store_kvcache``."""
@@ -43,16 +43,7 @@ class AttentionBackend:
     # ``QuantizedRows`` (one 128-channel group per head)
     quantizes_output = False
 
-    def store_kvcache(
-        self,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        k_scale: torch.Tensor | None = None,
-        v_scale: torch.Tensor | None = None,
-    ) -> None:
+    def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
         """Write each new token's K/V row into its cache slot (quantized, with its scales, for an
         FP8 cache); slot -1 is skipped."""
         raise NotImplementedError(
@@ -60,30 +51,14 @@ class AttentionBackend:
         )
 
     def prefill(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        context: Context,
-        scale: float,
-        k_scale: torch.Tensor | None = None,
-        v_scale: torch.Tensor | None = None,
+        self, q, k, v, k_cache, v_cache, context: Context, scale: float, k_scale=None, v_scale=None
     ) -> torch.Tensor:
         """Causal attention over variable-length sequences: keys ``k``/``v``, or with
         ``context.block_tables`` the paged cache (the new tokens already stored)."""
         raise NotImplementedError
 
     def decode(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        context: Context,
-        scale: float,
-        k_scale: torch.Tensor | None = None,
-        v_scale: torch.Tensor | None = None,
+        self, q, k_cache, v_cache, context: Context, scale: float, k_scale=None, v_scale=None
     ) -> torch.Tensor:
         """One query per sequence over its ``context.context_lens`` cached tokens."""
         raise NotImplementedError

@@ -22,8 +22,9 @@ def resolve_backend_name(
     fp8 = is_fp8_kv_cache(kv_cache_dtype)
     if name == "flash-attn" and fp8:
         raise ValueError(
-            f"attention_backend 'flash-attn' cannot read an FP8 KV cache (kv_cache_dtype {kv_cache_dtype!r}); "
-            "use attention_backend 'triton' or 'auto', or kv_cache_dtype 'auto'"
+            "attention_backend 'flash-attn' cannot read an FP8 KV cache (kv_cache_dtype "
+            f"{kv_cache_dtype!r}); use attention_backend 'triton' or 'auto', or kv_cache_dtype "
+            "'auto'"
         )
     if name not in ("auto", "torch") and device == "cpu":
         raise ValueError(
@@ -37,20 +38,21 @@ def resolve_backend_name(
     if name == "flash-attn":
         if dtype == torch.float32:
             raise ValueError(
-                "attention_backend 'flash-attn' does not take dtype float32; use dtype 'bfloat16' or 'float16', "
-                "or attention_backend 'triton' or 'auto'"
+                "attention_backend 'flash-attn' does not take dtype float32; use dtype 'bfloat16' "
+                "or 'float16', or attention_backend 'triton' or 'auto'"
             )
         if block_size % 256:
             raise ValueError(
-                f"attention_backend 'flash-attn' needs kvcache_block_size to be a multiple of 256, got {block_size}"
+                "attention_backend 'flash-attn' needs kvcache_block_size to be a multiple of 256, "
+                f"got {block_size}"
             )
     if name == "triton" and fp8 and device == "cuda":
         capability = torch.cuda.get_device_capability()
         if capability < (8, 9):
             raise ValueError(
-                f"kv_cache_dtype {kv_cache_dtype!r} with attention_backend 'triton' needs a GPU of compute "
-                f"capability 8.9 or newer (e4m3 support), this one is {capability[0]}.{capability[1]}; "
-                "use kv_cache_dtype 'auto'"
+                f"kv_cache_dtype {kv_cache_dtype!r} with attention_backend 'triton' needs a GPU of "
+                "compute capability 8.9 or newer (e4m3 support), this one is "
+                f"{capability[0]}.{capability[1]}; use kv_cache_dtype 'auto'"
             )
     return name
 
