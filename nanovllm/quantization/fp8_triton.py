@@ -166,16 +166,12 @@ MAX_SPLIT_TILES = 4096  # tiles a split-K call may have (one counter each)
 
 @functools.cache
 def _split_counters(device: torch.device) -> torch.Tensor:
-    """One arrival count per tile for the split-K kernels; each tile's last program sets it back to
-    zero, so the buffer is zeroed once (made before any CUDA graph is captured: the first call on a
-    device is the warm-up's)."""
+    """One arrival count per split-K tile; each tile's last program resets it (zeroed once)."""
     return torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
 
 
 def tile(num_tokens: int) -> GemmTile:
-    """The GEMM's tile for ``num_tokens`` rows: small tiles for decode (a step reads every weight
-    once; more programs keep more loads in flight), large for prefill. From sweeps on an H100 at the
-    Qwen3-8B linear shapes (BENCHMARKS.md)."""
+    """The GEMM's tile for ``num_tokens`` rows: small for decode, large for prefill."""
     if num_tokens <= 16:
         return GemmTile(16, 64, 4, 6)
     if num_tokens <= 32:
@@ -190,11 +186,8 @@ def tile(num_tokens: int) -> GemmTile:
 
 
 def split_k(num_tokens: int, k: int, tiles: int, sms: int) -> int:
-    """How many k ranges to cut the GEMM into: at decode sizes the layers with few outputs (o, down)
-    have fewer tiles than the GPU has SMs, each a long serial walk over K, and more, shorter programs
-    keep more of the weight's loads in flight. The largest power of two up to 8 that keeps the
-    programs within three per SM and the float32 partial sums (4·splits·M·N bytes, written and read
-    back) within a third of the weight's N·K bytes; from the same sweep."""
+    """How many k ranges (a power of two up to 8) to cut the GEMM into: more, shorter programs
+    where few output tiles would leave SMs idle, within bounds on programs and partial sums."""
     splits = 1
     while (more := 2 * splits) <= 8 and tiles * more <= 3 * sms and 8 * more * num_tokens <= k / 3:
         splits = more
