@@ -12,16 +12,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 class SiluAndMul(nn.Module):
-    """SwiGLU: the input is [gate | up] on the last dim; returns SiLU(gate) * up. ``quantize``:
-    quantized for the FP8 linear that reads it (``QuantizedRows``, ``quantization/fp8_fused.py``)."""
+    """SwiGLU: the input is [gate | up] on the last dim; returns SiLU(gate) * up."""
 
-    def __init__(self, quantize: bool = False):
-        super().__init__()
-        self.quantize = quantize
-
-    def forward(self, x: torch.Tensor):
-        if self.quantize:
-            from nanovllm.quantization.fp8_fused import silu_and_mul_quantized
-
-            return silu_and_mul_quantized(x)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return silu_and_mul(x)

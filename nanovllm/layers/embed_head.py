@@ -23,6 +23,9 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_rank, embedding_dim))
         self.weight.weight_loader = self.weight_loader
 
+    def checkpoint_shape(self, param: nn.Parameter) -> tuple[int, int]:
+        return self.num_embeddings, param.shape[1]
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         param.data.copy_(loaded.narrow(0, self.vocab_start, self.num_embeddings_per_rank))
 
@@ -52,7 +55,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         return self.gather(logits) if gather else logits
 
     def gather(self, logits: torch.Tensor) -> torch.Tensor | None:
-        """Every rank's slice of the logits, in vocabulary order, on rank 0 (every rank calls this)."""
+        """Every rank's logits slice, in vocabulary order, on rank 0 (every rank calls this)."""
         if self.tp_size == 1:
             return logits
         parts = (

@@ -1,7 +1,6 @@
 import torch
 from torch import nn
 
-from nanovllm.parallel.distributed import all_reduce
 from nanovllm.utils.compile import compile_on_gpu
 
 
@@ -22,31 +21,15 @@ def add_rms_norm(
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32. With ``residual`` it first adds it (fused residual add) and
-    returns ``(normed, x + residual)``. Nothing is updated in place, so the caller's tensors stay
-    intact in every dtype. ``quantize``: the normed rows come quantized for the FP8 linear that
-    reads them (``QuantizedRows``, see ``quantization/fp8_fused.py``)."""
+    """RMSNorm computed in float32. With ``residual`` it first adds it and returns ``(normed,
+    x + residual)``. Nothing is updated in place."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, quantize: bool = False):
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.quantize = quantize
-        self.reduces_input = (
-            False  # True: with a residual, x is a row-parallel layer's unsummed output
-        )
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if residual is not None and self.reduces_input:
-            if not self.quantize:
-                from nanovllm.parallel.reduce_norm import reduce_add_rms_norm
-
-                return reduce_add_rms_norm(x, residual, self.weight, self.eps)
-            all_reduce(x)
-        if self.quantize:
-            from nanovllm.quantization.fp8_fused import rms_norm_quantized
-
-            return rms_norm_quantized(x, residual, self.weight, self.eps)
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         return add_rms_norm(x, residual, self.weight, self.eps)

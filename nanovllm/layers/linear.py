@@ -1,19 +1,12 @@
 """Tensor-parallel linear layers. Each parameter carries a ``weight_loader`` that copies this
-rank's shard of a checkpoint tensor into it.
-
-Built under ``building_quantized("fp8")`` a layer holds FP8 weights: ``weight`` float8_e4m3fn and
-``weight_scale_inv`` float32, one scale per 128x128 block of this rank's weight. Its loaders place
-the scale blocks the way they place the weight (a shard or a fused part of ``size`` rows lands at
-``offset``, its scales at ``offset / 128``), and a float checkpoint tensor is quantized on the way
-in (``quantization="fp8"``). The bias stays in the model dtype."""
+rank's shard of a checkpoint tensor into it. A layer's weights and GEMM belong to its
+``quant_method`` (``LinearMethod`` here; FP8 in ``quantization/fp8_method.py``)."""
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.parallel.distributed import all_reduce, get_tp_rank, get_tp_size
-from nanovllm.quantization import get_quantization
-from nanovllm.quantization.fp8 import BLOCK, FP8_DTYPE, fp8_linear, quantize_weight_blocks
 
 
 def _divide(numerator: int, denominator: int) -> int:
@@ -21,37 +14,30 @@ def _divide(numerator: int, denominator: int) -> int:
     return numerator // denominator
 
 
-class LinearBase(nn.Module):
-    """``tp_dim``: the weight dimension split across ranks (0: output, 1: input, None: replicated).
-    ``quantizable``: False keeps the layer in the model dtype in an FP8 model (MoE routers)."""
+class LinearMethod:
+    """A linear layer's weights and arithmetic: plain ``F.linear`` in the model dtype."""
 
-    def __init__(
-        self,
-        input_size: int,
-        output_size: int,
-        bias: bool,
-        tp_dim: int | None,
-        quantizable: bool = True,
-    ):
+    def create_weights(self, layer: "LinearBase", input_size: int, output_size: int) -> None:
+        layer.weight = nn.Parameter(torch.empty(output_size, input_size))
+        layer.weight.weight_loader = layer.weight_loader
+
+    def apply(self, layer: "LinearBase", x: torch.Tensor, bias: torch.Tensor | None):
+        return F.linear(x, layer.weight, bias)
+
+    def missing(self, layer: "LinearBase") -> list[str]:  # unloaded after load_model
+        return []
+
+
+class LinearBase(nn.Module):
+    """``tp_dim``: the weight dimension split across ranks (0: output, 1: input, None: none)."""
+
+    def __init__(self, input_size, output_size, bias: bool, tp_dim: int | None, quant_method=None):
         super().__init__()
         self.tp_dim = tp_dim
         self.tp_rank = get_tp_rank()
         self.tp_size = get_tp_size()
-        self.fp8 = quantizable and get_quantization() == "fp8"
-        if self.fp8:
-            self.weight = nn.Parameter(
-                torch.empty(output_size, input_size, dtype=FP8_DTYPE), requires_grad=False
-            )
-            blocks = (-(-output_size // BLOCK), -(-input_size // BLOCK))
-            self.weight_scale_inv = nn.Parameter(
-                torch.ones(blocks, dtype=torch.float32), requires_grad=False
-            )
-            self.weight_scale_inv.weight_loader = self.weight_loader
-            self.loaded: set[tuple] = set()  # shard ids whose weight is loaded
-            self.scaled: set[tuple] = set()  # shard ids whose scales are loaded
-        else:
-            self.weight = nn.Parameter(torch.empty(output_size, input_size))
-        self.weight.weight_loader = self.weight_loader
+        self.quant_method = quant_method or LinearMethod()
+        self.quant_method.create_weights(self, input_size, output_size)
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size))
             self.bias.weight_loader = self.weight_loader
@@ -64,68 +50,57 @@ class LinearBase(nn.Module):
         size = param.size(self.tp_dim)
         return 0, self.tp_rank * size, size
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, *shard_id) -> None:
-        if self.fp8 and param is self.weight:
-            if loaded.dtype != FP8_DTYPE:  # a float tensor: quantized here
-                loaded, scale = quantize_weight_blocks(loaded.to(param.device))
-                self._copy(self.weight_scale_inv, scale, shard_id)
-                self.scaled.add(shard_id)
-            self.loaded.add(shard_id)
-        elif self.fp8 and param is self.weight_scale_inv:
-            self.scaled.add(shard_id)
-        self._copy(param, loaded, shard_id)
+    def _replicated(self, param: nn.Parameter) -> bool:  # or a row-parallel bias
+        return self.tp_dim is None or param.dim() == 1 and self.tp_dim == 1
 
-    def _copy(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple) -> None:
-        if (
-            self.tp_dim is None or param.dim() == 1 and self.tp_dim == 1
-        ):  # replicated, or a row-parallel bias
+    def checkpoint_shape(self, param: nn.Parameter, *shard_id) -> tuple[int, ...]:
+        """The full shape of the checkpoint tensor (part ``shard_id``) that loads into ``param``."""
+        shape = list(param.shape)
+        if not self._replicated(param):
+            shape[self.tp_dim] = self.shard(param, *shard_id)[2] * self.tp_size
+        return tuple(shape)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, *shard_id) -> None:
+        self.copy_shard(param, loaded, shard_id)
+
+    def copy_shard(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple, block: int = 1
+    ) -> None:
+        """Copy this rank's part of ``loaded`` into ``param``, which holds one value per ``block``
+        weight values along ``tp_dim`` (a part's size rounds up)."""
+        if self._replicated(param):
             param.data.copy_(loaded)
             return
-        block = BLOCK if self.fp8 and param is self.weight_scale_inv else 1
         dst, src, size = self.shard(self.weight if block > 1 else param, *shard_id)
-        # in scale blocks, a part's size rounds up: only the last part of a dimension may end in a partial block
         dst, src, size = dst // block, src // block, -(-size // block)
         param.data.narrow(self.tp_dim, dst, size).copy_(loaded.narrow(self.tp_dim, src, size))
 
     def missing(self) -> list[str]:
-        """FP8 weights loaded without their ``weight_scale_inv`` (see ``load_model``)."""
-        if not self.fp8:
-            return []
-        return [
-            f"weight_scale_inv{' (' + ', '.join(map(str, s)) + ')' if s else ''}"
-            for s in self.loaded - self.scaled
-        ]
-
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.fp8:
-            return fp8_linear(x, self.weight, self.weight_scale_inv, bias)
-        return F.linear(x, self.weight, bias)
+        return self.quant_method.missing(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x, self.bias)
+        return self.quant_method.apply(self, x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
-    def __init__(
-        self, input_size: int, output_size: int, bias: bool = False, quantizable: bool = True
-    ):
-        super().__init__(input_size, output_size, bias, tp_dim=None, quantizable=quantizable)
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, quant_method=None):
+        super().__init__(input_size, output_size, bias, None, quant_method)
 
 
 class ColumnParallelLinear(LinearBase):
     """Splits the output features; each rank produces its slice (no communication)."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        super().__init__(input_size, _divide(output_size, get_tp_size()), bias, tp_dim=0)
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, quant_method=None):
+        tp_size = get_tp_size()
+        super().__init__(input_size, _divide(output_size, tp_size), bias, 0, quant_method)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
-    """Several column-parallel projections fused in one weight (e.g. gate and up); the
-    checkpoint holds them separately, loaded by index."""
+    """Column-parallel projections fused in one weight (gate and up), loaded by index."""
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
+    def __init__(self, input_size: int, output_sizes: list[int], bias=False, quant_method=None):
         self.output_sizes = output_sizes
-        super().__init__(input_size, sum(output_sizes), bias)
+        super().__init__(input_size, sum(output_sizes), bias, quant_method)
 
     def shard(self, param: nn.Parameter, shard_id: int) -> tuple[int, int, int]:
         size = self.output_sizes[shard_id] // self.tp_size
@@ -133,43 +108,35 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """Fused q/k/v projection; each rank holds its query heads and its KV heads."""
+    """Fused q/k/v projection of ``heads`` query and ``kv_heads`` KV heads (in all ranks); each
+    rank holds its share of both."""
 
-    def __init__(
-        self,
-        hidden_size: int,
-        head_dim: int,
-        total_num_heads: int,
-        total_num_kv_heads: int,
-        bias: bool = False,
-    ):
+    def __init__(self, hidden_size, head_dim, heads, kv_heads, bias=False, quant_method=None):
         tp_size = get_tp_size()
         self.head_dim = head_dim
-        self.num_heads = _divide(total_num_heads, tp_size)
-        self.num_kv_heads = _divide(total_num_kv_heads, tp_size)
-        output_size = (total_num_heads + 2 * total_num_kv_heads) * head_dim
-        super().__init__(hidden_size, output_size, bias)
+        self.num_heads = _divide(heads, tp_size)
+        self.num_kv_heads = _divide(kv_heads, tp_size)
+        output_size = (heads + 2 * kv_heads) * head_dim
+        super().__init__(hidden_size, output_size, bias, quant_method)
 
     def shard(self, param: nn.Parameter, shard_id: str) -> tuple[int, int, int]:
-        q_size = self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
-        offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[
-            shard_id
-        ]
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
         return offset, self.tp_rank * size, size
 
 
 class RowParallelLinear(LinearBase):
-    """Splits the input features; partial results are summed with one all-reduce. The bias is
-    added once, after the reduction. ``reduce_results = False`` (set by a model, only without a
-    bias) returns this rank's partial results for the layer behind it to sum."""
+    """Splits the input features; partial results are summed with one all-reduce, then the bias
+    is added. ``reduce_results=False`` (only without a bias) returns this rank's partial sums for
+    the norm behind it to add up (``parallel/reduce_norm.py``)."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        super().__init__(_divide(input_size, get_tp_size()), output_size, bias, tp_dim=1)
-        self.reduce_results = True
+    def __init__(self, input_size, output_size, bias=False, quant_method=None, reduce_results=True):
+        tp_size = get_tp_size()
+        super().__init__(_divide(input_size, tp_size), output_size, bias, 1, quant_method)
+        self.reduce_results = reduce_results
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.linear(x, None)
+        y = self.quant_method.apply(self, x, None)
         if self.tp_size > 1 and self.reduce_results:
             all_reduce(y)
         if self.bias is not None:

@@ -32,30 +32,25 @@ def apply_qk_norm_rotary_emb(
     eps: float,
     cos_sin_cache: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-head RMSNorm of q and k (Qwen3's QK-norm), then RoPE: the same arithmetic as
-    ``RMSNorm`` followed by ``apply_rotary_emb``, compiled as one function on the GPU so the
-    four passes become one."""
+    """Per-head RMSNorm of q and k (Qwen3's QK-norm), then RoPE, compiled as one function."""
     q = rms_norm.__wrapped__(q, q_weight, eps)
     k = rms_norm.__wrapped__(k, k_weight, eps)
     return apply_rotary_emb.__wrapped__(positions, q, k, cos_sin_cache)
 
 
 def rope_parameters(config) -> tuple[float, dict]:
-    """(theta, scaling) from a model config: ``rope_parameters`` (transformers 5) or
-    ``rope_theta``/``rope_scaling`` (4.x). ``scaling`` is {} for plain RoPE; the one scaled variant
-    supported is Llama 3's ("llama3"); any other is a ValueError rather than run unscaled."""
+    """(theta, scaling) from ``rope_parameters`` (transformers 5) or ``rope_theta`` and
+    ``rope_scaling``: {} for plain RoPE or Llama 3's; any other type is a ValueError."""
     params = dict(getattr(config, "rope_parameters", None) or {})
     params.update(getattr(config, "rope_scaling", None) or {})
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ("default", "llama3"):
         raise ValueError(
-            f"rope scaling type {rope_type!r} is not supported (only plain RoPE and 'llama3')"
+            f"rope scaling type {rope_type!r} is not supported (only default, 'llama3')"
         )
     theta = params.get("rope_theta", getattr(config, "rope_theta", None))
     if theta is None:
-        raise ValueError(
-            "the model config has no rope_theta (neither in rope_parameters nor at top level)"
-        )
+        raise ValueError("the model config has no rope_theta (in rope_parameters or at top level)")
     if rope_type == "default":
         return float(theta), {}
     keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -74,9 +69,8 @@ def llama3_inv_freq(
     high_freq_factor: float,
     original_max_position_embeddings: float,
 ) -> torch.Tensor:
-    """Llama 3's frequency scaling: wavelengths shorter than original_max / high_freq_factor keep
-    their frequency, those longer than original_max / low_freq_factor are divided by ``factor``,
-    and in between the two are blended linearly in original_max / wavelength."""
+    """Llama 3's frequency scaling: short wavelengths keep their frequency, long ones are divided
+    by ``factor``, those in between blended linearly."""
     wavelen = 2 * math.pi / inv_freq
     ratio = original_max_position_embeddings / wavelen  # the context holds this many wavelengths
     smooth = ((ratio - low_freq_factor) / (high_freq_factor - low_freq_factor)).clamp(0.0, 1.0)
@@ -93,9 +87,7 @@ class RotaryEmbedding(nn.Module):
         if scaling:
             inv_freq = llama3_inv_freq(inv_freq, **scaling)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float), inv_freq)
-        cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).unsqueeze(
-            1
-        )  # [max_position, 1, head_dim]
+        cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).unsqueeze(1)  # [max_pos, 1, head_dim]
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
     def forward(

@@ -1,6 +1,6 @@
-"""The dense decoder of the Llama family (Llama 3.x), built from the tensor-parallel layers; Qwen2 and
-Qwen3 are the same decoder with other attention options (``models/qwen2.py``, ``models/qwen3.py``).
-Every constant comes from the checkpoint's config."""
+"""The dense decoder of the Llama family (Llama 3.x), built from the tensor-parallel layers; Qwen2
+and Qwen3 are the same decoder with other attention options. Every constant comes from the
+checkpoint's config; ``quant_config`` (None: plain) picks the layers' quantization."""
 
 import torch
 from torch import nn
@@ -10,128 +10,88 @@ from nanovllm.layers.attention import Attention
 from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from nanovllm.layers.rotary_embedding import (
-    RotaryEmbedding,
-    apply_qk_norm_rotary_emb,
-    rope_parameters,
-)
+from nanovllm.layers.rotary_embedding import RotaryEmbedding, rope_parameters
+from nanovllm.models.config import head_dim
 from nanovllm.parallel.distributed import get_tp_size
-from nanovllm.quantization.fp8 import BLOCK, QuantizedRows
+
+__all__ = ["LlamaForCausalLM", "head_dim"]
 
 
-def head_dim(config) -> int:
-    """``head_dim`` from the config when present (Qwen3 sets it explicitly), else hidden / heads."""
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+def make_norm(config, quant_config, quantize: bool, reduces_input: bool) -> nn.Module:
+    """The RMSNorm in front of a layer: quantizing for its FP8 linear (``quantize``), summing the
+    unsummed output of the row-parallel layer before it (``reduces_input``), or plain."""
+    if quantize:
+        return quant_config.norm(config.hidden_size, config.rms_norm_eps, reduces_input)
+    if reduces_input:
+        from nanovllm.parallel.reduce_norm import ReduceAddRMSNorm  # tensor parallelism only
+
+        return ReduceAddRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+    return RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
 
 class DecoderAttention(nn.Module):
     """Self-attention with RoPE. ``qkv_bias``/``o_bias``: biases on the q/k/v and the output
     projections; ``qk_norm``: per-head RMSNorm of q and k before RoPE (Qwen3)."""
 
-    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+    def __init__(self, config, qkv_bias, o_bias, qk_norm: bool, quant_config, reduce_results):
         super().__init__()
         tp_size = get_tp_size()
-        self.head_dim = head_dim(config)
-        self.num_heads = config.num_attention_heads // tp_size
-        self.num_kv_heads = config.num_key_value_heads // tp_size
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = QKVParallelLinear(
-            config.hidden_size,
-            self.head_dim,
+        hd = head_dim(config)
+        linear = quant_config.linear_method() if quant_config else None
+        self.quantized_input = quant_config is not None  # qkv_proj reads quantized rows
+        heads, kv_heads, hidden = (
             config.num_attention_heads,
             config.num_key_value_heads,
-            bias=qkv_bias,
+            config.hidden_size,
         )
-        self.o_proj = RowParallelLinear(
-            config.num_attention_heads * self.head_dim, config.hidden_size, bias=o_bias
-        )
-        self.quantized_input = self.qkv_proj.fp8  # the norm in front hands qkv_proj quantized rows
+        self.qkv_proj = QKVParallelLinear(hidden, hd, heads, kv_heads, qkv_bias, linear)
+        self.o_proj = RowParallelLinear(heads * hd, hidden, o_bias, linear, reduce_results)
         theta, scaling = rope_parameters(config)
-        self.rotary_emb = RotaryEmbedding(
-            self.head_dim, config.max_position_embeddings, theta, scaling
-        )
-        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
-        self.attn.quantize_output = (
-            self.o_proj.fp8 and self.head_dim == BLOCK
-        )  # a head: one group of o_proj's input
+        self.rotary_emb = RotaryEmbedding(hd, config.max_position_embeddings, theta, scaling)
+        quantize = quant_config is not None and quant_config.quantizes_attention_output(hd)
+        self.attn = Attention(heads // tp_size, hd, hd**-0.5, kv_heads // tp_size, quantize)
         if qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.q_norm = RMSNorm(hd, eps=config.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, eps=config.rms_norm_eps)
         self.qk_norm = qk_norm
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
-        if self.attn.fuses_rope(qkv):
-            norm = (
-                (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else None
-            )
-            o = self.attn.rope_store_attend(qkv, positions, self.rotary_emb.cos_sin_cache, norm)
-            return self._project(o)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
-        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = apply_qk_norm_rotary_emb(
-                positions,
-                q,
-                k,
-                self.q_norm.weight,
-                self.k_norm.weight,
-                self.q_norm.eps,
-                self.rotary_emb.cos_sin_cache,
-            )
-        else:
-            q, k = self.rotary_emb(positions, q, k)
-        return self._project(self.attn(q, k, v))
-
-    def leave_output_unsummed(self) -> None:
-        self.o_proj.reduce_results = False
-
-    def _project(self, o: torch.Tensor | QuantizedRows) -> torch.Tensor:
-        """o_proj of the attention output [tokens, heads, head_dim] (or of its quantized rows)."""
-        return self.o_proj(o if isinstance(o, QuantizedRows) else o.flatten(1, -1))
+        norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else None
+        return self.o_proj(self.attn(qkv, positions, self.rotary_emb.cos_sin_cache, norm))
 
 
 class GatedMLP(nn.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), gate and up as one column-parallel GEMM."""
 
     def __init__(
-        self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool = False
+        self, hidden, inter, hidden_act, bias=False, quant_config=None, reduce_results=True
     ):
         super().__init__()
         if hidden_act != "silu":
             raise ValueError(f"hidden_act {hidden_act!r} is not supported (only 'silu')")
-        self.gate_up_proj = MergedColumnParallelLinear(
-            hidden_size, [intermediate_size] * 2, bias=bias
-        )
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
-        self.act_fn = SiluAndMul(quantize=self.down_proj.fp8)
-        self.quantized_input = self.gate_up_proj.fp8
-
-    def leave_output_unsummed(self) -> None:
-        self.down_proj.reduce_results = False
+        linear = quant_config.linear_method() if quant_config else None
+        self.quantized_input = quant_config is not None  # gate_up_proj reads quantized rows
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter] * 2, bias, linear)
+        self.down_proj = RowParallelLinear(inter, hidden, bias, linear, reduce_results)
+        self.act_fn = quant_config.activation() if quant_config else SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, self_attn: nn.Module, mlp: nn.Module):
+    """``reduces_input``: the attention and MLP leave their sums to the norm behind them."""
+
+    def __init__(self, config, self_attn: nn.Module, mlp: nn.Module, quant_config, reduces_input):
         super().__init__()
         self.self_attn = self_attn
         self.mlp = mlp
-        # FP8 layers take their input quantized by the norm in front (MoE blocks route bf16 rows)
-        quantize = (
-            getattr(self_attn, "quantized_input", False),
-            getattr(mlp, "quantized_input", False),
-        )
-        self.input_layernorm = RMSNorm(
-            config.hidden_size, eps=config.rms_norm_eps, quantize=quantize[0]
-        )
-        self.post_attention_layernorm = RMSNorm(
-            config.hidden_size, eps=config.rms_norm_eps, quantize=quantize[1]
+        # an FP8 linear takes its input quantized by the norm in front (a MoE block routes bf16)
+        quantize = (getattr(m, "quantized_input", False) for m in (self_attn, mlp))
+        self.input_layernorm = make_norm(config, quant_config, next(quantize), reduces_input)
+        self.post_attention_layernorm = make_norm(
+            config, quant_config, next(quantize), reduces_input
         )
 
     def forward(
@@ -148,24 +108,11 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config, layers: list[nn.Module]):
+    def __init__(self, config, layers: list[nn.Module], reduces_input: bool):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        biased = any(
-            isinstance(m, RowParallelLinear) and m.bias is not None for m in self.modules()
-        )
-        if get_tp_size() > 1 and not biased:
-            # each layer's attention and MLP leave their sums to the norm behind them (layers/reduce_norm.py):
-            # the next one's, the last layer's to the final norm (layer 0's input norm gets no residual)
-            for layer in self.layers:
-                layer.self_attn.leave_output_unsummed()
-                layer.mlp.leave_output_unsummed()
-                layer.input_layernorm.reduces_input = (
-                    layer.post_attention_layernorm.reduces_input
-                ) = True
-            self.norm.reduces_input = True
+        self.norm = make_norm(config, None, False, reduces_input)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
@@ -196,26 +143,28 @@ class LlamaForCausalLM(nn.Module):
         bias = getattr(config, "attention_bias", False)
         return bias, bias
 
-    def make_mlp(self, config, layer_idx: int) -> nn.Module:
-        return GatedMLP(
-            config.hidden_size,
-            config.intermediate_size,
-            config.hidden_act,
-            bias=getattr(config, "mlp_bias", False),
-        )
+    def make_mlp(self, config, layer_idx: int, quant_config, reduce_results: bool) -> nn.Module:
+        hidden, inter = config.hidden_size, config.intermediate_size
+        bias = getattr(config, "mlp_bias", False)
+        return GatedMLP(hidden, inter, config.hidden_act, bias, quant_config, reduce_results)
 
-    def __init__(self, config):
+    def __init__(self, config, quant_config=None):
         super().__init__()
         qkv_bias, o_bias = self.attention_biases(config)
+        # under tensor parallelism each row-parallel output is summed by the norm behind it
+        # (parallel/reduce_norm.py), unless a bias must be added after the sum
+        defer = get_tp_size() > 1 and not (o_bias or getattr(config, "mlp_bias", False))
         layers = [
             DecoderLayer(
                 config,
-                DecoderAttention(config, qkv_bias, o_bias, self.qk_norm),
-                self.make_mlp(config, i),
+                DecoderAttention(config, qkv_bias, o_bias, self.qk_norm, quant_config, not defer),
+                self.make_mlp(config, i, quant_config, not defer),
+                quant_config,
+                defer,
             )
             for i in range(config.num_hidden_layers)
         ]
-        self.model = DecoderModel(config, layers)
+        self.model = DecoderModel(config, layers, defer)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

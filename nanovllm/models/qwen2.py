@@ -1,4 +1,4 @@
-"""Qwen2 and Qwen2.5: the Llama decoder with biases on the q/k/v projections (none on the output)."""
+"""Qwen2 and Qwen2.5: the Llama decoder with biases on q/k/v (none on the output projection)."""
 
 from nanovllm.models.llama import LlamaForCausalLM
 

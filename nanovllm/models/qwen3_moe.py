@@ -16,7 +16,7 @@ def is_sparse_layer(config, layer_idx: int) -> bool:
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
-    def make_mlp(self, config, layer_idx: int) -> nn.Module:
+    def make_mlp(self, config, layer_idx: int, quant_config, reduce_results: bool) -> nn.Module:
         if is_sparse_layer(config, layer_idx):
             return SparseMoeBlock(
                 config.hidden_size,
@@ -24,8 +24,11 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
                 config.num_experts_per_tok,
                 config.moe_intermediate_size,
                 config.norm_topk_prob,
+                fp8=quant_config is not None,
+                reduce_results=reduce_results,
             )
-        return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        hidden, inter, act = config.hidden_size, config.intermediate_size, config.hidden_act
+        return GatedMLP(hidden, inter, act, False, quant_config, reduce_results)
 
     @staticmethod
     def map_checkpoint_name(name: str) -> tuple[str, tuple] | None:

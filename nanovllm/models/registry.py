@@ -1,4 +1,5 @@
-"""Which model class runs a checkpoint: chosen by ``config.json``'s ``architectures``."""
+"""Which model class runs a checkpoint (chosen by ``config.json``'s ``architectures``), and which
+quantization configuration its layers are built with."""
 
 import importlib
 
@@ -9,6 +10,13 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": ("nanovllm.models.qwen2", "Qwen2ForCausalLM"),
     "LlamaForCausalLM": ("nanovllm.models.llama", "LlamaForCausalLM"),
 }
+# quantization -> (module, class) of its build-time configuration
+QUANTIZATIONS = {"fp8": ("nanovllm.quantization.fp8_method", "Fp8Config")}
+
+
+def _load(entry: tuple[str, str]):
+    module, name = entry
+    return getattr(importlib.import_module(module), name)
 
 
 def architecture(hf_config) -> str:
@@ -17,21 +25,20 @@ def architecture(hf_config) -> str:
     for name in names:
         if name in ARCHITECTURES:
             return name
+    given = ", ".join(map(repr, names)) or "(none given in config.json)"
     raise ValueError(
-        f"model architecture {', '.join(map(repr, names)) or '(none given in config.json)'} is not supported; "
-        f"supported: {', '.join(ARCHITECTURES)}"
+        f"model architecture {given} is not supported; supported: {', '.join(ARCHITECTURES)}"
     )
 
 
 def model_class(hf_config) -> type:
-    module, name = ARCHITECTURES[architecture(hf_config)]
-    return getattr(importlib.import_module(module), name)
+    return _load(ARCHITECTURES[architecture(hf_config)])
 
 
 def build_model(hf_config, quantization: str | None = None):
-    """The model of ``hf_config``'s architecture, its linear layers in ``quantization`` (None or
-    "fp8"), built on the current default device and dtype."""
-    from nanovllm.quantization import building_quantized
-
-    with building_quantized(quantization):
-        return model_class(hf_config)(hf_config)
+    """The model of ``hf_config``'s architecture, its layers built for ``quantization`` (None or
+    "fp8"), on the current default device and dtype."""
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be None or 'fp8', got {quantization!r}")
+    quant_config = _load(QUANTIZATIONS[quantization])() if quantization else None
+    return model_class(hf_config)(hf_config, quant_config)

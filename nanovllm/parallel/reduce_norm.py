@@ -1,25 +1,13 @@
-"""The sum of a row-parallel layer's partial outputs over the tensor-parallel ranks, with the
-residual add and RMSNorm that follow it in the decoder: ``reduce_add_rms_norm``.
-
-Under tensor parallelism o_proj and down_proj (or a MoE block) leave their outputs unsummed
-(``reduce_results = False``) and the norm behind them sums first (``RMSNorm.reduces_input``). On a
-GPU, inside a CUDA graph with the one-shot all-reduce enabled (``utils/custom_all_reduce.py``), one
-kernel does all three: each program owns whole rows, pushes them into every other rank's buffer,
-takes the peers' rows as they arrive, sums them in rank order (float32, rounded once to the
-model's dtype, as the plain all-reduce) and goes on with the residual add and the norm, so the
-norm's own launch and its pass over the rows are gone. Elsewhere on a GPU the process group sums
-and one Triton kernel adds and normalizes with the same arithmetic (so with two ranks both ways
-give the same bits); on the CPU the process group sums and ``layernorm.add_rms_norm`` follows.
-
-The arithmetic is ``add_rms_norm``'s: x + residual rounded to the model's dtype, normalized in
-float32, rounded, times the weight, rounded (its sums of squares are added in another order than
-torch's)."""
+"""RMSNorm that first sums a row-parallel layer's partial outputs over the tensor-parallel ranks,
+then adds the residual (``ReduceAddRMSNorm``): one kernel with the one-shot all-reduce inside a
+CUDA graph, else the process group's sum and one Triton add+norm kernel, else (CPU) the sum and
+``add_rms_norm``. The arithmetic is ``add_rms_norm``'s (docs/layers.md)."""
 
 import torch
 import triton
 import triton.language as tl
 
-from nanovllm.layers.layernorm import add_rms_norm
+from nanovllm.layers.layernorm import RMSNorm, add_rms_norm
 from nanovllm.parallel import distributed
 from nanovllm.parallel.custom_all_reduce import (
     POLL_ABORT_EVERY,
@@ -53,9 +41,7 @@ def _add_rms_norm_kernel(
     """One row of x (already summed over the ranks). grid: (rows,)"""
     cols = tl.arange(0, N_PAD)
     mask = cols < N
-    offs = (
-        tl.program_id(0).to(tl.int64) * N + cols
-    )  # (offsets past 2^31 elements in a large prefill)
+    offs = tl.program_id(0).to(tl.int64) * N + cols  # (offsets past 2^31 in a large prefill)
     s = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     _add_rms_norm_row(s, res_ptr, w_ptr, out_ptr, sum_ptr, offs, cols, mask, eps, N)
 
@@ -146,3 +132,13 @@ def reduce_add_rms_norm(
             num_warps=warps,
         )
     return out, total
+
+
+class ReduceAddRMSNorm(RMSNorm):
+    """``RMSNorm`` behind a layer that left its output unsummed (``reduce_results=False``): with a
+    residual, x is this rank's partial sum. Without one (layer 0's input norm) it is plain."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return super().forward(x)
+        return reduce_add_rms_norm(x, residual, self.weight, self.eps)

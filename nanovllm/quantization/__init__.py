@@ -1,30 +1,7 @@
-"""Weight quantization. ``resolve_quantization`` decides, before any weights load, whether a model
-runs with FP8 weights (the checkpoint's ``quantization_config``, or ``Config.quantization``) and
-checks that it can; ``building_quantized`` tells the layers, while a model is built, to create
-FP8 parameters (the way the tensor-parallel size reaches them); ``fp8`` holds the arithmetic."""
-
-from collections.abc import Iterator
-from contextlib import contextmanager
+"""Weight quantization: ``resolve_quantization`` decides, before any weights load, whether a model
+runs with FP8 weights and checks that it can. What the model is built with: ``fp8_method``."""
 
 BLOCK_SIZE = [128, 128]
-
-_building: str | None = None  # the quantization of the model being built, else None
-
-
-def get_quantization() -> str | None:
-    """The quantization of the model now being built (``building_quantized``), else None."""
-    return _building
-
-
-@contextmanager
-def building_quantized(quantization: str | None) -> Iterator[None]:
-    """Layers built inside take FP8 parameters when ``quantization`` is "fp8"; restored on exit."""
-    global _building
-    previous, _building = _building, quantization
-    try:
-        yield
-    finally:
-        _building = previous
 
 
 def checkpoint_quantization(hf_config) -> str | None:
@@ -70,8 +47,8 @@ def resolve_quantization(
     quantization: str | None, hf_config, tensor_parallel_size: int, device: str
 ) -> str | None:
     """The quantization the model runs with: the checkpoint's, else ``quantization`` (None or "fp8":
-    a float checkpoint quantized at load). A ValueError, before any weights load, for an unsupported checkpoint format, a GPU older than compute capability 8.9, or layers whose
-    sizes do not split into whole 128-blocks (``check_fp8_shapes``)."""
+    a float checkpoint quantized at load). A ValueError, before any weights load, for an unsupported
+    format, a GPU older than compute capability 8.9, or sizes not in whole 128-blocks."""
     resolved = checkpoint_quantization(hf_config) or quantization
     if resolved is None:
         return None
@@ -92,7 +69,7 @@ def check_fp8_shapes(hf_config, tp: int) -> None:
     """Every quantized layer must split into whole 128-blocks: the fused q/k/v and gate/up parts
     (their scale blocks are packed like the weights) and every tensor-parallel shard. A shard
     boundary inside a block is a ValueError naming the layer, its size and the TP size."""
-    from nanovllm.models.llama import head_dim
+    from nanovllm.models.config import head_dim
 
     hd = head_dim(hf_config)
     sizes = [

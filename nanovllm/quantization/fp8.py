@@ -1,24 +1,12 @@
-"""Block-wise FP8 (e4m3) arithmetic: the torch reference of W8A8 as Qwen's FP8 checkpoints intend
-it, and the CPU path. A GPU kernel must compute exactly this.
-
-Weights are float8_e4m3fn in 128x128 blocks, each block with one float32 scale (Qwen's
-``weight_scale_inv``: the real weight is ``weight * weight_scale_inv``). Activations are quantized
-when they arrive, per token and per group of 128 input channels. A quantized block's scale is its
-absolute maximum / 448 (e4m3's largest finite value), 1 for an all-zero block; its values are
-x / scale, clamped to [-448, 448] and rounded to the nearest e4m3 value (ties to even).
-
-``fp8_linear``: for each 128-wide k-block, the product of the e4m3 values accumulated in float32,
-times (the token's activation scale for that group) x (the weight scale of that output block and
-k-block); the k-blocks' results summed in float32, in order, then cast to the activation dtype.
-"""
-
-from typing import NamedTuple
+"""Block-wise FP8 (e4m3) W8A8 arithmetic in torch: the reference every GPU kernel must match, and
+the CPU path (docs/quantization.md). Weights: 128x128 blocks with one float32 scale each (the real
+weight is ``weight * weight_scale_inv``); activations: one scale per token and 128 channels."""
 
 import torch
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # e4m3's largest finite value
-BLOCK = 128  # the block edge of weights, and the activation group size
+from nanovllm.quantization.fp8_types import BLOCK, FP8_DTYPE, FP8_MAX, QuantizedRows
+
+__all__ = ["BLOCK", "FP8_DTYPE", "FP8_MAX", "QuantizedRows", "fp8_linear"]
 
 
 def _blocks(n: int) -> int:
@@ -26,8 +14,9 @@ def _blocks(n: int) -> int:
 
 
 def _scale(amax: torch.Tensor) -> torch.Tensor:
-    """amax / 448, or 1 where amax is 0. Divided by a tensor: CUDA turns a division by a Python
-    number into a multiplication by its reciprocal, one ulp away from the CPU's quotient."""
+    """amax / 448, or 1 where amax is 0."""
+    # divided by a tensor: CUDA turns a division by a Python number into a multiply by its
+    # reciprocal, one ulp away from the CPU's quotient
     scale = amax / torch.full_like(amax, FP8_MAX)
     return torch.where(scale == 0, torch.ones_like(scale), scale)
 
@@ -37,9 +26,7 @@ def quantize_weight_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     [..., ceil(out/128), ceil(in/128)]). Edge blocks may be smaller than 128x128."""
     *lead, rows, cols = weight.shape
     pad_rows, pad_cols = _blocks(rows) * BLOCK - rows, _blocks(cols) * BLOCK - cols
-    w = torch.nn.functional.pad(
-        weight.float(), (0, pad_cols, 0, pad_rows)
-    )  # zeros do not change a max
+    w = torch.nn.functional.pad(weight.float(), (0, pad_cols, 0, pad_rows))  # zeros: same max
     blocks = w.reshape(*lead, _blocks(rows), BLOCK, _blocks(cols), BLOCK)  # [..., rb, 128, cb, 128]
     scale = _scale(blocks.abs().amax(dim=(-3, -1)))  # [..., rb, cb]
     q = (blocks / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
@@ -67,18 +54,6 @@ def quantize_activation_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return q.view(tokens, _blocks(k) * BLOCK)[:, :k], scale
 
 
-class QuantizedRows(NamedTuple):
-    """Activations already quantized (by the op that produced them, ``fp8_fused``): ``q`` e4m3
-    [rows', k] and ``scales`` float32 k-block-major [ceil(k/128), rows'], of which the first
-    ``rows`` are real (the GPU's kernels pad to 16 rows for cuBLAS, with zeros of scale 1);
-    ``dtype``: the activations' own (a linear's default output dtype)."""
-
-    q: torch.Tensor
-    scales: torch.Tensor
-    rows: int
-    dtype: torch.dtype
-
-
 def quantize_to_rows(x: torch.Tensor) -> QuantizedRows:
     """``quantize_activation_groups`` of ``x`` [tokens, k], as ``QuantizedRows``."""
     q, scale = quantize_activation_groups(x)
@@ -93,11 +68,10 @@ def fp8_linear(
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``x`` [..., in] (or its ``QuantizedRows``) @ the block-quantized ``weight`` [out, in].T (+
-    ``bias``), W8A8 as the module docstring says; the result in ``out_dtype`` (default: x's dtype;
-    the bias added after the cast)."""
-    if (
-        x.q if isinstance(x, QuantizedRows) else x
-    ).is_cuda:  # Triton/cuBLAS kernels, the same arithmetic
+    ``bias``, added after the cast to ``out_dtype``, default x's dtype). For each 128-wide k-block
+    the e4m3 products are summed in float32 and scaled; the k-blocks are summed in order. On a GPU
+    the Triton/cuBLAS kernels compute the same (``fp8_triton``)."""
+    if (x.q if isinstance(x, QuantizedRows) else x).is_cuda:
         from nanovllm.quantization.fp8_triton import fp8_linear_triton
 
         return fp8_linear_triton(x, weight, weight_scale, bias, out_dtype)

@@ -13,7 +13,7 @@ input sizes in multiples of ``K_MULTIPLE``."""
 import torch
 import torch.nn.functional as F
 
-from nanovllm.quantization.fp8 import BLOCK, FP8_DTYPE
+from nanovllm.quantization.fp8_types import BLOCK, FP8_DTYPE
 
 MIN_ROWS = 128  # below, the Triton kernel (split-K, small tiles) is faster
 ROW_MULTIPLE = 16

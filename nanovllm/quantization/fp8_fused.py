@@ -1,24 +1,20 @@
-"""The ops in front of an FP8 linear, quantizing what they produce: RMSNorm (with its residual add)
-and SiLU-and-mul hand the next linear e4m3 values and one scale per token and 128 channels
-(``QuantizedRows``), so the linear skips its own quantization kernel (three launches a layer and
-decode step of the four).
-
-The arithmetic is the unfused op's (``layernorm.rms_norm`` / ``add_rms_norm``,
-``activation.silu_and_mul``: float32 inside, the result rounded to the model's dtype) followed by
-``fp8.quantize_activation_groups``; on the CPU it is exactly that composition. On a GPU one Triton
-kernel does both, and pads the rows to 16 (zeros with scale 1) for cuBLAS's GEMM (``fp8_cublas``).
-Its sums of squares are added in another order than torch's, so a normalized value can round
-differently in the last place, as the compiled unfused norm's can."""
+"""The ops in front of an FP8 linear, quantizing what they produce (``QuantizedRows``): RMSNorm
+with its residual add, and SiLU-and-mul, so the linear skips its own quantization. The arithmetic
+is the unfused op's then ``quantize_activation_groups`` (exactly that on the CPU; one Triton kernel
+on a GPU, rows padded to 16 for cuBLAS). Models build them in place of the plain ops."""
 
 import torch
 import triton
 import triton.language as tl
+from torch import nn
 
 from nanovllm.layers.activation import silu_and_mul
-from nanovllm.layers.layernorm import add_rms_norm, rms_norm
-from nanovllm.quantization.fp8 import BLOCK, QuantizedRows, quantize_to_rows
+from nanovllm.layers.layernorm import RMSNorm, add_rms_norm, rms_norm
+from nanovllm.parallel.distributed import all_reduce
+from nanovllm.quantization.fp8 import quantize_to_rows
 from nanovllm.quantization.fp8_cublas import ROW_MULTIPLE
-from nanovllm.quantization.fp8_triton import empty_quantized, quantize_store
+from nanovllm.quantization.fp8_rows import empty_quantized, quantize_store
+from nanovllm.quantization.fp8_types import BLOCK, QuantizedRows
 from nanovllm.utils.dependent_launch import launch_options, pdl, wait_for_inputs
 
 _BLOCK = tl.constexpr(BLOCK)
@@ -170,3 +166,24 @@ def silu_and_mul_quantized_triton(x: torch.Tensor) -> QuantizedRows:
             **launch_options(x.device),
         )
     return QuantizedRows(q, scales, m, x.dtype)
+
+
+class QuantizedRMSNorm(RMSNorm):
+    """``RMSNorm`` whose normed rows come quantized for the FP8 linear behind it.
+    ``reduces_input``: with a residual, x is a row-parallel layer's unsummed output (summed first)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, reduces_input: bool = False):
+        super().__init__(hidden_size, eps)
+        self.reduces_input = reduces_input
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None and self.reduces_input:
+            all_reduce(x)
+        return rms_norm_quantized(x, residual, self.weight, self.eps)
+
+
+class QuantizedSiluAndMul(nn.Module):
+    """``SiluAndMul`` whose output comes quantized for the FP8 linear behind it."""
+
+    def forward(self, x: torch.Tensor) -> QuantizedRows:
+        return silu_and_mul_quantized(x)

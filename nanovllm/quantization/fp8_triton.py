@@ -1,37 +1,6 @@
-"""W8A8 block-FP8 linear as two Triton kernels, for GPUs of compute capability 8.9+: the arithmetic
-of ``fp8.py``'s torch path.
-
-``_quantize_kernel``: a program quantizes a [BLOCK_ROWS tokens, 128 channels] tile of activations as
-``quantize_activation_groups`` does (scale = max |x| / 448 by a rounded division, 1 for an all-zero
-group; x / scale clamped and rounded to the nearest e4m3) and writes the scales k-block-major
-([groups, tokens]), so that the GEMM reads one k-block's scales as a contiguous vector.
-
-``_fp8_gemm_kernel``: a program owns a [BLOCK_M tokens, BLOCK_N outputs] tile and walks K in
-128-wide blocks; for each it multiplies the tokens' e4m3 values by the weight's e4m3 block on the
-tensor cores and adds the float32 result times (activation scale x weight scale) to the float32
-tile, k-blocks in order. Programs that share a weight tile run next to each other (GROUP_M tiles of
-tokens per group), so the weight comes from HBM once and from L2 after. At decode sizes the k-blocks
-are cut into up to 8 ranges (split-K, ``split_k``): a layer with few outputs then runs more, shorter
-programs, and each tile's last program adds the ranges' float32 sums in a fixed order.
-
-Accumulation inside a k-block: the products of e4m3 values are exact, but Hopper's FP8 MMA keeps
-fewer bits than float32 while it sums them (about 14; DeepSeek-V3's report), so by default the
-128 products of a k-block are summed by the tensor cores and promoted to float32 once per k-block,
-as DeepGEMM and vLLM do: the result differs from the torch path by about 1e-4 of its magnitude,
-below a bf16 output's rounding step (2^-8). ``precise=True`` adds each MMA's result in float32
-(``max_num_imprecise_acc=0``) and keeps the torch path's numbers to a few float32 ulps, at half the
-large-batch rate (BENCHMARKS.md); tests use it to compare exactly. (With tiles of 16 rows the two
-measure the same: those take the older MMA instructions.)
-
-Loads go through TMA descriptors on Hopper (rows of 16-byte multiples), plain loads elsewhere. A tile
-is at most 128 outputs wide inside one 128-block, so it has one weight scale per k-block and the
-scaling is one multiply-add per output; the scales are what bounds the kernel (without them the
-same tiles reach ~1,150 TFLOP/s at 2,048 tokens, with them 680-830).
-
-``fp8_linear_triton`` is the GPU's FP8 linear: from ``fp8_cublas.MIN_ROWS`` rows on a Hopper GPU it
-hands the GEMM to cuBLAS's block-scaled one (``fp8_cublas``, faster there); activations that the op in
-front already quantized (``fp8_fused``) arrive as ``QuantizedRows`` and skip ``_quantize_kernel``.
-"""
+"""W8A8 block-FP8 linear on the GPU (compute capability 8.9+): a Triton GEMM with split-K for
+decode sizes, or cuBLAS's block-scaled GEMM from ``fp8_cublas.MIN_ROWS`` rows; the arithmetic of
+``fp8.fp8_linear`` (docs/quantization.md). ``precise``: float32 accumulation inside k-blocks."""
 
 import functools
 from typing import NamedTuple
@@ -42,14 +11,12 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from nanovllm.quantization import fp8_cublas
-from nanovllm.quantization.fp8 import BLOCK, FP8_DTYPE, FP8_MAX, QuantizedRows
+from nanovllm.quantization.fp8_rows import quantize_rows
+from nanovllm.quantization.fp8_types import BLOCK, QuantizedRows
 from nanovllm.utils.dependent_launch import launch_options, pdl, prefetch_l2, wait_for_inputs
 
-_FP8_MAX = tl.constexpr(FP8_MAX)
 _BLOCK_K = tl.constexpr(BLOCK)
-PRECISE = (
-    False  # the default of fp8_linear_triton's ``precise`` (tests comparing with the CPU set it)
-)
+PRECISE = False  # the default of fp8_linear_triton's ``precise`` (tests comparing exactly set it)
 PREFETCH_WEIGHTS = True  # see _fp8_gemm_kernel
 
 
@@ -59,42 +26,6 @@ class GemmTile(NamedTuple):
     num_warps: int
     num_stages: int
     group_m: int = 8
-
-
-# Row counts are not specialised on: Triton would compile a second variant of a kernel the first time
-# a prefill's token count is not a multiple of 16 (about 0.3 s each, in the middle of a user's call).
-@triton.jit
-def quantize_store(x, q_ptrs, scale_ptrs, mask, scale_mask):
-    """x float32 [rows, 128], one 128-channel group a row: e4m3 values and scales stored as
-    ``quantize_activation_groups`` computes them (scale = max |x| / 448 by a rounded division, 1 for
-    an all-zero group; x / scale clamped and rounded to the nearest e4m3)."""
-    scale = tl.math.div_rn(tl.max(tl.abs(x), axis=1), _FP8_MAX)
-    scale = tl.where(scale == 0.0, 1.0, scale)
-    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -_FP8_MAX), _FP8_MAX)
-    tl.store(q_ptrs, q.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=mask)
-    tl.store(scale_ptrs, scale, mask=scale_mask)
-
-
-@triton.jit(do_not_specialize=["M", "M_OUT"])
-def _quantize_kernel(
-    x_ptr, q_ptr, scale_ptr, M, M_OUT, K, stride_xm, stride_qm, BLOCK_ROWS: tl.constexpr
-):
-    """BLOCK_ROWS tokens x one 128-channel group: e4m3 values and scales, as ``quantize_activation_groups``.
-    Rows from M to M_OUT (padding) are written as zeros with scale 1."""
-    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    group = tl.program_id(1)
-    k = group * _BLOCK_K + tl.arange(0, _BLOCK_K)
-    k_ok = (k < K)[None, :]
-    x = tl.load(
-        x_ptr + rows[:, None] * stride_xm + k[None, :], mask=(rows < M)[:, None] & k_ok, other=0.0
-    )
-    quantize_store(
-        x.to(tl.float32),
-        q_ptr + rows[:, None] * stride_qm + k[None, :],
-        scale_ptr + group * M_OUT + rows,
-        (rows < M_OUT)[:, None] & k_ok,
-        rows < M_OUT,
-    )
 
 
 @triton.jit(do_not_specialize=["M", "stride_xsk"])
@@ -215,29 +146,6 @@ def _store_tile(acc, bias_ptr, out_ptr, rm, rn, m_ok, n_ok, stride_om, HAS_BIAS:
     )
 
 
-def empty_quantized(
-    m: int, k: int, row_multiple: int, device: torch.device
-) -> tuple[int, torch.Tensor, torch.Tensor]:
-    """(m', e4m3 values [m', k], float32 scales k-block-major [ceil(k / 128), m']) to be filled, m
-    rounded up to ``row_multiple`` as m'."""
-    m_out = triton.cdiv(m, row_multiple) * row_multiple
-    q = torch.empty(m_out, k, dtype=FP8_DTYPE, device=device)
-    return m_out, q, torch.empty(triton.cdiv(k, BLOCK), m_out, dtype=torch.float32, device=device)
-
-
-def quantize_rows(x: torch.Tensor, row_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` [m, k] (rows contiguous) -> e4m3 values [m', k] and float32 scales k-block-major
-    [ceil(k / 128), m'], as ``quantize_activation_groups`` computes them; m' is m rounded up to
-    ``row_multiple``, the extra rows zeros with scale 1."""
-    m, k = x.shape
-    m_out, q, scales = empty_quantized(m, k, row_multiple, x.device)
-    rows = 16 if m_out >= 16 else 1
-    _quantize_kernel[(triton.cdiv(m_out, rows), scales.shape[0])](
-        x, q, scales, m, m_out, k, x.stride(0), q.stride(0), BLOCK_ROWS=rows
-    )
-    return q, scales
-
-
 @functools.cache
 def _has_tma(device: torch.device) -> bool:
     """Hopper or newer; off CUDA (the Triton interpreter) descriptors are emulated."""
@@ -258,16 +166,12 @@ MAX_SPLIT_TILES = 4096  # tiles a split-K call may have (one counter each)
 
 @functools.cache
 def _split_counters(device: torch.device) -> torch.Tensor:
-    """One arrival count per tile for the split-K kernels; each tile's last program sets it back to
-    zero, so the buffer is zeroed once (made before any CUDA graph is captured: the first call on a
-    device is the warm-up's)."""
+    """One arrival count per split-K tile; each tile's last program resets it (zeroed once)."""
     return torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
 
 
 def tile(num_tokens: int) -> GemmTile:
-    """The GEMM's tile for ``num_tokens`` rows: small tiles for decode (a step reads every weight
-    once; more programs keep more loads in flight), large for prefill. From sweeps on an H100 at the
-    Qwen3-8B linear shapes (BENCHMARKS.md)."""
+    """The GEMM's tile for ``num_tokens`` rows: small for decode, large for prefill."""
     if num_tokens <= 16:
         return GemmTile(16, 64, 4, 6)
     if num_tokens <= 32:
@@ -282,11 +186,8 @@ def tile(num_tokens: int) -> GemmTile:
 
 
 def split_k(num_tokens: int, k: int, tiles: int, sms: int) -> int:
-    """How many k ranges to cut the GEMM into: at decode sizes the layers with few outputs (o, down)
-    have fewer tiles than the GPU has SMs, each a long serial walk over K, and more, shorter programs
-    keep more of the weight's loads in flight. The largest power of two up to 8 that keeps the
-    programs within three per SM and the float32 partial sums (4·splits·M·N bytes, written and read
-    back) within a third of the weight's N·K bytes; from the same sweep."""
+    """How many k ranges (a power of two up to 8) to cut the GEMM into: more, shorter programs
+    where few output tiles would leave SMs idle, within bounds on programs and partial sums."""
     splits = 1
     while (more := 2 * splits) <= 8 and tiles * more <= 3 * sms and 8 * more * num_tokens <= k / 3:
         splits = more

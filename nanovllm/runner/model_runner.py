@@ -22,16 +22,7 @@ from nanovllm.runner.step_output import StepOutput
 from nanovllm.sampling import Sampler, SamplerOutput
 from nanovllm.sampling.batch import make_sampling_batch
 from nanovllm.utils.context import Context, step_context
-from nanovllm.utils.loader import (
-    WeightEntry,
-    check_fp8_tensors,
-    copy_weight,
-    expected_shapes,
-    init_dummy_weights,
-    is_fp8_model,
-    load_model,
-    plan_weights,
-)
+from nanovllm.utils.loader import copy_weight, init_dummy_weights, load_model
 from nanovllm.utils.profiling import phase
 
 
@@ -224,23 +215,21 @@ class ModelRunner:
 
     # ---- weights in place ---------------------------------------------------------------------
 
-    def plan_weights(self, weights: list[tuple[str, torch.Tensor]]) -> list[WeightEntry]:
+    def plan_weights(self, weights: list[tuple[str, torch.Tensor]]) -> list:
         """Where each ``(checkpoint name, tensor)`` goes; a ValueError, before anything is written,
         for an unknown name or a shape that ``config.json`` does not imply (rank 0 checks). An FP8
         model takes float weights (quantized on load) or float8 weights with their scales."""
-        fp8 = is_fp8_model(self.model)
-        expected = expected_shapes(self.config.model, self.config.hf_config, fp8)
+        from nanovllm.utils.weights import check_fp8_tensors, plan_weights
+
         where = " given to update_weights"
         entries = plan_weights(
-            self.model, [(name, tensor.shape) for name, tensor in weights], expected, where
+            self.model, [(name, tensor.shape) for name, tensor in weights], where
         )
         fp8_names = {e.name for e in entries if weights[e.index][1].dtype == torch.float8_e4m3fn}
         return check_fp8_tensors(self.model, entries, fp8_names, where)
 
     @torch.no_grad()
-    def load_weights(
-        self, entries: list[WeightEntry], tensors: list[torch.Tensor] | None = None
-    ) -> None:
+    def load_weights(self, entries: list, tensors: list[torch.Tensor] | None = None) -> None:
         """Copy planned tensors into the parameters in place, each rank its shard (``copy_weight``).
         Rank 0 has the ``tensors`` (one per entry); with tensor parallelism it broadcasts each one
         from its device, in the parameter's dtype, and the other ranks (called with the entries

@@ -1,8 +1,5 @@
-"""Build a randomly initialised Qwen3 checkpoint (Hugging Face layout) with the bundled tokenizer.
-
-For running the whole pipeline without downloaded weights: the text it produces is random, but
-throughput and every code path are those of a real model of the same shape.
-"""
+"""Write a randomly initialised checkpoint (Hugging Face layout, bundled Qwen3 tokenizer) of a
+named shape: every code path and the throughput of a real model of that shape."""
 
 import json
 import math
@@ -65,80 +62,43 @@ BASES = {
         mlp_bias=False,
     ),
 }
+
+
+def _shape(model_type, layers, hidden, inter, heads, kv_heads, head_dim, tied, **extra) -> dict:
+    shape = dict(
+        model_type=model_type,
+        num_hidden_layers=layers,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        tie_word_embeddings=tied,
+        **extra,
+    )
+    return shape if head_dim is None else dict(shape, head_dim=head_dim)
+
+
 SHAPES = {
     # a few MB: fast on any CPU, with the real vocabulary so any text tokenizes
-    "tiny": dict(
-        model_type="qwen3",
-        num_hidden_layers=2,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        tie_word_embeddings=True,
-    ),
-    "qwen3-0.6b": dict(
-        model_type="qwen3",
-        num_hidden_layers=28,
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        tie_word_embeddings=True,
-    ),
-    "qwen3-4b": dict(
-        model_type="qwen3",
-        num_hidden_layers=36,
-        hidden_size=2560,
-        intermediate_size=9728,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        tie_word_embeddings=False,
-    ),
-    "qwen3-8b": dict(
-        model_type="qwen3",
-        num_hidden_layers=36,
-        hidden_size=4096,
-        intermediate_size=12288,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        tie_word_embeddings=False,
-    ),
-    "qwen3-30b-a3b": dict(
-        model_type="qwen3_moe",
-        num_hidden_layers=48,
-        hidden_size=2048,
-        intermediate_size=6144,
-        num_attention_heads=32,
-        num_key_value_heads=4,
-        head_dim=128,
-        tie_word_embeddings=False,
+    "tiny": _shape("qwen3", 2, 64, 128, 4, 2, 32, True),
+    "qwen3-0.6b": _shape("qwen3", 28, 1024, 3072, 16, 8, 128, True),
+    "qwen3-4b": _shape("qwen3", 36, 2560, 9728, 32, 8, 128, False),
+    "qwen3-8b": _shape("qwen3", 36, 4096, 12288, 32, 8, 128, False),
+    "qwen3-30b-a3b": _shape(
+        "qwen3_moe",
+        48,
+        2048,
+        6144,
+        32,
+        4,
+        128,
+        False,
         num_experts=128,
         num_experts_per_tok=8,
         moe_intermediate_size=768,
     ),
-    "qwen2.5-0.5b": dict(
-        model_type="qwen2",
-        num_hidden_layers=24,
-        hidden_size=896,
-        intermediate_size=4864,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    ),
-    "llama3.2-1b": dict(
-        model_type="llama",
-        num_hidden_layers=16,
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=64,
-        tie_word_embeddings=True,
-    ),
+    "qwen2.5-0.5b": _shape("qwen2", 24, 896, 4864, 14, 2, None, True),
+    "llama3.2-1b": _shape("llama", 16, 2048, 8192, 32, 8, 64, True),
 }
 # config.json's quantization_config of Qwen's FP8 checkpoints (Qwen3-8B-FP8, Qwen3-30B-A3B-FP8)
 FP8_QUANTIZATION_CONFIG = dict(
@@ -154,7 +114,7 @@ COMMON = dict(
 
 
 def model_config(shape: str = "qwen3-0.6b", **overrides) -> dict:
-    """A ``config.json`` as a dict: ``shape``'s values on its architecture's base, then ``overrides``."""
+    """A ``config.json`` as a dict: ``shape``'s values on its architecture's base, ``overrides``."""
     if shape not in SHAPES:
         raise ValueError(f"shape must be one of {', '.join(SHAPES)}, got {shape!r}")
     values = dict(SHAPES[shape])
@@ -163,14 +123,8 @@ def model_config(shape: str = "qwen3-0.6b", **overrides) -> dict:
     return config
 
 
-def qwen3_config(**overrides) -> dict:
-    """A Qwen3 ``config.json`` as a dict: the Qwen3-0.6B values unless overridden."""
-    return model_config("qwen3-0.6b", **overrides)
-
-
 def weight_bytes(config: dict, itemsize: int = 2, quantization: str | None = None) -> int:
-    """The checkpoint's size: every tensor ``random_weights`` would write, at ``itemsize`` bytes
-    (``tensor_bytes``)."""
+    """The checkpoint's size in bytes (``tensor_bytes`` summed)."""
     return sum(tensor_bytes(config, itemsize, quantization).values())
 
 
@@ -244,32 +198,6 @@ def weight_shapes(config: dict) -> dict[str, tuple[int, ...]]:
                 shapes[p + "mlp.gate_proj.bias"] = shapes[p + "mlp.up_proj.bias"] = (inter,)
                 shapes[p + "mlp.down_proj.bias"] = (hidden,)
     return shapes
-
-
-def accepted_shapes(config: dict, fp8: bool = False) -> dict[str, tuple[int, ...]]:
-    """Every tensor name a checkpoint, or a transformers model's ``state_dict()``, may hold for
-    the config, with its full shape: ``weight_shapes``', plus a tied head under ``lm_head.weight``
-    too (a state_dict lists both names) and each sparse layer's experts fused as transformers 5
-    holds them (``experts.gate_up_proj`` [experts, 2 * inter, hidden], ``experts.down_proj``
-    [experts, hidden, inter]). With ``fp8``, or a ``quantization_config`` in the config, the
-    quantized weights' ``weight_scale_inv`` too."""
-    shapes = weight_shapes(config)
-    aliases = {}
-    if fp8 or config.get("quantization_config"):
-        aliases |= {
-            name + "_scale_inv": scale_shape(shape)
-            for name, shape in shapes.items()
-            if is_quantized_weight(name)
-        }
-    if config["tie_word_embeddings"]:
-        aliases["lm_head.weight"] = shapes["model.embed_tokens.weight"]
-    for name, shape in shapes.items():
-        if name.endswith(".experts.0.down_proj.weight"):
-            (hidden, inter), experts = shape, config["num_experts"]
-            prefix = name.removesuffix("0.down_proj.weight")
-            aliases[prefix + "gate_up_proj"] = (experts, 2 * inter, hidden)
-            aliases[prefix + "down_proj"] = (experts, hidden, inter)
-    return shapes | aliases
 
 
 def _is_sparse(config: dict, layer_idx: int) -> bool:

@@ -8,14 +8,10 @@ import torch
 
 @dataclass
 class Context:
-    """What the attention layers need to know about the current step.
-
-    Prefill: ``cu_seqlens_q``/``cu_seqlens_k`` are cumulative new-token and total-token counts
-    per sequence, ``max_seqlen_q``/``max_seqlen_k`` their maxima; ``block_tables`` is set when any
-    sequence has a cached prefix (its keys are then read from the paged cache).
-    Decode: ``context_lens`` (tokens per sequence, the new one included) and ``block_tables``.
-    Both: ``slot_mapping`` gives each new token's cache slot (block id * block size + offset; -1 skips).
-    """
+    """Prefill: cumulative new-token / total-token counts per sequence (``cu_seqlens_q/k``), their
+    maxima, and ``block_tables`` when a sequence has a cached prefix. Decode: ``context_lens`` (the
+    new token included) and ``block_tables``. Both: ``slot_mapping``, each new token's slot (-1:
+    skip)."""
 
     is_prefill: bool = False
     cu_seqlens_q: torch.Tensor | None = None

@@ -123,17 +123,18 @@ def test_cpu_path_is_the_composition():
     from nanovllm.layers.activation import SiluAndMul
     from nanovllm.layers.layernorm import RMSNorm
     from nanovllm.quantization.fp8 import fp8_linear, quantize_weight_blocks
+    from nanovllm.quantization.fp8_fused import QuantizedRMSNorm, QuantizedSiluAndMul
 
     g = torch.Generator().manual_seed(0)
     x, r = torch.randn(6, 256, generator=g).to(BF16), torch.randn(6, 256, generator=g).to(BF16)
-    plain, fused = RMSNorm(256).to(BF16), RMSNorm(256, quantize=True).to(BF16)
+    plain, fused = RMSNorm(256).to(BF16), QuantizedRMSNorm(256).to(BF16)
     wq, ws = quantize_weight_blocks(torch.randn(128, 256, generator=g) * 0.05)
     (normed, total), (rows, fused_total) = plain(x, r), fused(x, r)
     assert torch.equal(total, fused_total) and rows.rows == 6 and rows.dtype == BF16
     assert torch.equal(fp8_linear(rows, wq, ws), fp8_linear(normed, wq, ws))
     h = torch.randn(6, 512, generator=g).to(BF16)
     assert torch.equal(
-        fp8_linear(SiluAndMul(quantize=True)(h), wq, ws), fp8_linear(SiluAndMul()(h), wq, ws)
+        fp8_linear(QuantizedSiluAndMul()(h), wq, ws), fp8_linear(SiluAndMul()(h), wq, ws)
     )
 
 

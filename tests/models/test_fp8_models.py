@@ -377,8 +377,8 @@ def test_which_ops_hand_the_next_fp8_linear_its_input_quantized(quantization, ch
     a MoE block, and never in a float model."""
     import transformers
 
-    from nanovllm.models.registry import model_class
-    from nanovllm.quantization import building_quantized
+    from nanovllm.models.registry import build_model
+    from nanovllm.quantization.fp8_fused import QuantizedRMSNorm, QuantizedSiluAndMul
 
     arch, config_class = (
         ("Qwen3MoeForCausalLM", transformers.Qwen3MoeConfig)
@@ -386,13 +386,14 @@ def test_which_ops_hand_the_next_fp8_linear_its_input_quantized(quantization, ch
         else ("Qwen3ForCausalLM", transformers.Qwen3Config)
     )
     hf_config = config_class(**(TINY | changes), architectures=[arch])
-    with building_quantized(quantization):
-        model = model_class(hf_config)(hf_config)
+    model = build_model(hf_config, quantization)
     got = [
         (
-            layer.input_layernorm.quantize,
-            layer.post_attention_layernorm.quantize,
-            layer.mlp.act_fn.quantize if hasattr(layer.mlp, "act_fn") else None,
+            isinstance(layer.input_layernorm, QuantizedRMSNorm),
+            isinstance(layer.post_attention_layernorm, QuantizedRMSNorm),
+            isinstance(layer.mlp.act_fn, QuantizedSiluAndMul)
+            if hasattr(layer.mlp, "act_fn")
+            else None,
             layer.self_attn.attn.quantize_output,
         )
         for layer in model.model.layers

@@ -1,20 +1,27 @@
-"""The attention layer of every model: stores this step's K/V in the paged cache, then attends
-through the backend the model runner chose (``selector``)."""
+"""The attention layer of every model: RoPE (and QK-norm), the K/V store into the paged cache, and
+attention through the backend the model runner chose (``selector``)."""
 
 import torch
 from torch import nn
 
 from nanovllm.layers.attention.interface import AttentionBackend
-from nanovllm.quantization.fp8 import QuantizedRows
+from nanovllm.layers.rotary_embedding import apply_qk_norm_rotary_emb, apply_rotary_emb
 from nanovllm.utils.context import Context, get_context
 
 
 class Attention(nn.Module):
-    """Stores this step's K/V in the paged cache, then attends. The model runner sets
-    ``k_cache``, ``v_cache`` (and for an FP8 cache ``k_scale``, ``v_scale``) and ``backend`` once
-    the cache exists."""
+    """The model runner sets ``k_cache``, ``v_cache`` (an FP8 cache: ``k_scale``, ``v_scale``) and
+    ``backend`` once the cache exists. ``quantize_output``: an FP8 o_proj reads the output (one
+    128-channel group per head), so decode hands it quantized where the backend can."""
 
-    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int):
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        scale: float,
+        num_kv_heads: int,
+        quantize_output: bool = False,
+    ):
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = head_dim
@@ -24,66 +31,61 @@ class Attention(nn.Module):
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
         self.backend: AttentionBackend | None = None
-        # set by the model where an FP8 o_proj reads the output (head_dim 128): decode then hands it
-        # quantized where the backend can (``AttentionBackend.quantizes_output``)
-        self.quantize_output = False
+        self.quantize_output = quantize_output
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> torch.Tensor | QuantizedRows:
-        """The plain path (the torch backend): q, k, v already normed and rotated."""
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    ):
+        """qkv [tokens, (heads + 2 * kv_heads) * head_dim] -> [tokens, heads * head_dim] (or, for
+        an FP8 o_proj, its quantized rows). ``norm``: QK-norm's (q weight, k weight, eps)."""
         context = get_context()
+        if qkv.is_cuda and self.backend.fuses_rope:
+            from nanovllm.layers.attention.kv_store import rope_and_store  # imports triton
+
+            q, k, v = rope_and_store(
+                qkv,
+                positions,
+                self.num_heads,
+                self.num_kv_heads,
+                cos_sin_cache,
+                norm,
+                self.k_cache,
+                self.v_cache,
+                context.slot_mapping,
+                self.k_scale,
+                self.v_scale,
+                write_k=context.is_prefill,
+            )
+            return self._attend(q, k, v, context)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if norm is not None:
+            q, k = apply_qk_norm_rotary_emb(positions, q, k, *norm, cos_sin_cache)
+        else:
+            q, k = apply_rotary_emb(positions, q, k, cos_sin_cache)
         if self.k_cache.numel():
             self.backend.store_kvcache(
                 k, v, self.k_cache, self.v_cache, context.slot_mapping, self.k_scale, self.v_scale
             )
         return self._attend(q, k, v, context)
 
-    def fuses_rope(self, x: torch.Tensor) -> bool:
-        """Whether ``rope_store_attend`` takes ``x``'s step: on a GPU, for the kernel backends (the
-        torch backend stays the plain reference path)."""
-        return x.is_cuda and self.backend.name != "torch"
-
-    def rope_store_attend(
-        self,
-        qkv: torch.Tensor,
-        positions: torch.Tensor,
-        cos_sin_cache: torch.Tensor,
-        norm: tuple[torch.Tensor, torch.Tensor, float] | None,
-    ) -> torch.Tensor | QuantizedRows:
-        """``forward`` from the fused projection: QK-norm (``norm``), RoPE and the cache store in
-        one kernel (``kv_store.rope_and_store``), then attention."""
-        from nanovllm.layers.attention.kv_store import (
-            rope_and_store,
-        )  # imports triton: only on this path
-
-        context = get_context()
-        q, k, v = rope_and_store(
-            qkv,
-            positions,
-            self.num_heads,
-            self.num_kv_heads,
-            cos_sin_cache,
-            norm,
-            self.k_cache,
-            self.v_cache,
-            context.slot_mapping,
-            self.k_scale,
-            self.v_scale,
-            write_k=context.is_prefill,
-        )
-        return self._attend(q, k, v, context)
-
-    def _attend(
-        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor, context: Context
-    ) -> torch.Tensor | QuantizedRows:
+    def _attend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor, context: Context):
         scales = (self.k_scale, self.v_scale)
         if context.is_prefill:
-            return self.backend.prefill(
+            o = self.backend.prefill(
                 q, k, v, self.k_cache, self.v_cache, context, self.scale, *scales
             )
-        if self.quantize_output and self.backend.quantizes_output:
+        elif self.quantize_output and self.backend.quantizes_output:
             return self.backend.decode(
                 q, self.k_cache, self.v_cache, context, self.scale, *scales, quantize=True
             )
-        return self.backend.decode(q, self.k_cache, self.v_cache, context, self.scale, *scales)
+        else:
+            o = self.backend.decode(q, self.k_cache, self.v_cache, context, self.scale, *scales)
+        return o.flatten(1, -1)

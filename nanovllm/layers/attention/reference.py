@@ -1,5 +1,4 @@
-"""Plain torch attention: the CPU path, and the reference the GPU backends are tested against.
-An FP8 cache is quantized on store and dequantized to float32 before attending."""
+"""Plain torch attention: the CPU path, and the reference the GPU backends are tested against."""
 
 import torch
 import torch.nn.functional as F
@@ -9,9 +8,8 @@ from nanovllm.utils.context import Context
 
 
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One scale per row of the last dimension: ``s = max(max|row| / FP8_MAX, FP8_MIN_SCALE)``,
-    stored ``row / s`` in e4m3 (round to nearest even; |row / s| <= FP8_MAX, so nothing saturates).
-    x: [..., head_dim] -> values [..., head_dim] e4m3, scales [...] float32"""
+    """x [..., head_dim] -> e4m3 values [..., head_dim] and float32 scales [...], one a row
+    (``interface``'s layout)."""
     x = x.float()
     amax = x.abs().amax(dim=-1)
     # divide by a tensor: a Python-number divisor may become a multiply by its reciprocal on the
@@ -21,13 +19,13 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize_fp8(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """float32 rows back from e4m3 values and their scales (the inverse of ``quantize_fp8``)."""
+    """float32 rows back from ``quantize_fp8``'s values and scales."""
     return values.float() * scale.unsqueeze(-1)
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """The first ``num_tokens`` rows a sequence stored through ``block_table``.
-    cache: [num_blocks, block_size, ...] -> [num_tokens, ...] (K/V rows, or their FP8 scales)"""
+    cache: [num_blocks, block_size, ...] -> [num_tokens, ...]"""
     block_size = cache.size(1)
     num_blocks = (num_tokens + block_size - 1) // block_size
     return cache[block_table[:num_blocks].long()].flatten(0, 1)[:num_tokens]
@@ -36,8 +34,7 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -
 def gather_dequantized(
     cache: torch.Tensor, scale: torch.Tensor | None, block_table: torch.Tensor, num_tokens: int
 ) -> torch.Tensor:
-    """``gather_kv``, dequantized to float32 when the cache is FP8 (``scale`` given).
-    -> [num_tokens, num_kv_heads, head_dim]"""
+    """``gather_kv``, dequantized when the cache is FP8 (``scale`` given)."""
     rows = gather_kv(cache, block_table, num_tokens)
     if scale is None:
         return rows
@@ -45,8 +42,8 @@ def gather_dequantized(
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of the last ``len(q)`` positions of one sequence over its ``len(k)`` keys,
-    in float32. q: [num_q, num_heads, head_dim], k/v: [num_k, num_kv_heads, head_dim]."""
+    """Causal attention in float32 of one sequence's last ``len(q)`` positions over its ``len(k)``
+    keys. q: [num_q, num_heads, head_dim], k/v: [num_k, num_kv_heads, head_dim]."""
     num_q, num_heads, _ = q.shape
     num_k, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
@@ -62,6 +59,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> t
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+    fuses_rope = False
 
     def store_kvcache(self, k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
         valid = slot_mapping >= 0
@@ -70,14 +68,9 @@ class TorchAttentionBackend(AttentionBackend):
             rows = x[valid]  # [num_valid, num_kv_heads, head_dim]
             if scale is not None:
                 rows, row_scales = quantize_fp8(rows)
-                block_size = scale.shape[
-                    1
-                ]  # the scales may be stored head-major: index, not flatten
+                block_size = scale.shape[1]  # the scales may be stored head-major: index them
                 scale[slots // block_size, slots % block_size] = row_scales
-                cache, rows = (
-                    cache.view(torch.uint8),
-                    rows.view(torch.uint8),
-                )  # index_copy_ takes no e4m3
+                cache, rows = cache.view(torch.uint8), rows.view(torch.uint8)  # no e4m3 index_copy_
             cache.flatten(0, 1).index_copy_(0, slots, rows.to(cache.dtype))
 
     def prefill(

@@ -16,20 +16,15 @@ def resolve_backend_name(
     kv_cache_dtype: str = "auto",
     weight_quantization: str | None = None,
 ) -> str:
-    """Which backend runs: the one place that decides, called by ``Config`` (to reject a bad
-    combination before anything starts) and by the model runner.
-
-    "auto" is torch on CPU; on GPU it is flash-attn when importable and able to run (a 2-byte
-    ``dtype``, a cache in the model's dtype, ``block_size`` a multiple of 256) and the weights are
-    not FP8, else the Triton kernels. (With FP8 weights the Triton decode also quantizes the output
-    projection's input; on the Qwen3-8B shape on an H100 it ran 1.2% faster than flash-attn even
-    before that, BENCHMARKS.md.) flash-attn takes neither float32 nor an FP8 cache; the Triton
-    kernels read e4m3 only on GPUs of compute capability 8.9 or newer."""
+    """Which backend runs (called by ``Config`` to reject a bad combination early, and by the
+    model runner). "auto": torch on the CPU; on a GPU flash-attn where it can run (2-byte dtype,
+    no FP8 cache or weights, ``block_size`` a multiple of 256), else Triton."""
     fp8 = is_fp8_kv_cache(kv_cache_dtype)
     if name == "flash-attn" and fp8:
         raise ValueError(
-            f"attention_backend 'flash-attn' cannot read an FP8 KV cache (kv_cache_dtype {kv_cache_dtype!r}); "
-            "use attention_backend 'triton' or 'auto', or kv_cache_dtype 'auto'"
+            "attention_backend 'flash-attn' cannot read an FP8 KV cache (kv_cache_dtype "
+            f"{kv_cache_dtype!r}); use attention_backend 'triton' or 'auto', or kv_cache_dtype "
+            "'auto'"
         )
     if name not in ("auto", "torch") and device == "cpu":
         raise ValueError(
@@ -43,20 +38,21 @@ def resolve_backend_name(
     if name == "flash-attn":
         if dtype == torch.float32:
             raise ValueError(
-                "attention_backend 'flash-attn' does not take dtype float32; use dtype 'bfloat16' or 'float16', "
-                "or attention_backend 'triton' or 'auto'"
+                "attention_backend 'flash-attn' does not take dtype float32; use dtype 'bfloat16' "
+                "or 'float16', or attention_backend 'triton' or 'auto'"
             )
         if block_size % 256:
             raise ValueError(
-                f"attention_backend 'flash-attn' needs kvcache_block_size to be a multiple of 256, got {block_size}"
+                "attention_backend 'flash-attn' needs kvcache_block_size to be a multiple of 256, "
+                f"got {block_size}"
             )
     if name == "triton" and fp8 and device == "cuda":
         capability = torch.cuda.get_device_capability()
         if capability < (8, 9):
             raise ValueError(
-                f"kv_cache_dtype {kv_cache_dtype!r} with attention_backend 'triton' needs a GPU of compute "
-                f"capability 8.9 or newer (e4m3 support), this one is {capability[0]}.{capability[1]}; "
-                "use kv_cache_dtype 'auto'"
+                f"kv_cache_dtype {kv_cache_dtype!r} with attention_backend 'triton' needs a GPU of "
+                "compute capability 8.9 or newer (e4m3 support), this one is "
+                f"{capability[0]}.{capability[1]}; use kv_cache_dtype 'auto'"
             )
     return name
 

@@ -15,9 +15,9 @@ import triton.language as tl
 from nanovllm.layers.attention.interface import FP8_DTYPE, AttentionBackend
 from nanovllm.layers.attention.triton_decode import _decode_kernel, _decode_reduce_kernel
 from nanovllm.layers.attention.triton_kernels import LOG2E, _prefill_kernel
-from nanovllm.quantization.fp8 import BLOCK, QuantizedRows
 from nanovllm.quantization.fp8_cublas import ROW_MULTIPLE
-from nanovllm.quantization.fp8_triton import empty_quantized
+from nanovllm.quantization.fp8_rows import empty_quantized
+from nanovllm.quantization.fp8_types import BLOCK, QuantizedRows
 from nanovllm.utils.context import Context
 from nanovllm.utils.dependent_launch import launch_options, pdl
 

@@ -13,7 +13,7 @@ from nanovllm.layers.attention.triton_kernels import (
     _fp8_scores,
     _online_softmax_step,
 )
-from nanovllm.quantization.fp8_triton import quantize_store
+from nanovllm.quantization.fp8_rows import quantize_store
 from nanovllm.utils.dependent_launch import wait_for_inputs
 
 

@@ -12,7 +12,6 @@ from nanovllm.layers.linear import ReplicatedLinear
 from nanovllm.layers.moe.fused import fused_moe, fused_moe_torch
 from nanovllm.layers.moe.fused_fp8 import fused_moe_fp8, fused_moe_torch_fp8
 from nanovllm.parallel.distributed import all_reduce, get_tp_rank, get_tp_size
-from nanovllm.quantization import get_quantization
 from nanovllm.quantization.fp8 import BLOCK, FP8_DTYPE, quantize_weight_blocks
 
 # one expert's tensor in a Hugging Face checkpoint: "...experts.<id>.<gate_proj|up_proj|down_proj>.weight"
@@ -55,11 +54,10 @@ class Experts(nn.Module):
     """``gate_up_proj`` [num_experts, 2 * inter, hidden] ([gate | up] per expert) and ``down_proj``
     [num_experts, hidden, inter], ``inter`` being this rank's slice of ``intermediate_size``. They
     load from per-expert checkpoint tensors (``load_expert``) or from fused ones of the full size.
-    Built under ``building_quantized("fp8")`` they are float8_e4m3fn, each with float32 scales of
-    its 128x128 blocks (``gate_up_proj_scale_inv``, ``down_proj_scale_inv``), placed like the
-    weights in block units; a float checkpoint tensor is quantized on the way in."""
+    With ``fp8`` they are float8_e4m3fn, each with float32 scales of its 128x128 blocks
+    (``*_scale_inv``, placed like the weights in block units); a float tensor is quantized."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, fp8: bool):
         super().__init__()
         tp_size = get_tp_size()
         self.tp_rank = (
@@ -71,8 +69,9 @@ class Experts(nn.Module):
                 f"tensor_parallel_size ({tp_size})"
             )
         self.num_experts = num_experts
+        self.hidden_size, self.full_inter = hidden_size, intermediate_size
         self.inter = intermediate_size // tp_size
-        self.fp8 = get_quantization() == "fp8"
+        self.fp8 = fp8
         dtype = FP8_DTYPE if self.fp8 else None
         self.gate_up_proj = nn.Parameter(
             torch.empty(num_experts, 2 * self.inter, hidden_size, dtype=dtype),
@@ -94,6 +93,7 @@ class Experts(nn.Module):
             )
             self.gate_up_proj_scale_inv.weight_loader = self.load_gate_up
             self.down_proj_scale_inv.weight_loader = self.load_down
+            self.gate_up_proj_scale_inv.derived = self.down_proj_scale_inv.derived = True
         self.loaded: set[tuple[str, int, int]] = (
             set()
         )  # (parameter, expert, shard) seen by load_expert
@@ -178,6 +178,18 @@ class Experts(nn.Module):
             keys = [("down_proj", expert, 0)]
         self._load(param, loaded, place, keys)
 
+    def checkpoint_shape(self, param: nn.Parameter, expert=None, shard=None) -> tuple[int, ...]:
+        """The full shape of the tensor that loads into ``param``: one expert's projection, or
+        (no ``expert``) all experts fused as transformers 5 holds them; scales in blocks."""
+        inter, hidden = self.full_inter, self.hidden_size
+        if param is self.gate_up_proj or param is getattr(self, "gate_up_proj_scale_inv", None):
+            shape = (inter if expert is not None else 2 * inter, hidden)
+        else:
+            shape = (hidden, inter)
+        if self.fp8 and self._scale_of(param) is None:  # a scale tensor
+            shape = tuple(-(-n // BLOCK) for n in shape)
+        return shape if expert is not None else (self.num_experts, *shape)
+
     def missing(self) -> list[str]:
         """The expert tensors not loaded yet, by checkpoint name (after the ``experts.`` prefix)."""
         want = [("gate_up_proj", e, s) for e in range(self.num_experts) for s in (0, 1)]
@@ -224,6 +236,8 @@ class SparseMoeBlock(nn.Module):
         top_k: int,
         intermediate_size: int,
         renormalize: bool,
+        fp8: bool = False,
+        reduce_results: bool = True,
     ):
         super().__init__()
         if not 1 <= top_k <= num_experts:
@@ -233,16 +247,9 @@ class SparseMoeBlock(nn.Module):
         self.top_k = top_k
         self.renormalize = renormalize
         self.tp_size = get_tp_size()
-        self.gate = ReplicatedLinear(
-            hidden_size, num_experts, quantizable=False
-        )  # FP8 checkpoints keep it too
-        self.experts = Experts(num_experts, hidden_size, intermediate_size)
-        self.reduce_results = (
-            True  # False: the output stays this rank's partial sum (see RowParallelLinear)
-        )
-
-    def leave_output_unsummed(self) -> None:
-        self.reduce_results = False
+        self.gate = ReplicatedLinear(hidden_size, num_experts)  # never quantized
+        self.experts = Experts(num_experts, hidden_size, intermediate_size, fp8)
+        self.reduce_results = reduce_results  # False: left to the norm behind (RowParallelLinear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         router_logits = self.gate(x)

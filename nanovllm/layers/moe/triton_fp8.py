@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.layers.moe.triton_kernels import _block_rows
-from nanovllm.quantization.fp8 import BLOCK
+from nanovllm.quantization.fp8_types import BLOCK
 
 _BLOCK_K = tl.constexpr(BLOCK)
 

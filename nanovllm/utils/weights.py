@@ -1,0 +1,45 @@
+"""Weights given in memory (``update_weights``): read them once (``named_tensors``), plan and
+check every one before any is written (``plan_weights``, ``check_fp8_tensors``), then copy each
+in place (``copy_weight``). The planning is the checkpoint loader's (``utils/loader.py``)."""
+
+from collections.abc import Mapping
+
+import torch
+
+from nanovllm.quantization.checks import check_fp8_tensors, is_fp8_model
+from nanovllm.utils.loader import WeightEntry, copy_weight, plan_weights
+
+__all__ = [
+    "WeightEntry",
+    "check_fp8_tensors",
+    "copy_weight",
+    "is_fp8_model",
+    "named_tensors",
+    "plan_weights",
+]
+
+
+def named_tensors(weights) -> list[tuple[str, torch.Tensor]]:
+    """``update_weights``' argument as a list, read once (it may be a generator): ``(name,
+    tensor)`` pairs, or a mapping of them; each tensor detached. Anything else is a TypeError
+    naming the item."""
+    items = weights.items() if isinstance(weights, Mapping) else weights
+    try:
+        items = list(items)
+    except TypeError:
+        raise TypeError(
+            f"weights must be an iterable of (name, tensor) pairs, got {type(weights).__name__}"
+        ) from None
+    named = []
+    for i, item in enumerate(items):
+        if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)):
+            raise TypeError(
+                f"weights[{i}] must be a (name, tensor) pair, got {type(item).__name__}"
+            )
+        name, tensor = item
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"weight {name!r} must be a torch.Tensor, got {type(tensor).__name__}")
+        if not tensor.is_floating_point():
+            raise TypeError(f"weight {name!r} must be a floating-point tensor, got {tensor.dtype}")
+        named.append((name, tensor.detach()))
+    return named
