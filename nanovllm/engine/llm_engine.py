@@ -10,7 +10,7 @@ from time import perf_counter
 from tqdm.auto import tqdm
 
 from nanovllm.config import Config
-from nanovllm.engine.core import ASLEEP, EngineCore
+from nanovllm.engine.core import EngineCore
 from nanovllm.engine.input_processor import InputProcessor
 from nanovllm.engine.output_processor import OutputProcessor
 from nanovllm.runner.executor import Executor
@@ -19,6 +19,7 @@ from nanovllm.utils.interrupts import deferred_interrupt
 from nanovllm.utils.model_folder import load_tokenizer, read_generation_config, sampling_defaults
 from nanovllm.utils.profiling import phase
 
+ASLEEP = "the engine is asleep; call wake_up()"
 PROGRESS_INTERVAL = 0.5  # seconds between progress-bar throughput updates
 
 
@@ -45,6 +46,7 @@ class LLMEngine:
         self.eos_token_ids = sorted(e for e in eos if e is not None)
         self.vocab_size = config.hf_config.vocab_size
         self._exited = True  # until the core has started
+        self.sleep_level = 0  # 0: awake; 1 or 2: asleep at that level (features.sleep)
         if config.data_parallel_size > 1 or config.data_parallel_backend == "ray":
             from nanovllm.parallel.data_parallel import DataParallelCore
 
@@ -95,10 +97,10 @@ class LLMEngine:
             )
         if self.core.failure_message:
             raise RuntimeError(self.core.failure_message)
-        if self.core.sleep_level and not asleep_ok:
+        if self.sleep_level and not asleep_ok:
             raise RuntimeError(ASLEEP)
 
-    def _check_idle(self, what: str) -> None:
+    def check_idle(self, what: str) -> None:
         """Let a step that computes only past its sequences' ends finish; then nothing may be queued."""
         self._process(self.core.settle())
         if not self.core.is_finished():
@@ -205,12 +207,10 @@ class LLMEngine:
         that is not a name and a floating-point tensor a TypeError, and the engine is unchanged.
         Only between requests: with any request queued or running it is a RuntimeError (let them
         finish, or abort them, first)."""
-        from nanovllm.utils.loader import named_tensors
+        from nanovllm.features.weight_update import update_weights
 
         self._check_running()
-        named = named_tensors(weights)
-        self._check_idle("update_weights")
-        self.core.update_weights(named)
+        update_weights(self, weights)
 
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache, on every replica: later requests hit nothing cached so far
@@ -229,29 +229,21 @@ class LLMEngine:
         weights in host memory for ``wake_up``; level 2 drops them (load new ones with
         ``update_weights`` after ``wake_up``). The prefix cache is dropped. Needs
         ``enable_sleep_mode=True``, an awake engine and no request queued (else a RuntimeError)."""
-        from nanovllm.features.sleep import check_level
+        from nanovllm.features.sleep import sleep
 
         self._check_running(asleep_ok=True)
-        if not self.config.enable_sleep_mode:
-            raise RuntimeError(
-                "sleep() needs sleep mode: create the LLM with enable_sleep_mode=True"
-            )
-        level = check_level(level)
-        if self.core.sleep_level:
-            raise RuntimeError(
-                f"the engine is already asleep (level {self.core.sleep_level}); call wake_up() first"
-            )
-        self._check_idle("sleep")
-        self.core.sleep(level)
+        sleep(self, level)
 
     def wake_up(self) -> None:
         """Reallocate the weights (level 1's restored; level 2's undefined until ``update_weights``),
         the KV cache with as many blocks as before, and the CUDA graphs. A no-op while awake."""
+        from nanovllm.features.sleep import wake_up
+
         self._check_running(asleep_ok=True)
-        self.core.wake_up()
+        wake_up(self)
 
     def is_sleeping(self) -> bool:
-        return bool(self.core.sleep_level)
+        return bool(self.sleep_level)
 
     # ---- offline calls -----------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""Decides what each step computes: prefill first, FIFO, chunked prompts and preemption (pure Python)."""
+"""Decides what each step computes: prefill first, FIFO, chunked prompts and preemption."""
 
 from collections import deque
 
@@ -7,9 +7,8 @@ from nanovllm.engine.sequence import Sequence, SequenceStatus
 
 
 class Scheduler:
-    """Two FIFO queues. ``waiting`` holds sequences whose prompt is not fully computed (only its
-    head may already hold blocks, part-way through a chunked prefill); ``running`` holds
-    sequences in decode."""
+    """``waiting``: sequences whose prompt is not fully computed (only the head may hold blocks,
+    part-way through a chunked prefill); ``running``: sequences in decode. Both FIFO."""
 
     def __init__(
         self,
@@ -42,14 +41,10 @@ class Scheduler:
         self.waiting.append(seq)
 
     def schedule(self) -> tuple[list[Sequence], bool]:
-        """Pick this step's sequences and set their ``num_scheduled_tokens``.
-
-        Returns ``(seqs, is_prefill)``. Prefill takes waiting sequences in order while the
-        sequence limit, the token budget (uncached tokens only) and free blocks allow; only the
-        first sequence of a step may be chunked. Without prefill work, every running sequence
-        decodes one token, preempting the newest ones when blocks run out; a decode step lists
-        its sequences longest first.
-        """
+        """Pick this step's sequences, set their ``num_scheduled_tokens``; ``(seqs, is_prefill)``.
+        Prefill takes waiting sequences in order within the sequence limit, the token budget
+        (uncached tokens) and free blocks; only the step's last may be chunked. Else every running
+        sequence decodes one token (the newest preempted when blocks run out), longest first."""
         scheduled: list[Sequence] = []
         budget = self.max_num_batched_tokens
         bm = self.block_manager
@@ -62,7 +57,7 @@ class Scheduler:
                 and lead in scheduled
                 and lead.num_cached_tokens < lead.num_prompt_tokens
             ):
-                break  # its prompt's blocks are computed this step by its first completion: hit them next step
+                break  # completion 0 computes the prompt's blocks this step: hit them next step
             if seq.block_table:  # a chunked prefill in progress
                 num_uncached = len(seq) - seq.num_cached_tokens
             else:
@@ -96,8 +91,7 @@ class Scheduler:
                 seq.num_scheduled_tokens = 1
                 scheduled.append(seq)
         self.running.extendleft(reversed(scheduled))
-        # longest context first: the decode kernels then start their longest programs first, which
-        # evens out the SMs' work (the order of a step's sequences means nothing else)
+        # longest first: the decode kernels start their longest programs first
         return sorted(scheduled, key=len, reverse=True), False
 
     def at_length_limit(self, seq: Sequence) -> bool:
@@ -126,8 +120,8 @@ class Scheduler:
             self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, finish_reason: str, stop_reason: int | None = None) -> None:
-        """End ``seq`` (waiting or running) and free its blocks; tokens still in flight for it are
-        dropped. The reasons are ``check_stop``'s, "abort", or the front end's "stop" (a stop string)."""
+        """End ``seq`` (waiting or running) and free its blocks; its tokens in flight are dropped.
+        Reasons: ``check_stop``'s, "abort", or the front end's "stop" (a stop string)."""
         if seq.is_finished:
             return
         queue = self.running if seq.status == SequenceStatus.RUNNING else self.waiting
@@ -137,18 +131,13 @@ class Scheduler:
         seq.finish_reason, seq.stop_reason = finish_reason, stop_reason
         seq.num_scheduled_tokens = 0
         seq.wait_for = None
-        seq.grammar = None  # its matcher is freed
         seq.discard_pending()
         self.block_manager.deallocate(seq)
 
     def check_stop(self, seq: Sequence, token_id: int) -> tuple[str, int | None] | None:
-        """The one place that decides whether a sequence ends with the token just set: the end of
-        its grammar (the matcher took a stop token there), EOS (unless ``ignore_eos``) and
+        """Whether ``seq`` ends with the token just set: EOS (unless ``ignore_eos``) and
         ``stop_token_ids`` once ``min_tokens`` are out, then the length limit. Returns
-        ``(finish_reason, stop_reason)`` or None. (Stop strings need the text: the front end finds
-        them and ends the sequence through ``finish``.)"""
-        if seq.grammar is not None and seq.grammar.is_terminated:
-            return "stop", None
+        ``(finish_reason, stop_reason)`` or None. (Stop strings: the front end, via ``finish``.)"""
         if seq.num_known_tokens - seq.num_prompt_tokens > seq.min_tokens:
             if not seq.ignore_eos and token_id in self.eos_token_ids:
                 return "stop", None
@@ -159,12 +148,10 @@ class Scheduler:
         return None
 
     def advance(self, seqs: list[Sequence]) -> list[int]:
-        """Once a step is launched: its sequences move past the tokens it computes, and each one
-        that samples gets a placeholder for the token, whose value comes with ``resolve``. Returns
-        each sequence's placeholder position (-1: part-way through a chunked prefill, it samples
-        nothing). A sequence whose placeholder is its last token (its length limit) leaves
-        ``running`` and gives its blocks back now: no step computes more of it. It finishes when
-        the token's value arrives (``check_stop``)."""
+        """Once a step is launched: its sequences move past the tokens it computes, and each that
+        samples gets a placeholder (its value comes with ``resolve``). Returns each placeholder's
+        position (-1: a prompt chunk, it samples nothing). A sequence whose placeholder reaches its
+        length limit leaves ``running`` and frees its blocks now; it finishes in ``resolve``."""
         positions = []
         for row, seq in enumerate(seqs):
             seq.num_cached_tokens += seq.num_scheduled_tokens
@@ -183,23 +170,21 @@ class Scheduler:
     def resolve(
         self, seqs: list[Sequence], positions: list[int], token_ids: list[int]
     ) -> list[Sequence]:
-        """A step's sampled tokens have arrived: ``token_ids[i]`` goes to ``positions[i]`` of
-        ``seqs[i]`` (from ``advance``); tokens computed past a sequence's end (it ended meanwhile,
-        or was aborted) are dropped. Returns the sequences that finished (``check_stop``)."""
+        """``token_ids[i]`` goes to ``positions[i]`` of ``seqs[i]`` (from ``advance``); tokens past
+        a sequence's end are dropped. Its processors take it and may end it ("stop"). Returns the
+        sequences that finished."""
         finished = []
         for seq, position, token_id in zip(seqs, positions, token_ids):
             if not 0 <= position < len(seq) or seq.is_finished:
                 continue
             seq.set_token(position, token_id)
-            if seq.grammar is not None:
-                seq.grammar.accept(token_id)
+            stop = None
+            for p in seq.processors:
+                if p.accept(seq, token_id):
+                    stop = ("stop", None)
             self.num_generated_tokens += 1
             self.block_manager.hash_blocks(seq)
-            if (stop := self.check_stop(seq, token_id)) is not None:
+            if stop is not None or (stop := self.check_stop(seq, token_id)) is not None:
                 self.finish(seq, *stop)
                 finished.append(seq)
         return finished
-
-    def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
-        """``advance`` and ``resolve`` at once: a step whose tokens are known when it ends."""
-        return self.resolve(seqs, self.advance(seqs), token_ids)

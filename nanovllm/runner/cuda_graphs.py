@@ -1,13 +1,7 @@
-"""Decode steps as CUDA graphs: the model's forward pass captured once per batch size over the
-decode buffer's device fields (``step_inputs.DecodeBuffer``), replayed after a step's inputs are
-sent. Each graph takes an input token from the host or, while the host does not know it yet, from
-the previous step's sampled ids on the device. A graph ends with the LM head and the fused
-temperature draw of every row into those sampled ids, so a step whose rows all sample plainly
-(``SamplingRows.plain``) is one copy and one graph launch; any other step samples again from the
-graph's logits. With tensor parallelism each rank's graph computes its share of the vocabulary's
-logits and draws over it, and the ranks exchange each row's winners inside the graph, so every rank
-holds the step's tokens (``triton_draw.sharded_gumbel_argmax``); another step gathers the shares
-on rank 0 to sample there."""
+"""Decode steps as CUDA graphs, one per batch size, over the decode buffer's device fields. A graph
+ends with the LM head and the fused temperature draw of every row into ``sampled``, so a plain step
+is one copy and one launch; with tensor parallelism each rank draws over its share of the
+vocabulary and the ranks exchange each row's winners inside the graph."""
 
 from collections.abc import Callable
 
@@ -20,16 +14,13 @@ from nanovllm.utils.context import step_context
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
     """1, 2, 4, 8, then multiples of 16, and ``max_batch`` itself."""
-    sizes = (
-        [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch, 16)) + [max_batch]
-    )
-    return sorted(set(sizes))
+    small = [b for b in (1, 2, 4, 8) if b < max_batch]
+    return sorted(set(small + list(range(16, max_batch, 16)) + [max_batch]))
 
 
 class DecodeGraphs:
-    """Graphs for the batch sizes of ``graph_batch_sizes(max_batch)``, captured largest first in
-    one shared memory pool (``largest_only``: just the largest, which sizes that pool). ``sampled``
-    [>= max_batch] int64 holds each step's sampled ids on the device."""
+    """Graphs of ``graph_batch_sizes(max_batch)``, captured largest first in one memory pool
+    (``largest_only``: just the largest). ``sampled`` [>= max_batch] int64: each step's tokens."""
 
     @torch.inference_mode()
     def __init__(
@@ -78,9 +69,8 @@ class DecodeGraphs:
         if self.head.tp_size == 1:
             gumbel_argmax(logits, temperatures, seeds, out=out)
         else:
-            sharded_gumbel_argmax(
-                logits, temperatures, seeds, self.head.vocab_start, self.head.num_embeddings, out
-            )
+            vocab = (self.head.vocab_start, self.head.num_embeddings)
+            sharded_gumbel_argmax(logits, temperatures, seeds, *vocab, out)
 
     def padded_batch(self, n: int) -> int | None:
         """The batch size of the smallest graph that fits ``n`` rows, or None when none does."""
@@ -89,7 +79,7 @@ class DecodeGraphs:
         return next(b for b in self.batch_sizes if b >= n)
 
     def replay(self, n: int, batch: int) -> torch.Tensor:
-        """Run the graph of ``batch`` rows over the inputs already sent: this rank's logits [n,
-        its share of the vocabulary], the rows drawn into ``sampled[:n]``."""
+        """Run the graph of ``batch`` rows over the inputs sent: this rank's logits [n, its share of
+        the vocabulary]; the rows drawn into ``sampled[:n]``."""
         self.graphs[batch].replay()
         return self.out[:n]

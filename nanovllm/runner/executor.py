@@ -9,13 +9,15 @@ import uuid
 
 from nanovllm.config import Config
 from nanovllm.engine.step import Step
-from nanovllm.parallel.control_channel import ControlChannel, channel_bytes
-from nanovllm.parallel.workers import WorkerGroup
 from nanovllm.runner.model_runner import ModelRunner
 
-UPDATE_BATCH = (
-    256  # weight-update entries per control message: a few tens of KB, well inside the channel
-)
+
+class RankZeroOnly:
+    """A ``collective_rpc`` argument only rank 0 receives (the other ranks get None): tensors that
+    rank 0 then broadcasts, say."""
+
+    def __init__(self, value):
+        self.value = value
 
 
 def _free_port() -> int:
@@ -24,12 +26,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def check_parallel(config: Config) -> None:
-    """Reject an engine in a process that already has a process group (a tensor-parallel engine
-    runs one per process), before any process starts. (``Config`` has checked the sizes.)"""
+def check_parallel() -> None:
+    """Reject an engine in a process that already has a process group (the layers take their
+    shard from the process's default group)."""
     import torch.distributed as dist
 
-    if dist.is_initialized():  # the layers take their shard from the process's default group
+    if dist.is_initialized():
         raise RuntimeError(
             "a torch.distributed process group is already initialised in this process (another "
             "tensor-parallel LLM, or the program's own); call that LLM's exit() first, or run this "
@@ -39,11 +41,14 @@ def check_parallel(config: Config) -> None:
 
 class Executor:
     def __init__(self, config: Config):
-        check_parallel(config)
+        check_parallel()
         self.failure_message: str | None = None
         self.runner = self.workers = self.channel = None
         port = _free_port()
         if config.tensor_parallel_size > 1:
+            from nanovllm.parallel.control_channel import ControlChannel, channel_bytes
+            from nanovllm.parallel.workers import WorkerGroup
+
             name = f"nanovllm-{os.getpid()}-{uuid.uuid4().hex[:12]}"
             self.channel = ControlChannel.create(name, channel_bytes(config))
             try:
@@ -54,9 +59,8 @@ class Executor:
             self.channel.events = self.workers.events
             self.channel.failure = self.workers.failure
         try:
-            self.runner = ModelRunner(
-                config, 0, port, self.workers.failure if self.workers else None
-            )
+            watch = self.workers.failure if self.workers else None
+            self.runner = ModelRunner(config, 0, port, watch)
         except BaseException as e:  # the runner has released what it held
             failure = self.workers.wait_failure(2.0) if self.workers else None
             self._close_workers(timeout=1.0)
@@ -75,49 +79,27 @@ class Executor:
 
         return self._guarded(launch)
 
-    def update_weights(self, weights: list) -> None:
-        """Copy ``(checkpoint name, tensor)`` pairs into the model on every rank, in place. Rank 0
-        checks them all first (``ModelRunner.plan_weights``: a ValueError leaves every rank as it
-        was); then the plan travels through the control channel in batches of at most
-        ``UPDATE_BATCH`` entries (names, shapes and loader arguments: plain data) and the tensors
-        by broadcasts from rank 0 (``ModelRunner.load_weights``)."""
-        if self.failure_message:
-            raise RuntimeError(self.failure_message)
-        entries = self.runner.plan_weights(weights)
-        tensors = [weights[entry.index][1] for entry in entries]
+    def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
+        """``ModelRunner.rpc(method, args, kwargs)`` on every rank, between steps; returns
+        ``[rank 0's result]``. Arguments travel pickled through the control channel, save
+        ``RankZeroOnly`` ones."""
+        kwargs = kwargs or {}
 
-        def load():
-            for start in range(0, len(entries), UPDATE_BATCH):
-                batch = entries[start : start + UPDATE_BATCH]
-                if self.channel is not None:
-                    self.channel.write("load_weights", batch)
-                self.runner.load_weights(batch, tensors[start : start + UPDATE_BATCH])
-
-        self._guarded(load)
-
-    def sleep(self, level: int) -> None:
-        """Every rank frees its KV cache, CUDA graphs and weights (``ModelRunner.sleep``)."""
-        self._on_every_rank("sleep", level)
-
-    def wake_up(self) -> None:
-        """Every rank reallocates what ``sleep`` freed (``ModelRunner.wake_up``)."""
-        self._on_every_rank("wake_up")
-
-    def _on_every_rank(self, method: str, *args) -> None:
         def call():
             if self.channel is not None:
-                self.channel.write(method, *args)
-            getattr(self.runner, method)(*args)
+                sent = tuple(None if isinstance(a, RankZeroOnly) else a for a in args)
+                self.channel.write("rpc", method, sent, kwargs)
+            own = tuple(a.value if isinstance(a, RankZeroOnly) else a for a in args)
+            return self.runner.rpc(method, own, kwargs)
 
-        self._guarded(call)
+        return [self._guarded(call)]
 
     def result(self, output) -> tuple[list[int], list | None]:
-        """A launched step's token ids and log-probabilities, once the device has them."""
+        """A launched step's token ids and per-row extra outputs, once the device has them."""
         return self._guarded(output.result)
 
     def _guarded(self, fn):
-        """``fn()``, where a dead worker turns into a clear error, after which the executor is
-        released and refuses further work."""
+        """``fn()``, where a dead worker turns into a clear error (then the executor is released)."""
         if self.failure_message:
             raise RuntimeError(self.failure_message)
         if self.workers and (failure := self.workers.failure()):
@@ -137,8 +119,8 @@ class Executor:
         raise RuntimeError(self.failure_message) from cause
 
     def exit(self) -> None:
-        """Every rank leaves its loop and the process group; worker processes and the shared
-        memory are released (idempotent)."""
+        """Every rank leaves its loop and the process group; workers and shared memory are
+        released (idempotent)."""
         healthy = self.failure_message is None and not (self.workers and self.workers.failure())
         if self.workers:
             self.workers.closing = True

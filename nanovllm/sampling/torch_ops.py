@@ -1,26 +1,11 @@
-"""The sampling math in plain torch: the CPU path, and on the GPU everything but the plain
-temperature draw (which ``triton_draw`` fuses into one pass).
-
-Randomness is counter-based, so a row's draw depends on its draw seed (per row and per step,
-``engine.step.draw_seed``) and its logits alone, never on the other rows of the batch:
-
-- ``gumbel`` noise: token ``v``'s noise is a hash of ``(draw seed, v)``. The filtered draws use it,
-  and ``gumbel_argmax`` is the plain draw's reference, which the Triton kernel reproduces bit for bit.
-- ``cdf_draw``, the plain draw on the CPU: one 64-bit uniform per row (a hash of the draw seed)
-  inverts the row's cumulative distribution, held as exact integers. Hashing every (row, token)
-  pair costs about twenty passes over the logits on the CPU; this costs about as much as an argmax.
-"""
+"""The sampling math beyond the plain draw, in torch: counter-based Gumbel noise (a hash of the row's
+draw seed and the token id, so a row's draw depends on nothing else in the batch), penalties, token
+masks, the filtered draw and log-probabilities."""
 
 import torch
 
 _MASK32 = 0xFFFFFFFF
-_MASK64 = (1 << 64) - 1
 _MIX = 0x45D9F3B  # < 2**31: the int64 products below never overflow
-CDF_BITS = 60  # a probability p counts as the integer floor(p * 2**60): int64 sums are exact
-CDF_BLOCK = 128  # tokens per block of the two-level search of the cumulative distribution
-CDF_GROUP = (
-    1 << 19
-)  # logits per pass of ``cdf_draw`` (rows at a time): 2 MB of float32 stay in cache
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -55,79 +40,6 @@ def gumbel_argmax(
     noise = gumbel(seeds, torch.arange(logits.size(1), device=logits.device))
     scores = logits / torch.where(greedy, 1.0, temperatures.unsqueeze(1)) + noise
     return torch.where(greedy, logits, scores).argmax(dim=-1)
-
-
-def row_uniform_bits(draw_seed: int) -> int:
-    """The 64-bit uniform of one ``cdf_draw`` row: splitmix64 of its draw seed (a bijection, so
-    distinct draw seeds never share a uniform)."""
-    x = (draw_seed + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def cdf_draw(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
-    """The plain draw on the CPU: one token per row from softmax(logits / T); rows with T = 0 take
-    the argmax. logits [rows, vocab], temperatures [rows] float32, seeds [rows] int64 draw seeds.
-
-    Each probability becomes the integer ``q = floor(p * 2**CDF_BITS)`` (a token with p < 2**-60
-    is never drawn), so sums and the cumulative distribution are exact whatever their order. With
-    ``S`` the row's total and ``u`` its 64-bit uniform (``row_uniform_bits``), the target is
-    ``t = floor(u * S / 2**64)``, uniform on [0, S), and the token the first whose cumulative sum
-    exceeds ``t``: token ``v`` is drawn with probability ``q_v / S``. The search is two-level:
-    block sums of CDF_BLOCK tokens, then the tokens of the one block that holds ``t``."""
-    rows, vocab = logits.shape
-    tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    temps = temperatures.tolist()
-    drawn = [i for i, t in enumerate(temps) if t > 0]
-    greedy = [i for i, t in enumerate(temps) if t <= 0]
-    if greedy:
-        tokens[greedy] = logits[greedy].argmax(dim=-1)
-    if not drawn:
-        return tokens
-    every_row = len(drawn) == rows
-    x = logits if every_row else logits[drawn]
-    inv_t = (1.0 / (temperatures if every_row else temperatures[drawn]).float()).unsqueeze(1)
-    uniforms = [row_uniform_bits(s) for s in (seeds if every_row else seeds[drawn]).tolist()]
-    out = torch.empty(len(drawn), dtype=torch.int64, device=logits.device)
-    group = max(1, CDF_GROUP // vocab)
-    for start in range(0, len(drawn), group):
-        end = min(start + group, len(drawn))
-        out[start:end] = _cdf_search(x[start:end], inv_t[start:end], uniforms[start:end])
-    if every_row:
-        return out
-    tokens[drawn] = out
-    return tokens
-
-
-def _cdf_search(x: torch.Tensor, inv_t: torch.Tensor, uniforms: list[int]) -> torch.Tensor:
-    """``cdf_draw`` on a few rows: x [g, vocab] logits, inv_t [g, 1] float32 (1 / T)."""
-    g, vocab = x.shape
-    q = torch.softmax(x.float() * inv_t, dim=1).mul_(
-        2.0**CDF_BITS
-    )  # [g, vocab], whole numbers once truncated
-    full = vocab - vocab % CDF_BLOCK
-    blocks = q[:, :full].view(g, full // CDF_BLOCK, CDF_BLOCK).sum(dim=2, dtype=torch.int64)
-    if full < vocab:  # a last, shorter block
-        blocks = torch.cat([blocks, q[:, full:].sum(dim=1, dtype=torch.int64, keepdim=True)], dim=1)
-    cum = blocks.cumsum_(dim=1)  # [g, blocks] int64
-    targets = torch.tensor(
-        [(u * s) >> 64 for u, s in zip(uniforms, cum[:, -1].tolist())], dtype=torch.int64
-    )
-    targets = targets.unsqueeze(1)  # [g, 1]
-    block = torch.searchsorted(
-        cum, targets, right=True
-    )  # [g, 1]: the first block whose cumulative sum > t
-    before = torch.where(block > 0, cum.gather(1, (block - 1).clamp_(min=0)), 0)
-    cols = block * CDF_BLOCK + torch.arange(CDF_BLOCK)  # [g, CDF_BLOCK]: the block's tokens
-    inside = (
-        q.gather(1, cols.clamp(max=vocab - 1))
-        .to(torch.int64)
-        .masked_fill_(cols >= vocab, 0)
-        .cumsum_(dim=1)
-    )
-    offset = torch.searchsorted(inside, targets - before, right=True)
-    return (block * CDF_BLOCK + offset).squeeze(1)
 
 
 def apply_penalties(
