@@ -1,8 +1,5 @@
-"""The engine core: the scheduler, the step pipeline and the executor, on token ids only.
-
-With async scheduling the host schedules and launches step N+1 while the device computes step N,
-and takes step N's tokens after that launch.
-"""
+"""The engine core: scheduler, step pipeline and executor, on token ids only. With async
+scheduling the host launches step N+1 while the device computes step N, then takes N's tokens."""
 
 from dataclasses import dataclass
 from random import Random
@@ -30,31 +27,21 @@ class SeqOutput:
 
 @dataclass
 class LaunchedStep:
-    """A step in flight. ``needs_sync``: resolve it before the next schedule."""
-
-    output: object
+    output: object  # a step in flight
     seqs: list[Sequence]
     positions: list[int]  # where each sampled token goes (``Scheduler.advance``)
-    needs_sync: bool = False
+    needs_sync: bool = False  # resolve it before the next schedule
 
 
 def is_plain(sp: SamplingParams) -> bool:
-    """Whether a request samples with a temperature and a seed alone and reports only tokens
-    (else its sequences get request processors, ``features.processors``)."""
-    return not (
-        sp.min_tokens
-        or sp.has_penalties
-        or sp.has_filters
-        or sp.logprobs is not None
-        or sp.prompt_logprobs is not None
-        or sp.structured_outputs is not None
-    )
+    """Whether a request needs no request processor (``features.processors``)."""
+    extras = (sp.logprobs, sp.prompt_logprobs, sp.structured_outputs)
+    return not (sp.min_tokens or sp.has_penalties or sp.has_filters) and extras == (None,) * 3
 
 
 class EngineCore:
     def __init__(self, config, eos_token_ids: list[int], executor, tokenizer=None):
-        """``executor``: ``run(step)``, ``result(output)``, ``collective_rpc``, ``exit()``,
-        ``num_kvcache_blocks``. ``tokenizer``: the front end's (None: the model folder's)."""
+        """``executor``: ``runner.executor.Executor``; ``tokenizer``: the front end's, or None."""
         self.config = config
         self.tokenizer = tokenizer
         self.executor = executor
@@ -84,12 +71,11 @@ class EngineCore:
         sampling_params: SamplingParams,
         report_every_step: bool = False,
     ) -> None:
-        """Queue a request's ``n`` completions as sequences ``request_id + i``.
-        ``report_every_step``: they report new tokens every step, not only when they finish."""
-        sp = sampling_params
+        """Queue a request's ``n`` completions as sequences ``request_id + i``; with
+        ``report_every_step`` they report every step, not only when they finish."""
         bs = self.config.kvcache_block_size
-        seqs = request_sequences(request_id, prompt_token_ids, sp, bs)
-        if not is_plain(sp):
+        seqs = request_sequences(request_id, prompt_token_ids, sampling_params, bs)
+        if not is_plain(sampling_params):
             from nanovllm.features.processors import attach_processors
 
             attach_processors(seqs, self.eos_token_ids, self)
@@ -100,8 +86,7 @@ class EngineCore:
             self.scheduler.add(seq)
 
     def abort_request(self, request_id: int) -> bool:
-        """End a request's sequences and free their blocks; they report nothing more. False when
-        no such request is queued."""
+        """End a request's sequences, freeing their blocks; False when no such request is queued."""
         seqs = self.requests.pop(request_id, None)
         if seqs is None:
             return False
@@ -130,9 +115,8 @@ class EngineCore:
     # ---- the step pipeline -------------------------------------------------------------------
 
     def step(self) -> tuple[list[SeqOutput], int]:
-        """Schedule and launch a step, then resolve the one before it (async scheduling) or this
-        one. Returns what sequences gained, and the prefill tokens this step computes (> 0) or
-        minus the sequences it decodes (< 0; 0 when none was launched)."""
+        """Launch a step, then resolve the one before it (async) or this one. Returns what the
+        sequences gained, and the prefill tokens (> 0) or minus the decoded sequences (< 0)."""
         outputs = []
         if self._launched is not None and self._launched.needs_sync:
             outputs += self._resolve()
@@ -157,9 +141,8 @@ class EngineCore:
         num_tokens = sum(step.num_new) if is_prefill else -len(seqs)
         if is_prefill:
             self.num_prompt_tokens += num_tokens
-        extra = step.sampling.extra
-        needs_sync = extra is not None and extra.sync
-        launched = LaunchedStep(output, seqs, self.scheduler.advance(seqs), needs_sync)
+        sync = step.sampling.extra is not None and step.sampling.extra.sync
+        launched = LaunchedStep(output, seqs, self.scheduler.advance(seqs), sync)
         if self._launched is not None:
             outputs += self._resolve()
         self._launched = launched
@@ -174,11 +157,9 @@ class EngineCore:
         with phase("wait"):
             token_ids, extras = self.executor.result(launched.output)
         with phase("update"):
-            if extras is not None:
-                for seq, extra in zip(seqs, extras):
-                    if extra is not None:
-                        for p in seq.processors:
-                            p.take(seq, extra)
+            for seq, extra in zip(seqs, extras or ()):
+                for p in seq.processors if extra is not None else ():
+                    p.take(seq, extra)
             finished = self.scheduler.resolve(seqs, positions, token_ids)
             outputs = []
             if self.reporting:
@@ -209,8 +190,7 @@ class EngineCore:
         return self._launched is not None and not all(s.is_finished for s in self._launched.seqs)
 
     def settle(self) -> list[SeqOutput]:
-        """Resolve a launched step that only computed tokens past its sequences' ends, so that a
-        call ends with nothing in flight."""
+        """Resolve a launched step that only computed tokens past its sequences' ends."""
         if self._launched is not None and not self._owes_results():
             return self._resolve()
         return []
@@ -221,8 +201,7 @@ class EngineCore:
     # ---- every rank, the prefix cache, counts ------------------------------------------------
 
     def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
-        """``method`` (a ModelRunner method name, or a top-level function called with the runner
-        first) on every rank; ``[rank 0's result]``."""
+        """``Executor.collective_rpc``: ``method`` on every rank; ``[rank 0's result]``."""
         return self.executor.collective_rpc(method, args, kwargs)
 
     def reset_prefix_cache(self) -> bool:
@@ -246,8 +225,7 @@ class EngineCore:
         }
 
     @property
-    def failure_message(self) -> str | None:
-        """Why the engine has stopped (a rank died), if it has."""
+    def failure_message(self) -> str | None:  # why the engine has stopped (a rank died)
         return self.executor.failure_message
 
     def exit(self) -> None:

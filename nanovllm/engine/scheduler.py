@@ -23,11 +23,8 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        if eos_token_id is None:
-            eos_token_id = []
-        self.eos_token_ids = frozenset(
-            [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
-        )
+        eos = [] if eos_token_id is None else eos_token_id
+        self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else eos)
         self.block_manager = BlockManager(num_blocks, block_size)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()

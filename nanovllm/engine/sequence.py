@@ -64,9 +64,6 @@ class Sequence:
     def __len__(self) -> int:
         return self.num_tokens
 
-    def __getitem__(self, key):
-        return self.token_ids[key]
-
     @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
@@ -98,7 +95,7 @@ class Sequence:
         return self.token_ids[i * self.block_size : (i + 1) * self.block_size]
 
     def append_placeholder(self, row: int) -> None:
-        """A token sampled in row ``row`` of a step in flight; its value comes with ``set_token``."""
+        """A token sampled in row ``row`` of a step in flight (its value: ``set_token``)."""
         self.token_ids.append(PLACEHOLDER)
         self.last_token = PLACEHOLDER
         self.num_tokens += 1

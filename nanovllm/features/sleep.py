@@ -79,7 +79,7 @@ def offload(model: nn.Module, level: int, arena: HostArena) -> list[Offloaded]:
 
 @torch.no_grad()
 def restore(offloaded: list[Offloaded], device: torch.device) -> None:
-    """Give each emptied tensor its memory back on ``device``, with its host values if it has them."""
+    """Give each emptied tensor its memory back on ``device``, with its host values if any."""
     for entry in offloaded:
         if entry.host is not None and entry.host.device == device:  # the CPU: its own storage again
             data = entry.host

@@ -1,11 +1,5 @@
-"""The executor: rank 0's ModelRunner and, with tensor parallelism, the worker processes of the
-other ranks and the control channel to them. A worker that dies turns into a clear error, after
-which the executor is released and refuses further work."""
-
-import os
-import socket
-import traceback
-import uuid
+"""The executor: runs each step on every tensor-parallel rank. This one is rank 0's ModelRunner
+alone (tensor_parallel_size 1); ``MultiprocExecutor`` adds the worker processes of the others."""
 
 from nanovllm.config import Config
 from nanovllm.engine.step import Step
@@ -13,17 +7,10 @@ from nanovllm.runner.model_runner import ModelRunner
 
 
 class RankZeroOnly:
-    """A ``collective_rpc`` argument only rank 0 receives (the other ranks get None): tensors that
-    rank 0 then broadcasts, say."""
+    """A ``collective_rpc`` argument only rank 0 receives (the others get None)."""
 
     def __init__(self, value):
         self.value = value
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def check_parallel() -> None:
@@ -40,106 +27,35 @@ def check_parallel() -> None:
 
 
 class Executor:
+    def __new__(cls, config: Config):
+        if cls is Executor and config.tensor_parallel_size > 1:
+            from nanovllm.runner.multiproc_executor import MultiprocExecutor
+
+            cls = MultiprocExecutor
+        return super().__new__(cls)
+
     def __init__(self, config: Config):
         check_parallel()
-        self.failure_message: str | None = None
-        self.runner = self.workers = self.channel = None
-        port = _free_port()
-        if config.tensor_parallel_size > 1:
-            from nanovllm.parallel.control_channel import ControlChannel, channel_bytes
-            from nanovllm.parallel.workers import WorkerGroup
-
-            name = f"nanovllm-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-            self.channel = ControlChannel.create(name, channel_bytes(config))
-            try:
-                self.workers = WorkerGroup(config, port, name)
-            except BaseException:
-                self.channel.close()
-                raise
-            self.channel.events = self.workers.events
-            self.channel.failure = self.workers.failure
-        try:
-            watch = self.workers.failure if self.workers else None
-            self.runner = ModelRunner(config, 0, port, watch)
-        except BaseException as e:  # the runner has released what it held
-            failure = self.workers.wait_failure(2.0) if self.workers else None
-            self._close_workers(timeout=1.0)
-            if failure:
-                raise RuntimeError(f"{failure} while the engine was starting") from e
-            raise
+        self.failure_message: str | None = None  # why the engine has stopped, if it has
+        self.runner = ModelRunner(config, 0, 0)
         self.num_kvcache_blocks = self.runner.num_kvcache_blocks
 
     def run(self, step: Step):
-        """Launch ``step`` on every rank; rank 0's sampled tokens on their way to the host."""
-
-        def launch():
-            if self.channel is not None:
-                self.channel.write("run", step.for_workers())
-            return self.runner.run(step)
-
-        return self._guarded(launch)
-
-    def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
-        """``ModelRunner.rpc(method, args, kwargs)`` on every rank, between steps; returns
-        ``[rank 0's result]``. Arguments travel pickled through the control channel, save
-        ``RankZeroOnly`` ones."""
-        kwargs = kwargs or {}
-
-        def call():
-            if self.channel is not None:
-                sent = tuple(None if isinstance(a, RankZeroOnly) else a for a in args)
-                self.channel.write("rpc", method, sent, kwargs)
-            own = tuple(a.value if isinstance(a, RankZeroOnly) else a for a in args)
-            return self.runner.rpc(method, own, kwargs)
-
-        return [self._guarded(call)]
+        """Launch ``step``; rank 0's output (its tokens on their way to the host)."""
+        return self.runner.run(step)
 
     def result(self, output) -> tuple[list[int], list | None]:
         """A launched step's token ids and per-row extra outputs, once the device has them."""
-        return self._guarded(output.result)
+        return output.result()
 
-    def _guarded(self, fn):
-        """``fn()``, where a dead worker turns into a clear error (then the executor is released)."""
-        if self.failure_message:
-            raise RuntimeError(self.failure_message)
-        if self.workers and (failure := self.workers.failure()):
-            self._fail(failure, None)
-        try:
-            return fn()
-        except Exception as e:
-            failure = self.workers.wait_failure(2.0) if self.workers else None
-            if failure:
-                traceback.clear_frames(e.__traceback__)  # their tensors can then be freed
-                self._fail(failure, e)
-            raise
-
-    def _fail(self, failure: str, cause: BaseException | None):
-        self.failure_message = f"{failure}; the engine has stopped, create a new LLM to continue"
-        self.exit()
-        raise RuntimeError(self.failure_message) from cause
+    def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
+        """``ModelRunner.rpc(method, args, kwargs)`` on every rank, between steps; returns
+        ``[rank 0's result]``."""
+        own = tuple(a.value if isinstance(a, RankZeroOnly) else a for a in args)
+        return [self.runner.rpc(method, own, kwargs)]
 
     def exit(self) -> None:
-        """Every rank leaves its loop and the process group; workers and shared memory are
-        released (idempotent)."""
-        healthy = self.failure_message is None and not (self.workers and self.workers.failure())
-        if self.workers:
-            self.workers.closing = True
+        """Release the runner (idempotent)."""
         if self.runner is not None:
-            try:
-                if not healthy:
-                    raise RuntimeError("a rank is gone")
-                if self.channel is not None:
-                    self.channel.write("exit")
-                self.runner.exit()
-            except Exception:
-                self.runner.release(failed=True)
-            self.runner = None
-        self._close_workers(timeout=30.0 if healthy else 1.0)
-
-    def _close_workers(self, timeout: float) -> None:
-        if self.workers:
-            self.workers.close(timeout=timeout)
-            self.workers = None
-        if self.channel is not None:
-            self.channel.close()
-            self.channel = None
+            runner, self.runner = self.runner, None
+            runner.exit()

@@ -24,10 +24,8 @@ from nanovllm.utils.profiling import phase
 
 
 class ModelRunner:
-    def __init__(
-        self, config: Config, rank: int, dist_port: int, watch: Callable[[], str | None] = None
-    ):
-        """``watch`` (rank 0 with workers) names a worker that has died; device waits check it."""
+    def __init__(self, config: Config, rank: int, dist_port: int, watch: Callable = None):
+        """``watch()`` (rank 0 with workers) names a worker that has died; device waits poll it."""
         self.model = self.kv_cache = self.graphs = self.sampled = None
         self.rank = rank
         self.owns_group = False  # joined a process group (tensor parallelism) to leave at the end
@@ -56,19 +54,12 @@ class ModelRunner:
             init_process_group(self.device, self.rank, self.world_size, dist_port)
             self.owns_group = True
         self.dtype = config.resolved_dtype(self.device.type)
-        name = getattr(config, "resolved_attention_backend", None) or resolve_backend_name(
-            config.attention_backend,
-            self.device.type,
-            self.block_size,
-            self.dtype,
-            config.kv_cache_dtype,
-            config.weight_quantization,
-        )
+        args = (self.device.type, self.block_size, self.dtype, config.kv_cache_dtype)
+        name = resolve_backend_name(config.attention_backend, *args, config.weight_quantization)
         self.backend = backend = get_attention_backend(name)
         # CUDA graphs need a capturable backend on a GPU; the torch backend syncs on the host
-        self.enforce_eager = (
-            config.enforce_eager or self.device.type == "cpu" or backend.name == "torch"
-        )
+        eager = config.enforce_eager or self.device.type == "cpu" or backend.name == "torch"
+        self.enforce_eager = eager
         if self.world_size > 1 and not self.enforce_eager and not config.disable_custom_all_reduce:
             from nanovllm.parallel.distributed import enable_custom_all_reduce
 
@@ -99,8 +90,8 @@ class ModelRunner:
         self.decode_buffer = DecodeBuffer(self.config.max_num_seqs, max_blocks, self.device)
 
     def bind_kv_cache(self, num_blocks: int) -> torch.Tensor:
-        args = (self.num_kv_heads, self.head_dim, self.dtype, self.device)
-        return kv_cache.bind_kv_cache(self.model, self.config, num_blocks, *args)
+        shape = (num_blocks, self.num_kv_heads, self.head_dim)
+        return kv_cache.bind_kv_cache(self.model, self.config, *shape, self.dtype, self.device)
 
     def capture_graphs(self, largest_only: bool = False) -> DecodeGraphs:
         """Decode graphs for batch sizes up to min(max_num_seqs, 512)."""
@@ -169,7 +160,7 @@ class ModelRunner:
         output = None
         if self.rank == 0 and step.sampling is not None:
             if drawn:
-                output = StepOutput(self.sampled[:n], self.wait_event)
+                output = StepOutput(self.sampled[:n], self.sync)
             else:
                 output = self.sample(logits, step.sampling, step.prompt_scoring, prompt)
                 if self.config.async_scheduling:
@@ -187,7 +178,7 @@ class ModelRunner:
                 from nanovllm.sampling.extras import ExtraOutputs
 
                 extra = ExtraOutputs(out, rows.extra, scoring, prompt)
-            return StepOutput(out.token_ids, self.wait_event, extra)
+            return StepOutput(out.token_ids, self.sync, extra)
 
     def _tensor(self, data: list | np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         """Host data on this rank's device (pinned and non-blocking on a GPU)."""
@@ -208,25 +199,19 @@ class ModelRunner:
 
     # ---- device waits and the end ------------------------------------------------------------
 
-    def sync(self) -> None:
-        """Wait for this rank's device work; with ``watch``, poll (a dead worker never answers)."""
+    def sync(self, event: torch.cuda.Event | None = None) -> None:
+        """Wait for ``event`` (default: all queued work) on this rank's device; with ``watch``, by
+        polling (a dead worker never answers)."""
         if self.device.type != "cuda":
             return
-        if self.watch is None:
-            torch.cuda.synchronize()
-        else:
-            from nanovllm.parallel.distributed import wait_device
-
-            wait_device(self.watch)
-
-    def wait_event(self, event: torch.cuda.Event) -> None:
-        """Wait until ``event`` has passed on this rank's device (polling with ``watch``)."""
-        if self.watch is None:
-            event.synchronize()
-        else:
+        if self.watch is not None:
             from nanovllm.parallel.distributed import wait_device
 
             wait_device(self.watch, event)
+        elif event is not None:
+            event.synchronize()
+        else:
+            torch.cuda.synchronize()
 
     def barrier(self) -> None:
         """All ranks meet here (an all-reduce that rank 0 waits on through ``sync``)."""
@@ -246,7 +231,7 @@ class ModelRunner:
         if self.owns_group:
             from nanovllm.parallel.distributed import abort_nccl, leave_group
 
-            if failed and not abort_nccl(self._drop_graphs):
+            if failed and not abort_nccl(lambda: setattr(self, "graphs", None)):
                 return  # the device is stuck: freeing memory would wait on it forever
         self.graphs = self.model = self.kv_cache = self.sampled = None  # cache views go with model
         if torch.cuda.is_initialized():
@@ -254,6 +239,3 @@ class ModelRunner:
         if self.owns_group:
             self.owns_group = False
             leave_group()
-
-    def _drop_graphs(self) -> None:
-        self.graphs = None

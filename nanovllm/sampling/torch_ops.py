@@ -1,6 +1,6 @@
-"""The sampling math beyond the plain draw, in torch: counter-based Gumbel noise (a hash of the row's
-draw seed and the token id, so a row's draw depends on nothing else in the batch), penalties, token
-masks, the filtered draw and log-probabilities."""
+"""The sampling math beyond the plain draw, in torch: counter-based Gumbel noise (a hash of the
+row's draw seed and the token id: the batch around a row does not change its draw), penalties,
+token masks, the filtered draw and log-probabilities."""
 
 import torch
 
@@ -33,7 +33,7 @@ def gumbel_argmax(
     logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor
 ) -> torch.Tensor:
     """One token per row: argmax(logits / T + gumbel); rows with T = 0 take the plain argmax. The
-    reference of ``triton_draw.gumbel_argmax`` (the CPU draws with ``cdf_draw``, much cheaper there).
+    reference of ``triton_draw.gumbel_argmax`` (the CPU draws with ``cpu_draw.cdf_draw``).
     logits [rows, vocab] (any float dtype), temperatures [rows] float32, seeds [rows] int64."""
     logits = logits.float()
     greedy = (temperatures == 0).unsqueeze(1)
@@ -51,10 +51,10 @@ def apply_penalties(
     prompt_tokens: tuple[torch.Tensor, torch.Tensor],
     output_tokens: tuple[torch.Tensor, torch.Tensor],
 ) -> None:
-    """In place on float32 ``logits`` [batch, vocab], for the penalised ``rows`` only. Over prompt and
-    output tokens, positive logits are divided by the repetition penalty and negative ones multiplied;
-    over output tokens, ``logits -= frequency * count + presence * (count > 0)``. ``prompt_tokens`` and
-    ``output_tokens`` are (index into ``rows``, token id) pairs, one per token occurrence."""
+    """In place on float32 ``logits`` [batch, vocab], the penalised ``rows`` only. Over prompt and
+    output tokens, positive logits are divided by the repetition penalty, negative ones multiplied;
+    over output tokens, ``logits -= frequency * count + presence * (count > 0)``. The tokens are
+    (index into ``rows``, token id) pairs, one per occurrence."""
     shape = (rows.numel(), logits.size(1))
     counts = torch.zeros(shape, device=logits.device).index_put_(
         output_tokens, torch.ones(output_tokens[0].numel(), device=logits.device), accumulate=True
@@ -73,7 +73,7 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch
     ``bitmask`` row [G, words] int32 does not allow become -inf. Token ``t`` is allowed when bit
     ``t % 32`` of word ``t // 32`` is set (xgrammar's layout); tokens past the bitmask are not."""
     vocab = logits.size(1)
-    # the words' bytes, least significant first (little-endian), then each byte's bits: [G, 32 * words]
+    # the words' bytes, least significant first (little-endian), then each byte's bits: [G, 32 * W]
     as_bytes = bitmask.contiguous().view(torch.uint8)
     shifts = torch.arange(8, dtype=torch.uint8, device=bitmask.device)
     allowed = ((as_bytes.unsqueeze(-1) >> shifts) & 1).flatten(1).bool()
@@ -83,9 +83,9 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch
 
 
 def _candidates(logits, temperatures, top_k, top_p, min_p, num_candidates, all_top_k):
-    """The ``num_candidates`` most likely tokens of each row (scaled by its temperature), and which of
-    them top-k, top-p and min-p keep. ``complete`` is False for a row whose kept set may reach past
-    the candidates (no top-k, and top-p did not cut inside them)."""
+    """The ``num_candidates`` most likely tokens of each row (scaled by its temperature), and which
+    of them top-k, top-p and min-p keep. ``complete`` is False for a row whose kept set may reach
+    past the candidates (no top-k, and top-p did not cut inside them)."""
     vocab = logits.size(1)
     vals, ids = logits.topk(num_candidates, dim=-1)  # sorted, most likely first
     t = temperatures.unsqueeze(1)

@@ -187,7 +187,7 @@ def best_of_parts(
     parts: torch.Tensor, temperatures: torch.Tensor, vocab_size: int, out: torch.Tensor
 ) -> torch.Tensor:
     """The second half: ``parts`` [groups, 2, rows, chunks] int32 (``gumbel_parts`` of each share of
-    the vocabulary, in the order of their ids) into each row's token id, written to ``out`` [rows]."""
+    the vocabulary, in the order of their ids) into each row's token id, into ``out`` [rows]."""
     groups, _, rows, num_chunks = parts.shape
     assert parts.is_contiguous() and parts.dtype == torch.int32
     if rows:
@@ -215,7 +215,7 @@ def sharded_gumbel_argmax(
     out: torch.Tensor,
 ) -> torch.Tensor:
     """``gumbel_argmax`` under tensor parallelism, every rank of the default process group
-    holding ``logits`` of its share of the vocabulary (ids ``vocab_start`` on, shares in rank order):
+    holding ``logits`` of its share of the vocabulary (ids ``vocab_start`` on, in rank order):
     each rank finds its chunks' winners, the ranks exchange them (a few bytes a row), and every rank
     picks the same token per row into ``out``. The scores are the same per id as over the whole
     vocabulary, so are the tokens."""
