@@ -16,13 +16,10 @@ class Block:
         self.token_ids: list[int] = []
 
     def update(self, h: int, token_ids: list[int]) -> None:
-        self.hash = h
-        self.token_ids = token_ids
+        self.hash, self.token_ids = h, token_ids
 
     def reset(self) -> None:
-        self.ref_count = 1
-        self.hash = -1
-        self.token_ids = []
+        self.ref_count, self.hash, self.token_ids = 1, -1, []
 
 
 class BlockManager:
@@ -41,8 +38,7 @@ class BlockManager:
         self.hash_to_block_id: dict[int, int] = {}
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.used_block_ids: set[int] = set()
-        self.num_queried_tokens = 0  # tokens of admitted sequences, and those the cache served
-        self.num_hit_tokens = 0
+        self.num_queried_tokens = self.num_hit_tokens = 0  # admitted tokens, and cache hits
 
     @staticmethod
     def compute_hash(token_ids: list[int], prefix: int = -1) -> int:
@@ -72,8 +68,8 @@ class BlockManager:
         self.free_block_ids[block_id] = None
 
     def cached_prefix(self, seq: Sequence) -> list[int]:
-        """Block ids of the longest cached prefix of ``seq``. Its last block is never a hit, so a
-        prefill always computes a token; none for a sequence that does not use the cache."""
+        """Block ids of the longest cached prefix of ``seq`` (never its last block: a prefill
+        computes a token)."""
         if not seq.uses_prefix_cache:
             return []
         hits = []
@@ -131,8 +127,7 @@ class BlockManager:
         seq.block_table.clear()
 
     def can_append(self, seq: Sequence) -> bool:
-        """Whether the next decode step of ``seq`` has a slot (a new block when its newest token
-        starts one)."""
+        """Whether ``seq``'s next decode step has a slot (a new block if its newest token needs)."""
         return self.num_free_blocks >= (seq.num_blocks > len(seq.block_table))
 
     def may_append(self, seq: Sequence) -> None:

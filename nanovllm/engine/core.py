@@ -127,9 +127,7 @@ class EngineCore:
             if self._launched is not None:  # what it finishes may make room
                 return outputs + self._resolve(), 0
             if not self.scheduler.is_finished():
-                raise RuntimeError(
-                    "no queued request can be scheduled (the KV cache cannot hold the next one)"
-                )
+                raise RuntimeError("no queued request fits: the KV cache cannot hold the next one")
             return outputs, 0
         try:
             output = self.executor.run(step)
@@ -176,17 +174,15 @@ class EngineCore:
         start = seq.num_prompt_tokens + seq.num_reported
         new = seq.token_ids[start : seq.num_known_tokens]
         seq.num_reported += len(new)
-        out = SeqOutput(
-            seq.seq_id, seq.request_id, new, num_cached_tokens=max(seq.num_prefix_hit_tokens, 0)
-        )
+        hits = max(seq.num_prefix_hit_tokens, 0)
+        out = SeqOutput(seq.seq_id, seq.request_id, new, num_cached_tokens=hits)
         for p in seq.processors:
             p.report(seq, out, extra)
         if seq.is_finished:
             out.finish_reason, out.stop_reason = seq.finish_reason, seq.stop_reason
         return out
 
-    def _owes_results(self) -> bool:
-        """Whether the launched step still has tokens to deliver (not just ones past an end)."""
+    def _owes_results(self) -> bool:  # the launched step has tokens to deliver
         return self._launched is not None and not all(s.is_finished for s in self._launched.seqs)
 
     def settle(self) -> list[SeqOutput]:
@@ -197,8 +193,6 @@ class EngineCore:
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished() and not self._owes_results()
-
-    # ---- every rank, the prefix cache, counts ------------------------------------------------
 
     def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
         """``Executor.collective_rpc``: ``method`` on every rank; ``[rank 0's result]``."""

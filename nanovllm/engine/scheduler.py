@@ -38,23 +38,18 @@ class Scheduler:
         self.waiting.append(seq)
 
     def schedule(self) -> tuple[list[Sequence], bool]:
-        """Pick this step's sequences, set their ``num_scheduled_tokens``; ``(seqs, is_prefill)``.
-        Prefill takes waiting sequences in order within the sequence limit, the token budget
-        (uncached tokens) and free blocks; only the step's last may be chunked. Else every running
-        sequence decodes one token (the newest preempted when blocks run out), longest first."""
+        """``(seqs, is_prefill)``, their ``num_scheduled_tokens`` set. Prefill: waiting sequences in
+        order within the limits (uncached tokens count), only the last chunked. Else every running
+        one decodes a token (the newest preempted when blocks run out), longest first."""
         scheduled: list[Sequence] = []
         budget = self.max_num_batched_tokens
         bm = self.block_manager
         num_seqs = len(self.running)  # a chunked prefill in progress counts from its admission
         while self.waiting and budget > 0 and num_seqs < self.max_num_seqs:
             seq = self.waiting[0]
-            lead = seq.wait_for
-            if (
-                lead is not None
-                and lead in scheduled
-                and lead.num_cached_tokens < lead.num_prompt_tokens
-            ):
-                break  # completion 0 computes the prompt's blocks this step: hit them next step
+            lead = seq.wait_for  # completion 0: it computes the prompt's blocks, hit them next step
+            if lead in scheduled and lead.num_cached_tokens < lead.num_prompt_tokens:
+                break
             if seq.block_table:  # a chunked prefill in progress
                 num_uncached = len(seq) - seq.num_cached_tokens
             else:
@@ -92,29 +87,23 @@ class Scheduler:
         return sorted(scheduled, key=len, reverse=True), False
 
     def at_length_limit(self, seq: Sequence) -> bool:
-        """Whether ``seq`` holds as many tokens as it may: ``max_tokens`` completion tokens, or
-        ``max_model_len`` in all."""
+        """Whether ``seq`` holds ``max_tokens`` completion tokens, or ``max_model_len`` in all."""
         return seq.num_completion_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len
 
-    def preempt(self, seq: Sequence) -> None:
+    def preempt(self, seq: Sequence, count: bool = True) -> None:
         """Free ``seq``'s blocks and put it back at the head of ``waiting`` for recomputation."""
         seq.status = SequenceStatus.WAITING
         seq.num_scheduled_tokens = 0
         self.block_manager.deallocate(seq)
         self.waiting.appendleft(seq)
-        self.num_preemptions += 1
+        self.num_preemptions += count
 
     def unschedule(self, seqs: list[Sequence]) -> None:
-        """After a step failed before its results came back: its sequences return to the head of
-        ``waiting``, in order, without blocks; their KV is computed again (prefix hits aside)."""
+        """A step failed: its sequences go back to the head of ``waiting``, in order, blockless."""
         for seq in reversed(seqs):
-            if seq.is_finished:
-                continue
-            (self.running if seq.status == SequenceStatus.RUNNING else self.waiting).remove(seq)
-            seq.status = SequenceStatus.WAITING
-            seq.num_scheduled_tokens = 0
-            self.block_manager.deallocate(seq)
-            self.waiting.appendleft(seq)
+            if not seq.is_finished:
+                (self.running if seq.status == SequenceStatus.RUNNING else self.waiting).remove(seq)
+                self.preempt(seq, count=False)
 
     def finish(self, seq: Sequence, finish_reason: str, stop_reason: int | None = None) -> None:
         """End ``seq`` (waiting or running) and free its blocks; its tokens in flight are dropped.
@@ -132,9 +121,8 @@ class Scheduler:
         self.block_manager.deallocate(seq)
 
     def check_stop(self, seq: Sequence, token_id: int) -> tuple[str, int | None] | None:
-        """Whether ``seq`` ends with the token just set: EOS (unless ``ignore_eos``) and
-        ``stop_token_ids`` once ``min_tokens`` are out, then the length limit. Returns
-        ``(finish_reason, stop_reason)`` or None. (Stop strings: the front end, via ``finish``.)"""
+        """``(finish_reason, stop_reason)`` if ``seq`` ends with the token just set: EOS or a stop
+        token once ``min_tokens`` are out, or the length limit (stop strings: the front end)."""
         if seq.num_known_tokens - seq.num_prompt_tokens > seq.min_tokens:
             if not seq.ignore_eos and token_id in self.eos_token_ids:
                 return "stop", None
@@ -145,10 +133,9 @@ class Scheduler:
         return None
 
     def advance(self, seqs: list[Sequence]) -> list[int]:
-        """Once a step is launched: its sequences move past the tokens it computes, and each that
-        samples gets a placeholder (its value comes with ``resolve``). Returns each placeholder's
-        position (-1: a prompt chunk, it samples nothing). A sequence whose placeholder reaches its
-        length limit leaves ``running`` and frees its blocks now; it finishes in ``resolve``."""
+        """A step is launched: its sequences move past its tokens, and each that samples gets a
+        placeholder; returns their positions (-1: a prompt chunk). One at its length limit leaves
+        ``running`` and frees its blocks now (it finishes in ``resolve``)."""
         positions = []
         for row, seq in enumerate(seqs):
             seq.num_cached_tokens += seq.num_scheduled_tokens
@@ -164,21 +151,16 @@ class Scheduler:
                 self.block_manager.deallocate(seq)
         return positions
 
-    def resolve(
-        self, seqs: list[Sequence], positions: list[int], token_ids: list[int]
-    ) -> list[Sequence]:
-        """``token_ids[i]`` goes to ``positions[i]`` of ``seqs[i]`` (from ``advance``); tokens past
-        a sequence's end are dropped. Its processors take it and may end it ("stop"). Returns the
-        sequences that finished."""
+    def resolve(self, seqs: list[Sequence], positions: list[int], token_ids: list[int]) -> list:
+        """``token_ids[i]`` goes to ``positions[i]`` of ``seqs[i]`` (tokens past an end dropped);
+        its processors may end it ("stop"). Returns the sequences that finished."""
         finished = []
         for seq, position, token_id in zip(seqs, positions, token_ids):
             if not 0 <= position < len(seq) or seq.is_finished:
                 continue
             seq.set_token(position, token_id)
-            stop = None
-            for p in seq.processors:
-                if p.accept(seq, token_id):
-                    stop = ("stop", None)
+            ended = seq.processors and any([p.accept(seq, token_id) for p in seq.processors])
+            stop = ("stop", None) if ended else None
             self.num_generated_tokens += 1
             self.block_manager.hash_blocks(seq)
             if stop is not None or (stop := self.check_stop(seq, token_id)) is not None:

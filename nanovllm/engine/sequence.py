@@ -16,13 +16,10 @@ class SequenceStatus(Enum):
 
 
 class Sequence:
-    """A completion's token ids plus its paged-KV bookkeeping.
-
-    Invariant: the KV of ``token_ids[:num_cached_tokens]`` is in the blocks of ``block_table``; a
-    step computes the next ``num_scheduled_tokens``. The last ``num_pending`` tokens are
-    placeholders sampled by a step in flight (the newest in row ``pending_row`` of its output). A
-    finished sequence has none: tokens computed past its end are dropped.
-    """
+    """Invariant: the KV of ``token_ids[:num_cached_tokens]`` is in the blocks of ``block_table``;
+    a step computes the next ``num_scheduled_tokens``. The last ``num_pending`` tokens are
+    placeholders sampled by a step in flight (the newest in its row ``pending_row``); a finished
+    sequence has none."""
 
     _ids = count()
 
@@ -116,7 +113,7 @@ class Sequence:
             self.pending_row = -1
 
     def discard_pending(self) -> None:
-        """Drop the placeholders (tokens computed past the end of a finished sequence)."""
+        """Drop the placeholders (tokens past the end of a finished sequence)."""
         if self.num_pending:
             del self.token_ids[self.num_known_tokens :]
             self.num_tokens -= self.num_pending

@@ -21,9 +21,8 @@ def draw_seed(seed: int, step: int) -> int:
 
 @dataclass
 class SamplingRows:
-    """How each row of a step samples: a temperature (0: greedy) and a draw seed in [0, 2**32).
-    ``extra`` (``features.processors.RowExtras``, rank 0 only): what request processors add;
-    a step without it is plain, which a decode graph's fused draw does on every rank."""
+    """Each row's temperature (0: greedy) and draw seed in [0, 2**32). ``extra`` (rank 0 only):
+    what request processors add; a step without it is plain (a decode graph draws it)."""
 
     temperatures: list[float]
     seeds: list[int]
@@ -36,11 +35,9 @@ class SamplingRows:
 
 @dataclass
 class Step:
-    """One forward pass. Sequence ``i`` has ``num_computed[i]`` tokens in the cache and computes
-    ``num_new[i]`` more, whose ids are ``token_ids`` (all sequences', in order); a token the host
-    does not know yet is -1, and ``prev_rows[i]`` names the row of the previous step's sampled ids
-    that holds it. ``block_tables`` are empty for a step without a cache (the warm-up).
-    ``prompt_scoring``: prompt tokens every rank scores (``features.prompt_logprobs``)."""
+    """One forward pass. Sequence ``i`` has ``num_computed[i]`` tokens cached and computes
+    ``num_new[i]`` more (``token_ids``, all sequences' in order); a token the host does not know
+    yet is -1, held in row ``prev_rows[i]`` of the previous step's sampled ids."""
 
     is_prefill: bool
     token_ids: list[int]
@@ -49,21 +46,19 @@ class Step:
     block_tables: list[list[int]]
     prev_rows: list[int] | None = None
     sampling: SamplingRows | None = None
-    prompt_scoring: object | None = None
+    prompt_scoring: object | None = None  # prompt tokens every rank scores
 
     @property
     def num_seqs(self) -> int:
         return len(self.num_new)
 
-    def for_workers(self) -> "Step":
-        """What ranks other than 0 need: a plain step's sampling rows, no other."""
+    def for_workers(self) -> "Step":  # ranks other than 0 need only a plain step's rows
         rows = self.sampling
         return self if rows is None or rows.plain else replace(self, sampling=None)
 
 
 def build_step(seqs: list[Sequence], is_prefill: bool, rng: Random) -> Step:
-    """The step that computes each sequence's ``num_scheduled_tokens`` (set by the scheduler);
-    unseeded rows draw their seed from ``rng``."""
+    """The step that computes each sequence's ``num_scheduled_tokens`` (unseeded rows: ``rng``)."""
     if is_prefill:
         token_ids = list(chain.from_iterable(seq.scheduled_token_ids() for seq in seqs))
         num_computed = [seq.num_cached_tokens for seq in seqs]
@@ -89,7 +84,6 @@ def build_step(seqs: list[Sequence], is_prefill: bool, rng: Random) -> Step:
 
 
 def sampling_rows(seqs: list[Sequence], rng: Random) -> SamplingRows:
-    """Each sequence's temperature and draw seed for its next token."""
     temperatures, seeds = [], []
     for seq in seqs:
         sp = seq.sampling_params

@@ -3,12 +3,9 @@ ends with the LM head and the fused temperature draw of every row into ``sampled
 is one copy and one launch; with tensor parallelism each rank draws over its share of the
 vocabulary and the ranks exchange each row's winners inside the graph."""
 
-from collections.abc import Callable
-
 import torch
-from torch import nn
 
-from nanovllm.runner.step_inputs import DecodeBuffer, decode_inputs
+from nanovllm.runner.step_inputs import decode_inputs
 from nanovllm.utils.context import step_context
 
 
@@ -19,25 +16,19 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """Graphs of ``graph_batch_sizes(max_batch)``, captured largest first in one memory pool
-    (``largest_only``: just the largest). ``sampled`` [>= max_batch] int64: each step's tokens."""
+    """A runner's graphs for ``graph_batch_sizes(min(max_num_seqs, 512))``, captured largest first
+    in one memory pool (``largest_only``: just the largest), over its decode buffer and its
+    ``sampled`` ids."""
 
     @torch.inference_mode()
-    def __init__(
-        self,
-        model: nn.Module,
-        inputs: DecodeBuffer,
-        sampled: torch.Tensor,
-        max_batch: int,
-        dtype: torch.dtype,
-        device: torch.device,
-        sync: Callable[[], None],
-        largest_only: bool = False,
-    ):
-        self.model, self.inputs, self.sampled = model, inputs, sampled
+    def __init__(self, runner, largest_only: bool = False):
+        model, sampled = runner.model, runner.sampled
+        self.model, self.inputs, self.sampled = model, runner.decode_buffer, sampled
         self.head = model.lm_head  # this rank's share of the vocabulary
-        with device:
-            self.out = torch.empty(max_batch, self.head.num_embeddings_per_rank, dtype=dtype)
+        max_batch = min(runner.config.max_num_seqs, 512)
+        with runner.device:
+            shape = (max_batch, self.head.num_embeddings_per_rank)
+            self.out = torch.empty(*shape, dtype=runner.dtype)
         self.batch_sizes = graph_batch_sizes(max_batch)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         pool = None
@@ -49,7 +40,7 @@ class DecodeGraphs:
             if pool is None:
                 pool = graph.pool()
             self.graphs[batch] = graph
-            sync()
+            runner.sync()
 
     def _forward(self, batch: int) -> None:
         """What a graph runs: the input tokens, the model, the LM head and the draw."""
@@ -58,14 +49,10 @@ class DecodeGraphs:
         v = self.inputs.fields
         input_ids, positions, context = decode_inputs(v, self.sampled, batch)
         with step_context(context):
-            logits = self.model.compute_logits(
-                self.model(input_ids, positions), out=self.out[:batch], gather=False
-            )
-        temperatures, seeds, out = (
-            v["temperatures"][:batch],
-            v["seeds"][:batch],
-            self.sampled[:batch],
-        )
+            hidden_states = self.model(input_ids, positions)
+            logits = self.model.compute_logits(hidden_states, out=self.out[:batch], gather=False)
+        temperatures, seeds = v["temperatures"][:batch], v["seeds"][:batch]
+        out = self.sampled[:batch]
         if self.head.tp_size == 1:
             gumbel_argmax(logits, temperatures, seeds, out=out)
         else:
@@ -74,9 +61,7 @@ class DecodeGraphs:
 
     def padded_batch(self, n: int) -> int | None:
         """The batch size of the smallest graph that fits ``n`` rows, or None when none does."""
-        if n > self.batch_sizes[-1]:
-            return None
-        return next(b for b in self.batch_sizes if b >= n)
+        return next((b for b in self.batch_sizes if b >= n), None)
 
     def replay(self, n: int, batch: int) -> torch.Tensor:
         """Run the graph of ``batch`` rows over the inputs sent: this rank's logits [n, its share of

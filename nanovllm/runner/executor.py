@@ -21,8 +21,7 @@ def check_parallel() -> None:
     if dist.is_initialized():
         raise RuntimeError(
             "a torch.distributed process group is already initialised in this process (another "
-            "tensor-parallel LLM, or the program's own); call that LLM's exit() first, or run this "
-            "engine in a process of its own"
+            "tensor-parallel LLM's, or the program's own): exit() that LLM, or use a new process"
         )
 
 

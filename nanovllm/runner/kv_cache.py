@@ -25,15 +25,7 @@ def block_bytes(config, num_kv_heads: int, head_dim: int, dtype: torch.dtype) ->
     return num_rows * row_bytes
 
 
-def bind_kv_cache(
-    model,
-    config,
-    num_blocks: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> torch.Tensor:
+def bind_kv_cache(model, config, num_blocks, num_kv_heads, head_dim, dtype, device) -> torch.Tensor:
     """The one place that knows the cache layout: [2, layers, blocks, block_size, kv_heads,
     head_dim]; each layer gets its K and V views (an FP8 cache: also views of its float32 scales,
     which go with the model). Returns the cache."""
@@ -52,7 +44,7 @@ def bind_kv_cache(
 
 
 def num_blocks(runner) -> int:
-    """How many blocks the cache gets (all ranks take the minimum); -1: as many as fit."""
+    """How many blocks the cache gets (all ranks take the minimum; -1: as many as fit)."""
     config = runner.config
     count = config.num_kvcache_blocks
     one_block = block_bytes(config, runner.num_kv_heads, runner.head_dim, runner.dtype)

@@ -3,6 +3,7 @@ KV cache (``kv_cache``), the step inputs (``step_inputs``), CUDA graphs (``cuda_
 rank 0, the sampler."""
 
 from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 import torch
@@ -94,10 +95,7 @@ class ModelRunner:
         return kv_cache.bind_kv_cache(self.model, self.config, *shape, self.dtype, self.device)
 
     def capture_graphs(self, largest_only: bool = False) -> DecodeGraphs:
-        """Decode graphs for batch sizes up to min(max_num_seqs, 512)."""
-        max_batch = min(self.config.max_num_seqs, 512)
-        args = (self.sampled, max_batch, self.dtype, self.device, self.sync)
-        return DecodeGraphs(self.model, self.decode_buffer, *args, largest_only=largest_only)
+        return DecodeGraphs(self, largest_only)
 
     def allocate_cache(self, buffers: bool = True) -> None:
         """The step buffers, the KV cache of ``num_kvcache_blocks`` blocks and the CUDA graphs."""
@@ -109,7 +107,7 @@ class ModelRunner:
         self.sync()
 
     def free_cache(self) -> None:
-        """Free what ``allocate_cache`` made (the layers get an empty cache back). Between steps."""
+        """Free what ``allocate_cache`` made (the layers get an empty cache). Between steps."""
         self.sync()
         self.graphs = None
         for module in self.model.modules():
@@ -120,13 +118,10 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    # ---- one step ----------------------------------------------------------------------------
-
     @torch.inference_mode()
     def run(self, step: Step) -> StepOutput | None:
-        """Launch one step; rank 0 returns its output. Every rank keeps the sampled tokens in
-        ``sampled`` (async scheduling): a decode graph's draw leaves them there on every rank
-        (``drawn``); otherwise rank 0 samples the gathered logits and broadcasts them."""
+        """Launch one step; rank 0 returns its output. Every rank keeps the tokens in ``sampled``:
+        a decode graph draws them there (``drawn``), or rank 0 samples and broadcasts them."""
         n = step.num_seqs
         with phase("inputs"):
             graph_batch = None  # the batch size of the decode graph that runs the step
@@ -154,9 +149,8 @@ class ModelRunner:
             from nanovllm.sampling.prompt_scoring import score_prompt
 
             with phase("sample"):
-                prompt = score_prompt(
-                    self.model, hidden_states, step.prompt_scoring, self.vocab_size
-                )
+                scoring = step.prompt_scoring
+                prompt = score_prompt(self.model, hidden_states, scoring, self.vocab_size)
         output = None
         if self.rank == 0 and step.sampling is not None:
             if drawn:
@@ -193,11 +187,8 @@ class ModelRunner:
 
     def rpc(self, method, args: tuple = (), kwargs: dict | None = None):
         """``method`` on this rank (a method name, or a function called with the runner first)."""
-        if isinstance(method, str):
-            return getattr(self, method)(*args, **(kwargs or {}))
-        return method(self, *args, **(kwargs or {}))
-
-    # ---- device waits and the end ------------------------------------------------------------
+        fn = getattr(self, method) if isinstance(method, str) else partial(method, self)
+        return fn(*args, **(kwargs or {}))
 
     def sync(self, event: torch.cuda.Event | None = None) -> None:
         """Wait for ``event`` (default: all queued work) on this rank's device; with ``watch``, by
@@ -213,15 +204,10 @@ class ModelRunner:
         else:
             torch.cuda.synchronize()
 
-    def barrier(self) -> None:
-        """All ranks meet here (an all-reduce that rank 0 waits on through ``sync``)."""
-        dist.all_reduce(torch.zeros(1, device=self.device))
-        self.sync()
-
     def exit(self) -> None:
-        """Leave the group together (every rank runs this)."""
+        """Leave the group together (every rank runs this: an all-reduce, then ``sync``)."""
         if self.world_size > 1:
-            self.barrier()
+            dist.all_reduce(torch.zeros(1, device=self.device))
         self.sync()
         self.release()
 

@@ -18,22 +18,18 @@ NUM_STAGING = 2  # pinned host copies of the decode inputs, used in turn
 def write_block_tables(out: np.ndarray, tables: list[list[int]]) -> np.ndarray:
     """Write ``tables`` into the first rows of ``out`` [rows, width], left-aligned."""
     lens = np.fromiter(map(len, tables), np.int64, len(tables))
-    out[: len(tables)][np.arange(out.shape[1]) < lens[:, None]] = np.fromiter(
-        (b for t in tables for b in t), np.int32, int(lens.sum())
-    )
+    ids = np.fromiter((b for t in tables for b in t), np.int32, int(lens.sum()))
+    out[: len(tables)][np.arange(out.shape[1]) < lens[:, None]] = ids
     return out
 
 
 def block_table_array(tables: list[list[int]]) -> np.ndarray:
     """Block tables as one [rows, width] int32 array, padded with -1."""
-    return write_block_tables(
-        np.full((len(tables), max(map(len, tables))), -1, dtype=np.int32), tables
-    )
+    out = np.full((len(tables), max(map(len, tables))), -1, dtype=np.int32)
+    return write_block_tables(out, tables)
 
 
-def slot_mapping(
-    tables: np.ndarray, rows: np.ndarray, positions: np.ndarray, block_size: int
-) -> np.ndarray:
+def slot_mapping(tables: np.ndarray, rows, positions: np.ndarray, block_size: int) -> np.ndarray:
     """The cache slot of token ``j`` (row ``rows[j]``, at ``positions[j]``); -1: not stored."""
     if not tables.shape[1]:  # no cache yet (the warm-up)
         return np.full(len(positions), -1, dtype=np.int64)
@@ -41,11 +37,8 @@ def slot_mapping(
     return np.where(blocks >= 0, blocks * block_size + positions % block_size, -1)
 
 
-def prefill_inputs(
-    step: Step, block_size: int, to_device: ToDevice
-) -> tuple[torch.Tensor, torch.Tensor, Context]:
-    """The ``num_new`` tokens after each sequence's ``num_computed`` (block tables only when a
-    sequence has a cached prefix)."""
+def prefill_inputs(step: Step, block_size: int, to_device: ToDevice) -> tuple:
+    """Input ids, positions and context of the ``num_new`` tokens after each ``num_computed``."""
     n = step.num_seqs
     starts = np.array(step.num_computed, dtype=np.int64)
     lens = np.array(step.num_new, dtype=np.int64)
@@ -104,9 +97,8 @@ class DecodeLayout:
         out = {}
         for name, dtype, _ in DECODE_FIELDS:
             start = self.offsets[name]
-            out[name] = view(
-                buffer[start : start + self.max_rows * np.dtype(dtype).itemsize], dtype
-            )
+            end = start + self.max_rows * np.dtype(dtype).itemsize
+            out[name] = view(buffer[start:end], dtype)
         tables = view(buffer[self.offsets["block_tables"] : self.nbytes], np.int32)
         out["block_tables"] = tables.reshape(self.max_rows, self.max_blocks)
         return out
@@ -131,11 +123,9 @@ def fill_decode(fields: dict[str, np.ndarray], step: Step, rows: int, block_size
         fields[name][n:rows] = pad
 
 
-def decode_inputs(
-    v: dict[str, torch.Tensor], sampled: torch.Tensor, rows: int
-) -> tuple[torch.Tensor, torch.Tensor, Context]:
-    """The model's inputs from the first ``rows`` rows of the device fields ``v``; an input token
-    from the previous step's ``sampled`` ids where ``prev_rows`` names one."""
+def decode_inputs(v: dict[str, torch.Tensor], sampled: torch.Tensor, rows: int) -> tuple:
+    """Input ids, positions and context of the first ``rows`` rows of the device fields ``v``;
+    an input token from the previous step's ``sampled`` ids where ``prev_rows`` names one."""
     prev = v["prev_rows"][:rows]
     input_ids = torch.where(prev >= 0, sampled[prev.clamp(min=0)], v["input_ids"][:rows])
     context = Context(
@@ -159,9 +149,9 @@ class DecodeBuffer:
         if device.type == "cpu":
             self.staging = [self.buffer]
         else:
-            size = self.layout.nbytes
+            size, u8 = self.layout.nbytes, torch.uint8
             self.staging = [
-                torch.zeros(size, dtype=torch.uint8, pin_memory=True) for _ in range(NUM_STAGING)
+                torch.zeros(size, dtype=u8, pin_memory=True) for _ in range(NUM_STAGING)
             ]
         self.staged = [self.layout.fields(s.numpy(), lambda p, t: p.view(t)) for s in self.staging]
         self.copied: list[torch.cuda.Event | None] = [None] * len(self.staging)

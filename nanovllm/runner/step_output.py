@@ -1,5 +1,4 @@
-"""A launched step's output on rank 0: its sampled token ids, copied to the host without blocking
-and read when the core resolves the step (possibly one step later)."""
+"""A launched step's output on rank 0: its token ids, copied to the host without blocking."""
 
 from collections.abc import Callable
 
@@ -20,7 +19,7 @@ class StepOutput:
             self.ready.record()
 
     def result(self) -> tuple[list[int], list[dict | None] | None]:
-        """One token id per row, and (with ``extra``) each row's extra outputs."""
+        """One token id per row and (with ``extra``) each row's extra outputs, once on the host."""
         if self.ready is not None:
             self.wait(self.ready)
             self.ready = None

@@ -18,9 +18,8 @@ def row_uniform_bits(draw_seed: int) -> int:
 
 
 def cdf_draw(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
-    """One token per row from softmax(logits / T), token ``v`` with probability ``q_v / S`` where
-    ``q_v = floor(p_v * 2**CDF_BITS)``; rows with T = 0 take the argmax. logits [rows, vocab],
-    temperatures [rows] float32, seeds [rows] int64 draw seeds."""
+    """One token per row of logits [rows, vocab], ``v`` with probability ``floor(p_v * 2**60) / S``
+    (p = softmax(logits / T)); rows with T = 0 take the argmax."""
     rows, vocab = logits.shape
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
     temps = temperatures.tolist()

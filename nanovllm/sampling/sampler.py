@@ -1,7 +1,6 @@
 """The sampler: one token per row from the logits. A plain batch (temperatures and draw seeds
 alone) is a greedy argmax or one temperature draw; any other goes through ``extras.sample``."""
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -26,13 +25,8 @@ class SamplingBatch:
 
     @property
     def plain(self) -> bool:
-        return (
-            self.suppress is None
-            and self.penalties is None
-            and self.token_bitmask is None
-            and self.filters is None
-            and self.logprob_rows is None
-        )
+        extras = (self.suppress, self.penalties, self.token_bitmask, self.filters)
+        return extras == (None,) * 4 and self.logprob_rows is None
 
 
 @dataclass
@@ -42,10 +36,9 @@ class SamplerOutput:
     logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
-def make_sampling_batch(
-    rows, vocab_size: int, to_device: Callable[[list, torch.dtype], torch.Tensor]
-) -> SamplingBatch:
-    """A step's ``SamplingRows`` as tensors on the device; what no row uses adds nothing."""
+def make_sampling_batch(rows, vocab_size: int, to_device) -> SamplingBatch:
+    """A step's ``SamplingRows`` as tensors (``to_device(values, dtype)``); what no row uses adds
+    nothing."""
     all_greedy = not any(rows.temperatures)
     seeds = None if all_greedy else to_device(rows.seeds, torch.int64)
     batch = SamplingBatch(to_device(rows.temperatures, torch.float32), seeds, all_greedy)
