@@ -123,12 +123,10 @@ def sample_filtered(
     num_candidates: int,
     all_top_k: bool,
 ) -> torch.Tensor:
-    """Draw one token per row among those min-p, top-k and top-p keep (in that order), with the same
-    noise as ``gumbel_argmax``. Works on the ``num_candidates`` most likely tokens (no sort of the
-    vocabulary); a row without top-k whose top-p mass they do not reach is redone over the whole
-    vocabulary. logits [rows, vocab]; top_k [rows] int64 (0 = off); top_p [rows] (1 = off);
-    min_p [rows] or None; every row has temperature > 0. ``all_top_k``: every row has top-k (then
-    ``num_candidates`` >= each top_k and no row needs the vocabulary, nor a device sync)."""
+    """One token per row among those min-p, top-k and top-p keep, with ``gumbel_argmax``'s noise,
+    from the ``num_candidates`` most likely (a row whose kept set reaches past them: the whole
+    vocabulary). top_k [rows] int64 (0 = off), top_p [rows] (1 = off), min_p [rows] or None; T > 0.
+    ``all_top_k``: every row has top-k, so the candidates suffice (no device sync)."""
     vocab = logits.size(1)
     num_candidates = min(num_candidates, vocab)
     vals, ids, keep, complete = _candidates(

@@ -1,13 +1,6 @@
 """The plain temperature draw fused into one pass over the logits (GPU): per row,
-argmax(logits / T + gumbel) with the same counter-based noise as ``torch_ops.gumbel_argmax``,
-or the plain argmax when T = 0. No softmax, no noise tensor, no float32 copy of the logits.
-
-A row's vocabulary is split into chunks of ``CHUNK`` entries, one program each, so that even a
-few rows keep every SM reading (one program per row would walk 151,936 logits alone, one load after
-the other); a second small kernel picks each row's best of its chunks' winners. Under tensor
-parallelism each rank draws over its share of the vocabulary and the ranks exchange only those
-winners (``sharded_gumbel_argmax``).
-"""
+argmax(logits / T + gumbel) with ``torch_ops.gumbel_argmax``'s noise, or the argmax when T = 0
+(see docs/sampling.md)."""
 
 import torch
 import torch.distributed as dist
