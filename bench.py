@@ -55,7 +55,7 @@ def time_sampler(sampling: dict, num_seqs: int, vocab_size: int = 151936, iters:
 
     from nanovllm.engine.sequence import Sequence
     from nanovllm.engine.step import build_step
-    from nanovllm.features.processors import attach_processors
+    from nanovllm.features.attach import attach_processors
     from nanovllm.sampling.sampler import Sampler, make_sampling_batch
 
     params = SamplingParams(temperature=0.6, **sampling)

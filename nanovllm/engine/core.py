@@ -76,7 +76,7 @@ class EngineCore:
         bs = self.config.kvcache_block_size
         seqs = request_sequences(request_id, prompt_token_ids, sampling_params, bs)
         if not is_plain(sampling_params):
-            from nanovllm.features.processors import attach_processors
+            from nanovllm.features.attach import attach_processors
 
             attach_processors(seqs, self.eos_token_ids, self)
         self.requests[request_id] = seqs

@@ -59,7 +59,7 @@ def update_weights(engine, weights) -> None:
     """Copy ``(checkpoint name, tensor)`` pairs (or a mapping) into the model on every rank and
     replica, then drop the prefix cache. All or nothing: every tensor is checked before any is
     written. Only between requests (``engine.check_idle``)."""
-    from nanovllm.runner.executor import RankZeroOnly
+    from nanovllm.runner.model_runner import RankZeroOnly
 
     named = _helpers().named_tensors(weights)
     engine.check_idle("update_weights")

@@ -3,34 +3,15 @@ alone (tensor_parallel_size 1); ``MultiprocExecutor`` adds the worker processes 
 
 from nanovllm.config import Config
 from nanovllm.engine.step import Step
-from nanovllm.runner.model_runner import ModelRunner
-
-
-class RankZeroOnly:
-    """A ``collective_rpc`` argument only rank 0 receives (the others get None)."""
-
-    def __init__(self, value):
-        self.value = value
-
-
-def check_parallel() -> None:
-    """Reject an engine in a process that already has a process group (the layers take their
-    shard from the process's default group)."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        raise RuntimeError(
-            "a torch.distributed process group is already initialised in this process (another "
-            "tensor-parallel LLM's, or the program's own): exit() that LLM, or use a new process"
-        )
+from nanovllm.runner.model_runner import ModelRunner, RankZeroOnly, check_parallel
 
 
 class Executor:
     def __new__(cls, config: Config):
-        if cls is Executor and config.tensor_parallel_size > 1:
+        if config.tensor_parallel_size > 1:  # not an Executor: __init__ is its own
             from nanovllm.runner.multiproc_executor import MultiprocExecutor
 
-            cls = MultiprocExecutor
+            return MultiprocExecutor(config)
         return super().__new__(cls)
 
     def __init__(self, config: Config):

@@ -24,6 +24,25 @@ from nanovllm.utils.loader import init_dummy_weights, load_model
 from nanovllm.utils.profiling import phase
 
 
+class RankZeroOnly:
+    """A ``collective_rpc`` argument only rank 0 receives (the others get None)."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+def check_parallel() -> None:
+    """Reject an engine in a process that already has a process group (the layers take their
+    shard from the process's default group)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        raise RuntimeError(
+            "a torch.distributed process group is already initialised in this process (another "
+            "tensor-parallel LLM's, or the program's own): exit() that LLM, or use a new process"
+        )
+
+
 class ModelRunner:
     def __init__(self, config: Config, rank: int, dist_port: int, watch: Callable = None):
         """``watch()`` (rank 0 with workers) names a worker that has died; device waits poll it."""

@@ -11,8 +11,7 @@ from nanovllm.config import Config
 from nanovllm.engine.step import Step
 from nanovllm.parallel.control_channel import ControlChannel, channel_bytes
 from nanovllm.parallel.workers import WorkerGroup
-from nanovllm.runner.executor import Executor, RankZeroOnly, check_parallel
-from nanovllm.runner.model_runner import ModelRunner
+from nanovllm.runner.model_runner import ModelRunner, RankZeroOnly, check_parallel
 
 
 def _free_port() -> int:
@@ -21,7 +20,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor:
     def __init__(self, config: Config):
         check_parallel()
         self.failure_message: str | None = None

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from nanovllm.sampling import torch_ops
-from nanovllm.sampling.sampler import SamplerOutput, SamplingBatch, plain_draw
+from nanovllm.sampling.draw import plain_draw
 
 # a top-p or min-p row without top-k first looks at this many most likely tokens; only when its
 # kept set reaches past them is the whole vocabulary sorted
@@ -40,7 +40,7 @@ def _used(values: list | None) -> list[int]:
     return [] if values is None else [i for i, v in enumerate(values) if v is not None]
 
 
-def add_extras(batch: SamplingBatch, extra, vocab_size: int, to_device) -> None:
+def add_extras(batch, extra, vocab_size: int, to_device) -> None:
     """Fill ``batch``'s optional fields from ``extra`` (a ``RowExtras``)."""
     pairs = [(i, t) for i in _used(extra.suppressed) for t in extra.suppressed[i] if t < vocab_size]
     if pairs:
@@ -92,7 +92,8 @@ def _filters(values: list, rows: list[int], vocab_size: int, to_device) -> Filte
     )
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+def sample(logits: torch.Tensor, batch) -> tuple:
+    """``batch`` (a ``SamplingBatch`` that is not plain): token ids [B], and the logprobs."""
     raw = logits
     if batch.suppress is not None or batch.penalties is not None or batch.token_bitmask is not None:
         logits = logits.to(torch.float32, copy=True)  # never modify the raw logits in place
@@ -123,7 +124,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     if batch.logprob_rows is not None:
         rows = batch.logprob_rows
         logprobs = torch_ops.top_logprobs(raw[rows], token_ids[rows], batch.num_logprobs)
-    return SamplerOutput(token_ids, logprobs)
+    return token_ids, logprobs
 
 
 def _to_host(tensors) -> list | None:
@@ -133,7 +134,7 @@ def _to_host(tensors) -> list | None:
 class ExtraOutputs:
     """A step's log-probabilities on their way to the host (queued before its tokens' copy)."""
 
-    def __init__(self, out: SamplerOutput, extra, scoring, prompt):
+    def __init__(self, out, extra, scoring, prompt):
         self.num_logprobs = None if extra is None else extra.logprobs
         self.logprobs = _to_host(out.logprobs)
         self.scoring, self.prompt = scoring, _to_host(prompt)

@@ -1,12 +1,12 @@
 """The sampler: one token per row from the logits. A plain batch (temperatures and draw seeds
-alone) is a greedy argmax or one temperature draw; any other goes through ``extras.sample``."""
+alone) is a greedy argmax or one temperature draw (``draw``); any other goes through ``extras``."""
 
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from nanovllm.sampling.cpu_draw import cdf_draw
+from nanovllm.sampling.draw import plain_draw
 
 
 @dataclass
@@ -49,22 +49,12 @@ def make_sampling_batch(rows, vocab_size: int, to_device) -> SamplingBatch:
     return batch
 
 
-def plain_draw(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor):
-    """Each row's temperature draw (T = 0: argmax): fused Gumbel-max on a GPU, inverse CDF on
-    the CPU."""
-    if logits.is_cuda:
-        from nanovllm.sampling.triton_draw import gumbel_argmax
-
-        return gumbel_argmax(logits, temperatures, seeds)
-    return cdf_draw(logits, temperatures, seeds)
-
-
 class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         if not batch.plain:
             from nanovllm.sampling.extras import sample
 
-            return sample(logits, batch)
+            return SamplerOutput(*sample(logits, batch))
         if batch.all_greedy:
             return SamplerOutput(logits.argmax(dim=-1))
         return SamplerOutput(plain_draw(logits, batch.temperatures, batch.seeds))

@@ -33,7 +33,7 @@ def gumbel_argmax(
     logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor
 ) -> torch.Tensor:
     """One token per row: argmax(logits / T + gumbel); rows with T = 0 take the plain argmax. The
-    reference of ``triton_draw.gumbel_argmax`` (the CPU draws with ``cpu_draw.cdf_draw``).
+    reference of ``triton_draw.gumbel_argmax`` (the CPU draws with ``draw.cdf_draw``).
     logits [rows, vocab] (any float dtype), temperatures [rows] float32, seeds [rows] int64."""
     logits = logits.float()
     greedy = (temperatures == 0).unsqueeze(1)

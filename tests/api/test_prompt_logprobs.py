@@ -12,7 +12,7 @@ from hf_reference import random_prompts
 from nanovllm import SamplingParams
 from nanovllm.engine.sequence import request_sequences
 from nanovllm.engine.step import SamplingRows, Step
-from nanovllm.features.processors import attach_processors
+from nanovllm.features.attach import attach_processors
 
 TOL = 1e-4
 

@@ -12,7 +12,7 @@ import pytest
 from core_helpers import append_token, make_seq
 
 from nanovllm.engine.step import build_step
-from nanovllm.features.processors import attach_processors
+from nanovllm.features.attach import attach_processors
 from nanovllm.sampling_params import SamplingParams
 
 # ---- Sequence ----------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import torch
 
 from nanovllm.engine.sequence import Sequence
 from nanovllm.engine.step import SamplingRows, build_step
-from nanovllm.features.processors import attach_processors
+from nanovllm.features.attach import attach_processors
 from nanovllm.sampling import torch_ops
 from nanovllm.sampling.extras import NUM_CANDIDATES
 from nanovllm.sampling.sampler import Sampler, SamplingBatch, make_sampling_batch

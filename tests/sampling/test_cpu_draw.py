@@ -1,4 +1,4 @@
-"""The plain temperature draw on the CPU (``cpu_draw.cdf_draw``): the token the row's seeded uniform
+"""The plain temperature draw on the CPU (``draw.cdf_draw``): the token the row's seeded uniform
 selects from the exact cumulative distribution, so draws follow softmax(logits / T); greedy rows take
 the argmax; a row draws the same token alone, in any batch and in any group of rows; the sampler's
 CPU path is this draw."""
@@ -8,7 +8,7 @@ import torch
 from sampling_helpers import NUM_DRAWS, check_draws, reference, sample_seqs, seed_tensor, seq_with
 
 from nanovllm.engine.step import draw_seed
-from nanovllm.sampling import cpu_draw
+from nanovllm.sampling import draw as cpu_draw
 from nanovllm.sampling_params import SamplingParams
 
 

@@ -8,7 +8,7 @@ from sampling_helpers import make_batch, seq_with, step_rows
 
 from nanovllm.engine.sequence import Sequence, request_sequences
 from nanovllm.engine.step import draw_seed
-from nanovllm.features.processors import attach_processors
+from nanovllm.features.attach import attach_processors
 from nanovllm.sampling.extras import NUM_CANDIDATES
 from nanovllm.sampling_params import SamplingParams
 

@@ -1,5 +1,5 @@
-"""The plain temperature draw on the CPU: one 64-bit uniform per row inverts the row's cumulative
-distribution, held as exact integers (see docs/sampling.md)."""
+"""The plain temperature draw: fused Gumbel-max on a GPU (``triton_draw``); on the CPU one 64-bit
+uniform per row inverts the row's cumulative distribution, held as exact integers."""
 
 import torch
 
@@ -63,3 +63,13 @@ def _cdf_search(x: torch.Tensor, inv_t: torch.Tensor, uniforms: list[int]) -> to
     inside = inside.masked_fill_(cols >= vocab, 0).cumsum_(dim=1)
     offset = torch.searchsorted(inside, targets - before, right=True)
     return (block * CDF_BLOCK + offset).squeeze(1)
+
+
+def plain_draw(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor):
+    """Each row's temperature draw (T = 0: argmax): fused Gumbel-max on a GPU, inverse CDF on
+    the CPU."""
+    if logits.is_cuda:
+        from nanovllm.sampling.triton_draw import gumbel_argmax
+
+        return gumbel_argmax(logits, temperatures, seeds)
+    return cdf_draw(logits, temperatures, seeds)
