@@ -292,7 +292,7 @@ def test_leaving_an_aborted_group_drops_the_one_shot_all_reduce():
     one-shot all-reduce must go all the same, or the process's next engine would capture it into its
     decode graphs (``distributed.all_reduce``) while its new workers sum through NCCL."""
     from nanovllm.parallel import distributed
-    from nanovllm.runner.executor import _free_port
+    from nanovllm.runner.multiproc_executor import _free_port
 
     try:
         distributed.init_process_group(torch.device("cpu"), 0, 1, _free_port())
@@ -328,7 +328,7 @@ def test_without_symmetric_memory_the_ranks_agree_on_nccl(monkeypatch):
     """``enable_custom_all_reduce`` on a group (one gloo rank here; the GPUs' peer check stubbed):
     without symmetric memory it sets nothing up, returns False and warns why."""
     from nanovllm.parallel import distributed
-    from nanovllm.runner.executor import _free_port
+    from nanovllm.runner.multiproc_executor import _free_port
 
     monkeypatch.setattr(distributed, "_reaches_peers", lambda device, world: True)
     monkeypatch.setattr(distributed, "has_symmetric_memory", lambda: False)
