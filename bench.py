@@ -54,15 +54,16 @@ def time_sampler(sampling: dict, num_seqs: int, vocab_size: int = 151936, iters:
     import torch
 
     from nanovllm.engine.sequence import Sequence
-    from nanovllm.engine.step import sampling_rows
-    from nanovllm.sampling import Sampler
-    from nanovllm.sampling.batch import make_sampling_batch
+    from nanovllm.engine.step import build_step
+    from nanovllm.features.attach import attach_processors
+    from nanovllm.sampling.sampler import Sampler, make_sampling_batch
 
     params = SamplingParams(temperature=0.6, **sampling)
     seqs = [Sequence([1] * 8, params, 256) for _ in range(num_seqs)]
+    attach_processors(seqs, [])
     logits = (torch.randn(num_seqs, vocab_size, device="cuda") * 3).to(torch.bfloat16)
     batch = make_sampling_batch(
-        sampling_rows(seqs, Random(0)),
+        build_step(seqs, False, Random(0)).sampling,
         vocab_size,
         lambda v, dtype: torch.tensor(v, dtype=dtype, device="cuda"),
     )

@@ -65,7 +65,7 @@ def expected_chain(token_ids: list[int], block_size: int) -> list[int]:
 
 def compute(bm: BlockManager, seq: Sequence, num_tokens: int | None = None) -> None:
     """Pretend a step computed ``seq``'s next ``num_tokens`` tokens (all of them by default) and
-    hash the blocks they fill, as Scheduler.postprocess does."""
+    hash the blocks they fill, as Scheduler.advance does."""
     seq.num_cached_tokens = len(seq) if num_tokens is None else seq.num_cached_tokens + num_tokens
     bm.hash_blocks(seq)
 
@@ -152,3 +152,15 @@ def check_scheduler_invariants(sched: Scheduler) -> None:
         assert seq.num_cached_tokens == len(seq) - 1
         assert len(seq.block_table) == -(-seq.num_cached_tokens // bs)
     check_block_invariants(sched.block_manager, waiting + running)
+
+
+def append_token(seq: Sequence, token_id: int) -> None:
+    """Append a known token (a sampled one whose value has arrived)."""
+    seq.append_placeholder(-1)
+    seq.set_token(seq.num_tokens - 1, token_id)
+
+
+def run_step(sched: Scheduler, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
+    """A step whose tokens are known when it ends: ``advance``, then ``resolve``; returns the
+    sequences that finished."""
+    return sched.resolve(seqs, sched.advance(seqs), token_ids)

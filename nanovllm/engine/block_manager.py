@@ -1,4 +1,4 @@
-"""Paged KV-cache blocks with reference counts and a hash-chained prefix cache (pure Python)."""
+"""Paged KV-cache blocks with reference counts and a hash-chained prefix cache."""
 
 from collections import OrderedDict
 
@@ -16,23 +16,17 @@ class Block:
         self.token_ids: list[int] = []
 
     def update(self, h: int, token_ids: list[int]) -> None:
-        self.hash = h
-        self.token_ids = token_ids
+        self.hash, self.token_ids = h, token_ids
 
     def reset(self) -> None:
-        self.ref_count = 1
-        self.hash = -1
-        self.token_ids = []
+        self.ref_count, self.hash, self.token_ids = 1, -1, []
 
 
 class BlockManager:
-    """A fixed pool of KV blocks shared by all sequences.
-
-    Blocks that are freed keep their hash and tokens at the back of the free queue, so a later
-    request with the same prefix can take them back; a block handed out for new content forgets
-    its old hash. Invariants (checked by the tests after every step): each used block's
-    ``ref_count`` equals the number of block tables holding it, and free + used = all blocks.
-    """
+    """A fixed pool of KV blocks. A freed block keeps its hash and tokens at the back of the free
+    queue (a later request with the same prefix takes it back) until handed out for new content.
+    Invariants: a used block's ``ref_count`` is the number of block tables holding it, and free +
+    used = all blocks."""
 
     def __init__(self, num_blocks: int, block_size: int):
         if num_blocks < 1 or block_size < 1:
@@ -44,15 +38,12 @@ class BlockManager:
         self.hash_to_block_id: dict[int, int] = {}
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.used_block_ids: set[int] = set()
-        self.num_queried_tokens = (
-            0  # tokens of admitted sequences, and how many the prefix cache served
-        )
-        self.num_hit_tokens = 0
+        self.num_queried_tokens = self.num_hit_tokens = 0  # admitted tokens, and cache hits
 
     @staticmethod
     def compute_hash(token_ids: list[int], prefix: int = -1) -> int:
-        """xxh64 over the previous block's hash (8 bytes LE, absent for the first block), then the
-        token ids as int64 LE: the hash stands for the whole prefix ending with this block."""
+        """xxh64 of the previous block's hash (8 bytes LE; none for the first block) and the token
+        ids as int64 LE: it stands for the whole prefix ending with this block."""
         h = xxhash.xxh64()
         if prefix != -1:
             h.update(prefix.to_bytes(8, "little"))
@@ -77,10 +68,9 @@ class BlockManager:
         self.free_block_ids[block_id] = None
 
     def cached_prefix(self, seq: Sequence) -> list[int]:
-        """Block ids of the longest cached prefix of ``seq``. The last block of the sequence is
-        never a hit, so a prefill always has at least one token to compute. A sequence that scores
-        its prompt (``prompt_logprobs``) computes all of it: no hits."""
-        if seq.scores_prompt:
+        """Block ids of the longest cached prefix of ``seq`` (never its last block: a prefill
+        computes a token)."""
+        if not seq.uses_prefix_cache:
             return []
         hits = []
         h = -1
@@ -94,25 +84,21 @@ class BlockManager:
         return hits
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix (after a weight update its KV is stale): no block cached so far
-        is a hit from now on. Free blocks lose their hash and tokens. Blocks that sequences hold stay
-        theirs and keep their hash, from which their sequence's next full block chains, but they
-        leave the map, so no admission finds them."""
+        """No block cached so far is a hit from now on. Free blocks lose their hash; held blocks
+        keep theirs (their sequence's next block chains from it) but leave the map."""
         self.hash_to_block_id.clear()
         for block_id in self.free_block_ids:
             self.blocks[block_id].update(-1, [])
 
     def can_allocate(self, seq: Sequence, hits: list[int] | None = None) -> bool:
-        """True when the free queue holds every block ``seq`` needs beyond its cached prefix
-        (a hit on a freed-but-remembered block also comes out of the free queue). ``hits`` is
-        ``cached_prefix(seq)`` when the caller already has it."""
+        """Whether the free queue holds every block ``seq`` needs beyond its cached prefix ``hits``
+        (a hit on a freed block also comes out of it)."""
         hits = self.cached_prefix(seq) if hits is None else hits
         needed = seq.num_blocks - sum(self.blocks[b].ref_count > 0 for b in hits)
         return needed <= self.num_free_blocks
 
     def allocate(self, seq: Sequence, hits: list[int] | None = None) -> None:
-        """Give ``seq`` a block table for all its tokens, reusing its cached prefix ``hits``
-        (``cached_prefix(seq)``, computed here when not given)."""
+        """Give ``seq`` a block table for all its tokens, reusing its cached prefix ``hits``."""
         assert not seq.block_table, f"sequence {seq.seq_id} already holds blocks"
         hits = self.cached_prefix(seq) if hits is None else hits
         for block_id in hits:
@@ -131,8 +117,7 @@ class BlockManager:
             seq.num_prefix_hit_tokens = seq.num_cached_tokens
 
     def deallocate(self, seq: Sequence) -> None:
-        """Drop ``seq``'s references, newest block first; blocks nobody holds become free (their
-        hash is kept, so a later request can still hit them)."""
+        """Drop ``seq``'s references, newest block first; blocks nobody holds become free."""
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             block.ref_count -= 1
@@ -142,8 +127,7 @@ class BlockManager:
         seq.block_table.clear()
 
     def can_append(self, seq: Sequence) -> bool:
-        """True when the next decode step of ``seq`` has a slot: it needs a new block exactly
-        when its length is one past a block boundary (its newest token starts a block)."""
+        """Whether ``seq``'s next decode step has a slot (a new block if its newest token needs)."""
         return self.num_free_blocks >= (seq.num_blocks > len(seq.block_table))
 
     def may_append(self, seq: Sequence) -> None:
@@ -152,8 +136,7 @@ class BlockManager:
             seq.block_table.append(self._take_free_block())
 
     def hash_blocks(self, seq: Sequence) -> None:
-        """After a step: hash and register every block of ``seq`` that its computed tokens fill,
-        as far as their values are known (not a pending placeholder)."""
+        """Hash and register every block of ``seq`` its computed, known tokens fill."""
         num_full = min(seq.num_cached_tokens, seq.num_known_tokens) // self.block_size
         start = num_full
         while start > 0 and self.blocks[seq.block_table[start - 1]].hash == -1:

@@ -1,4 +1,4 @@
-"""Decides what each step computes: prefill first, FIFO, chunked prompts and preemption (pure Python)."""
+"""Decides what each step computes: prefill first, FIFO, chunked prompts and preemption."""
 
 from collections import deque
 
@@ -7,9 +7,8 @@ from nanovllm.engine.sequence import Sequence, SequenceStatus
 
 
 class Scheduler:
-    """Two FIFO queues. ``waiting`` holds sequences whose prompt is not fully computed (only its
-    head may already hold blocks, part-way through a chunked prefill); ``running`` holds
-    sequences in decode."""
+    """``waiting``: sequences whose prompt is not fully computed (only the head may hold blocks,
+    part-way through a chunked prefill); ``running``: sequences in decode. Both FIFO."""
 
     def __init__(
         self,
@@ -24,11 +23,8 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        if eos_token_id is None:
-            eos_token_id = []
-        self.eos_token_ids = frozenset(
-            [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
-        )
+        eos = [] if eos_token_id is None else eos_token_id
+        self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else eos)
         self.block_manager = BlockManager(num_blocks, block_size)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
@@ -42,27 +38,18 @@ class Scheduler:
         self.waiting.append(seq)
 
     def schedule(self) -> tuple[list[Sequence], bool]:
-        """Pick this step's sequences and set their ``num_scheduled_tokens``.
-
-        Returns ``(seqs, is_prefill)``. Prefill takes waiting sequences in order while the
-        sequence limit, the token budget (uncached tokens only) and free blocks allow; only the
-        first sequence of a step may be chunked. Without prefill work, every running sequence
-        decodes one token, preempting the newest ones when blocks run out; a decode step lists
-        its sequences longest first.
-        """
+        """``(seqs, is_prefill)``, their ``num_scheduled_tokens`` set. Prefill: waiting sequences in
+        order within the limits (uncached tokens count), only the last chunked. Else every running
+        one decodes a token (the newest preempted when blocks run out), longest first."""
         scheduled: list[Sequence] = []
         budget = self.max_num_batched_tokens
         bm = self.block_manager
         num_seqs = len(self.running)  # a chunked prefill in progress counts from its admission
         while self.waiting and budget > 0 and num_seqs < self.max_num_seqs:
             seq = self.waiting[0]
-            lead = seq.wait_for
-            if (
-                lead is not None
-                and lead in scheduled
-                and lead.num_cached_tokens < lead.num_prompt_tokens
-            ):
-                break  # its prompt's blocks are computed this step by its first completion: hit them next step
+            lead = seq.wait_for  # completion 0: it computes the prompt's blocks, hit them next step
+            if lead in scheduled and lead.num_cached_tokens < lead.num_prompt_tokens:
+                break
             if seq.block_table:  # a chunked prefill in progress
                 num_uncached = len(seq) - seq.num_cached_tokens
             else:
@@ -96,38 +83,31 @@ class Scheduler:
                 seq.num_scheduled_tokens = 1
                 scheduled.append(seq)
         self.running.extendleft(reversed(scheduled))
-        # longest context first: the decode kernels then start their longest programs first, which
-        # evens out the SMs' work (the order of a step's sequences means nothing else)
+        # longest first: the decode kernels start their longest programs first
         return sorted(scheduled, key=len, reverse=True), False
 
     def at_length_limit(self, seq: Sequence) -> bool:
-        """Whether ``seq`` holds as many tokens as it may: ``max_tokens`` completion tokens, or
-        ``max_model_len`` in all."""
+        """Whether ``seq`` holds ``max_tokens`` completion tokens, or ``max_model_len`` in all."""
         return seq.num_completion_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len
 
-    def preempt(self, seq: Sequence) -> None:
+    def preempt(self, seq: Sequence, count: bool = True) -> None:
         """Free ``seq``'s blocks and put it back at the head of ``waiting`` for recomputation."""
         seq.status = SequenceStatus.WAITING
         seq.num_scheduled_tokens = 0
         self.block_manager.deallocate(seq)
         self.waiting.appendleft(seq)
-        self.num_preemptions += 1
+        self.num_preemptions += count
 
     def unschedule(self, seqs: list[Sequence]) -> None:
-        """After a step failed before its results came back: its sequences return to the head of
-        ``waiting``, in order, without blocks; their KV is computed again (prefix hits aside)."""
+        """A step failed: its sequences go back to the head of ``waiting``, in order, blockless."""
         for seq in reversed(seqs):
-            if seq.is_finished:
-                continue
-            (self.running if seq.status == SequenceStatus.RUNNING else self.waiting).remove(seq)
-            seq.status = SequenceStatus.WAITING
-            seq.num_scheduled_tokens = 0
-            self.block_manager.deallocate(seq)
-            self.waiting.appendleft(seq)
+            if not seq.is_finished:
+                (self.running if seq.status == SequenceStatus.RUNNING else self.waiting).remove(seq)
+                self.preempt(seq, count=False)
 
     def finish(self, seq: Sequence, finish_reason: str, stop_reason: int | None = None) -> None:
-        """End ``seq`` (waiting or running) and free its blocks; tokens still in flight for it are
-        dropped. The reasons are ``check_stop``'s, "abort", or the front end's "stop" (a stop string)."""
+        """End ``seq`` (waiting or running) and free its blocks; its tokens in flight are dropped.
+        Reasons: ``check_stop``'s, "abort", or the front end's "stop" (a stop string)."""
         if seq.is_finished:
             return
         queue = self.running if seq.status == SequenceStatus.RUNNING else self.waiting
@@ -137,18 +117,12 @@ class Scheduler:
         seq.finish_reason, seq.stop_reason = finish_reason, stop_reason
         seq.num_scheduled_tokens = 0
         seq.wait_for = None
-        seq.grammar = None  # its matcher is freed
         seq.discard_pending()
         self.block_manager.deallocate(seq)
 
     def check_stop(self, seq: Sequence, token_id: int) -> tuple[str, int | None] | None:
-        """The one place that decides whether a sequence ends with the token just set: the end of
-        its grammar (the matcher took a stop token there), EOS (unless ``ignore_eos``) and
-        ``stop_token_ids`` once ``min_tokens`` are out, then the length limit. Returns
-        ``(finish_reason, stop_reason)`` or None. (Stop strings need the text: the front end finds
-        them and ends the sequence through ``finish``.)"""
-        if seq.grammar is not None and seq.grammar.is_terminated:
-            return "stop", None
+        """``(finish_reason, stop_reason)`` if ``seq`` ends with the token just set: EOS or a stop
+        token once ``min_tokens`` are out, or the length limit (stop strings: the front end)."""
         if seq.num_known_tokens - seq.num_prompt_tokens > seq.min_tokens:
             if not seq.ignore_eos and token_id in self.eos_token_ids:
                 return "stop", None
@@ -159,12 +133,9 @@ class Scheduler:
         return None
 
     def advance(self, seqs: list[Sequence]) -> list[int]:
-        """Once a step is launched: its sequences move past the tokens it computes, and each one
-        that samples gets a placeholder for the token, whose value comes with ``resolve``. Returns
-        each sequence's placeholder position (-1: part-way through a chunked prefill, it samples
-        nothing). A sequence whose placeholder is its last token (its length limit) leaves
-        ``running`` and gives its blocks back now: no step computes more of it. It finishes when
-        the token's value arrives (``check_stop``)."""
+        """A step is launched: its sequences move past its tokens, and each that samples gets a
+        placeholder; returns their positions (-1: a prompt chunk). One at its length limit leaves
+        ``running`` and frees its blocks now (it finishes in ``resolve``)."""
         positions = []
         for row, seq in enumerate(seqs):
             seq.num_cached_tokens += seq.num_scheduled_tokens
@@ -180,26 +151,19 @@ class Scheduler:
                 self.block_manager.deallocate(seq)
         return positions
 
-    def resolve(
-        self, seqs: list[Sequence], positions: list[int], token_ids: list[int]
-    ) -> list[Sequence]:
-        """A step's sampled tokens have arrived: ``token_ids[i]`` goes to ``positions[i]`` of
-        ``seqs[i]`` (from ``advance``); tokens computed past a sequence's end (it ended meanwhile,
-        or was aborted) are dropped. Returns the sequences that finished (``check_stop``)."""
+    def resolve(self, seqs: list[Sequence], positions: list[int], token_ids: list[int]) -> list:
+        """``token_ids[i]`` goes to ``positions[i]`` of ``seqs[i]`` (tokens past an end dropped);
+        its processors may end it ("stop"). Returns the sequences that finished."""
         finished = []
         for seq, position, token_id in zip(seqs, positions, token_ids):
             if not 0 <= position < len(seq) or seq.is_finished:
                 continue
             seq.set_token(position, token_id)
-            if seq.grammar is not None:
-                seq.grammar.accept(token_id)
+            ended = seq.processors and any([p.accept(seq, token_id) for p in seq.processors])
+            stop = ("stop", None) if ended else None
             self.num_generated_tokens += 1
             self.block_manager.hash_blocks(seq)
-            if (stop := self.check_stop(seq, token_id)) is not None:
+            if stop is not None or (stop := self.check_stop(seq, token_id)) is not None:
                 self.finish(seq, *stop)
                 finished.append(seq)
         return finished
-
-    def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
-        """``advance`` and ``resolve`` at once: a step whose tokens are known when it ends."""
-        return self.resolve(seqs, self.advance(seqs), token_ids)

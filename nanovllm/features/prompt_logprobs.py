@@ -1,31 +1,67 @@
-"""Prompt log-probabilities (``SamplingParams.prompt_logprobs``) on the rank that samples: the LM
-head over the prompt positions a prefill scores, in chunks, then log_softmax of the raw logits."""
+"""Prompt log-probabilities (``SamplingParams.prompt_logprobs``): completion 0 of a request scores
+each prompt token given the ones before it (``processors.RequestProcessor``)."""
 
-import torch
+from dataclasses import dataclass
 
-from nanovllm.sampling.torch_ops import top_logprobs
-from nanovllm.utils.context import Context, step_context
-
-CHUNK = 512  # positions per LM-head pass: bounds the [positions, vocab] float32 logprobs it holds
+from nanovllm.features.processors import RequestProcessor
 
 
-@torch.inference_mode()
-def score_prompt(
-    model, hidden_states: torch.Tensor, scoring, vocab_size: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """For ``scoring`` (``engine.step.PromptScoring``): each scored target's log-probability [T],
-    and the ``scoring.num`` largest ones [T, num] with their ids. Every tensor-parallel rank calls
-    this (the LM head gathers its vocabulary slices on rank 0); the others get None."""
-    device = hidden_states.device
-    indices = torch.tensor(scoring.indices, dtype=torch.int64, device=device)
-    targets = torch.tensor(scoring.targets, dtype=torch.int64, device=device)
-    num = min(vocab_size, scoring.num)
-    parts = []
-    with step_context(Context(is_prefill=False)):  # the head takes every row it is given
-        for start in range(0, len(indices), CHUNK):
-            logits = model.compute_logits(hidden_states[indices[start : start + CHUNK]])
-            if logits is not None:
-                parts.append(top_logprobs(logits, targets[start : start + CHUNK], num))
-    if not parts:
-        return None
-    return tuple(torch.cat(column) for column in zip(*parts))
+@dataclass
+class PromptScoring:
+    """Prompt tokens a prefill step scores. Row ``rows[j]`` scores ``counts[j]`` consecutive prompt
+    tokens, the first at position ``firsts[j]``: the logits at step token ``indices[i]`` score
+    ``targets[i]``, and give the ``nums[j]`` most likely tokens."""
+
+    rows: list[int]
+    firsts: list[int]
+    counts: list[int]
+    nums: list[int]
+    indices: list[int]
+    targets: list[int]
+
+    @property
+    def num(self) -> int:
+        return max(self.nums)
+
+
+class PromptLogprobs(RequestProcessor):
+    """Until every prompt token is scored the sequence computes its whole prompt (no prefix-cache
+    hits); each prefill scores the prompt tokens after those it computes that were not scored
+    before (a preempted sequence computes its prompt again). Reported once, when complete."""
+
+    def __init__(self, seq, num: int):
+        self.num = num
+        self.entries: list[dict[int, float] | None] | None = [None]  # None for the first token
+        seq.uses_prefix_cache = not self.scores_prompt(seq)
+
+    def scores_prompt(self, seq) -> bool:
+        return self.entries is not None and len(self.entries) < seq.num_prompt_tokens
+
+    def contribute(self, step, row, seq, offset):
+        if not step.is_prefill or not self.scores_prompt(seq):
+            return
+        computed, new = step.num_computed[row], step.num_new[row]
+        start = max(computed, len(self.entries) - 1)  # the logits at p score token p + 1
+        end = min(computed + new, seq.num_prompt_tokens - 1)
+        if start >= end:
+            return
+        if step.prompt_scoring is None:
+            step.prompt_scoring = PromptScoring([], [], [], [], [], [])
+        s = step.prompt_scoring
+        s.rows.append(row)
+        s.firsts.append(start + 1)
+        s.counts.append(end - start)
+        s.nums.append(self.num)
+        s.indices += range(offset + start - computed, offset + end - computed)
+        s.targets += seq.token_ids[start + 1 : end + 1]
+
+    def take(self, seq, extra):
+        if "prompt_logprobs" in extra and self.entries is not None:
+            first, entries = extra["prompt_logprobs"]
+            self.entries += entries[len(self.entries) - first :]
+            if not self.scores_prompt(seq):
+                seq.uses_prefix_cache = True
+
+    def report(self, seq, out, extra):
+        if self.entries is not None and not self.scores_prompt(seq):
+            out.prompt_logprobs, self.entries = self.entries, None  # reported once

@@ -1,12 +1,10 @@
-"""Sleep mode of one rank: take the model's tensors off the device and put them back.
+"""Sleep mode: free the engine's device memory between requests, and take it back.
 
-``offload`` empties every parameter and buffer in place (each keeps its ``nn.Parameter`` object,
-so the modules, a tied head and the loader still find it; only its ``.data`` changes) and returns
-where its values went: weights to the host at level 1 (one pinned buffer on a GPU, ``HostArena``; on the CPU the
-storage itself, nothing is copied), nowhere at level 2. Buffers (the rotary cos/sin caches) are
-not checkpoint weights: they go to the host at both levels. ``restore`` reallocates each tensor
-with its shape, dtype and strides, and copies the host values back; level 2's weights come back
-zero-filled, their values undefined until the caller loads new ones."""
+``sleep(engine, level)`` and ``wake_up(engine)`` are the front end's calls; each rank runs
+``sleep_rank`` / ``wake_rank`` through ``collective_rpc``. ``offload`` empties every parameter and
+buffer in place (each keeps its object, only ``.data`` changes): level 1 keeps the weights on the
+host, level 2 drops them (they come back zero-filled); buffers are kept at both levels.
+"""
 
 import logging
 from dataclasses import dataclass
@@ -21,8 +19,7 @@ SLEEP_LEVELS = (1, 2)
 
 @dataclass
 class Offloaded:
-    """One emptied tensor: the parameter or buffer itself, how to rebuild it, and its values on
-    the host (None: a level-2 weight, dropped)."""
+    """One emptied tensor, how to rebuild it, and its host values (None: dropped)."""
 
     tensor: torch.Tensor
     shape: torch.Size
@@ -32,8 +29,8 @@ class Offloaded:
 
 
 class HostArena:
-    """One pinned host buffer for level 1's weights on a GPU, kept from one sleep to the next:
-    pinning memory runs at about 1 GB/s, copying into memory already pinned at tens of GB/s."""
+    """One pinned host buffer for level 1's weights on a GPU, kept from one sleep to the next
+    (pinning is slow; copying into pinned memory is fast)."""
 
     ALIGN = 256  # bytes: every tensor's slice starts aligned for any dtype
 
@@ -63,9 +60,8 @@ class HostArena:
 
 @torch.no_grad()
 def offload(model: nn.Module, level: int, arena: HostArena) -> list[Offloaded]:
-    """Empty every parameter and buffer of ``model`` (each shared one once); level 1 keeps the
-    weights on the host (in ``arena`` on a GPU), level 2 drops them. Buffers are kept on the host
-    at both levels."""
+    """Empty every parameter and buffer of ``model`` (each shared one once), keeping host copies
+    as the level says (in ``arena`` on a GPU; on the CPU a tensor's storage is its own copy)."""
     kept = [(p, level == 1) for p in model.parameters()] + [(b, True) for b in model.buffers()]
     # every host copy first: if host memory runs out, the model is still whole
     to_copy = [t.data for t, keep in kept if keep]
@@ -83,7 +79,7 @@ def offload(model: nn.Module, level: int, arena: HostArena) -> list[Offloaded]:
 
 @torch.no_grad()
 def restore(offloaded: list[Offloaded], device: torch.device) -> None:
-    """Give each emptied tensor its memory back on ``device``, with its host values if it has them."""
+    """Give each emptied tensor its memory back on ``device``, with its host values if any."""
     for entry in offloaded:
         if entry.host is not None and entry.host.device == device:  # the CPU: its own storage again
             data = entry.host
@@ -120,3 +116,46 @@ def log_device_memory(device: torch.device, what: str) -> None:
             torch.cuda.memory_reserved(device) / mib,
             device,
         )
+
+
+def sleep_rank(runner, level: int) -> None:
+    """Free this rank's CUDA graphs, KV cache, step buffers and model tensors. Between steps."""
+    runner.sync()
+    if getattr(runner, "host_arena", None) is None:
+        runner.host_arena = HostArena()
+    runner.offloaded = offload(runner.model, level, runner.host_arena)
+    runner.free_cache()
+    log_device_memory(runner.device, f"rank {runner.rank} asleep (level {level})")
+
+
+def wake_rank(runner) -> None:
+    """Reallocate what ``sleep_rank`` freed (the KV cache with as many blocks as before). Short of
+    memory it raises, and stays asleep."""
+    restore(runner.offloaded, runner.device)
+    runner.allocate_cache()
+    runner.offloaded = None
+    log_device_memory(runner.device, f"rank {runner.rank} awake")
+
+
+def sleep(engine, level: int) -> None:
+    """Free the KV cache, the CUDA graphs and the weights on every rank and replica (level 1:
+    weights kept on the host; 2: dropped), and drop the prefix cache. Needs
+    ``enable_sleep_mode=True``, an awake engine and nothing queued (else a RuntimeError)."""
+    if not engine.config.enable_sleep_mode:
+        raise RuntimeError("sleep() needs sleep mode: create the LLM with enable_sleep_mode=True")
+    level = check_level(level)
+    if engine.sleep_level:
+        raise RuntimeError(
+            f"the engine is already asleep (level {engine.sleep_level}); call wake_up() first"
+        )
+    engine.check_idle("sleep")
+    engine.core.collective_rpc(sleep_rank, (level,))
+    engine.sleep_level = level
+    engine.core.reset_prefix_cache()
+
+
+def wake_up(engine) -> None:
+    """Reallocate what ``sleep`` freed (a no-op while awake)."""
+    if engine.sleep_level:
+        engine.core.collective_rpc(wake_rank)
+        engine.sleep_level = 0

@@ -1,164 +1,41 @@
-"""The executor: rank 0's ModelRunner and, with tensor parallelism, the worker processes of the
-other ranks and the control channel to them. A worker that dies turns into a clear error, after
-which the executor is released and refuses further work."""
-
-import os
-import socket
-import traceback
-import uuid
+"""The executor: runs each step on every tensor-parallel rank. This one is rank 0's ModelRunner
+alone (tensor_parallel_size 1); ``MultiprocExecutor`` adds the worker processes of the others."""
 
 from nanovllm.config import Config
 from nanovllm.engine.step import Step
-from nanovllm.runner.model_runner import ModelRunner
-
-UPDATE_BATCH = (
-    256  # weight-update entries per control message: a few tens of KB, well inside the channel
-)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def check_parallel(config: Config) -> None:
-    """Reject an engine in a process that already has a process group (a tensor-parallel engine
-    runs one per process), before any process starts. (``Config`` has checked the sizes.)"""
-    import torch.distributed as dist
-
-    if dist.is_initialized():  # the layers take their shard from the process's default group
-        raise RuntimeError(
-            "a torch.distributed process group is already initialised in this process (another "
-            "tensor-parallel LLM, or the program's own); call that LLM's exit() first, or run this "
-            "engine in a process of its own"
-        )
+from nanovllm.runner.model_runner import ModelRunner, RankZeroOnly, check_parallel
 
 
 class Executor:
-    def __init__(self, config: Config):
-        check_parallel(config)
-        self.failure_message: str | None = None
-        self.runner = self.workers = self.channel = None
-        port = _free_port()
-        if config.tensor_parallel_size > 1:
-            from nanovllm.parallel.control_channel import ControlChannel, channel_bytes
-            from nanovllm.parallel.workers import WorkerGroup
+    def __new__(cls, config: Config):
+        if config.tensor_parallel_size > 1:  # not an Executor: __init__ is its own
+            from nanovllm.runner.multiproc_executor import MultiprocExecutor
 
-            name = f"nanovllm-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-            self.channel = ControlChannel.create(name, channel_bytes(config))
-            try:
-                self.workers = WorkerGroup(config, port, name)
-            except BaseException:
-                self.channel.close()
-                raise
-            self.channel.conns = self.workers.conns
-            self.channel.failure = self.workers.failure
-        try:
-            self.runner = ModelRunner(
-                config, 0, port, self.workers.failure if self.workers else None
-            )
-        except BaseException as e:  # the runner has released what it held
-            failure = self.workers.wait_failure(2.0) if self.workers else None
-            self._close_workers(timeout=1.0)
-            if failure:
-                raise RuntimeError(f"{failure} while the engine was starting") from e
-            raise
+            return MultiprocExecutor(config)
+        return super().__new__(cls)
+
+    def __init__(self, config: Config):
+        check_parallel()
+        self.failure_message: str | None = None  # why the engine has stopped, if it has
+        self.runner = ModelRunner(config, 0, 0)
         self.num_kvcache_blocks = self.runner.num_kvcache_blocks
 
     def run(self, step: Step):
-        """Launch ``step`` on every rank; rank 0's sampled tokens on their way to the host."""
-
-        def launch():
-            if self.channel is not None:
-                self.channel.write("run", step.for_workers())
-            return self.runner.run(step)
-
-        return self._guarded(launch)
-
-    def update_weights(self, weights: list) -> None:
-        """Copy ``(checkpoint name, tensor)`` pairs into the model on every rank, in place. Rank 0
-        checks them all first (``ModelRunner.plan_weights``: a ValueError leaves every rank as it
-        was); then the plan travels through the control channel in batches of at most
-        ``UPDATE_BATCH`` entries (names, shapes and loader arguments: plain data) and the tensors
-        by broadcasts from rank 0 (``ModelRunner.load_weights``)."""
-        if self.failure_message:
-            raise RuntimeError(self.failure_message)
-        entries = self.runner.plan_weights(weights)
-        tensors = [weights[entry.index][1] for entry in entries]
-
-        def load():
-            for start in range(0, len(entries), UPDATE_BATCH):
-                batch = entries[start : start + UPDATE_BATCH]
-                if self.channel is not None:
-                    self.channel.write("load_weights", batch)
-                self.runner.load_weights(batch, tensors[start : start + UPDATE_BATCH])
-
-        self._guarded(load)
-
-    def sleep(self, level: int) -> None:
-        """Every rank frees its KV cache, CUDA graphs and weights (``ModelRunner.sleep``)."""
-        self._on_every_rank("sleep", level)
-
-    def wake_up(self) -> None:
-        """Every rank reallocates what ``sleep`` freed (``ModelRunner.wake_up``)."""
-        self._on_every_rank("wake_up")
-
-    def _on_every_rank(self, method: str, *args) -> None:
-        def call():
-            if self.channel is not None:
-                self.channel.write(method, *args)
-            getattr(self.runner, method)(*args)
-
-        self._guarded(call)
+        """Launch ``step``; rank 0's output (its tokens on their way to the host)."""
+        return self.runner.run(step)
 
     def result(self, output) -> tuple[list[int], list | None]:
-        """A launched step's token ids and log-probabilities, once the device has them."""
-        return self._guarded(output.result)
+        """A launched step's token ids and per-row extra outputs, once the device has them."""
+        return output.result()
 
-    def _guarded(self, fn):
-        """``fn()``, where a dead worker turns into a clear error, after which the executor is
-        released and refuses further work."""
-        if self.failure_message:
-            raise RuntimeError(self.failure_message)
-        if self.workers and (failure := self.workers.failure()):
-            self._fail(failure, None)
-        try:
-            return fn()
-        except Exception as e:
-            failure = self.workers.wait_failure(2.0) if self.workers else None
-            if failure:
-                traceback.clear_frames(e.__traceback__)  # their tensors can then be freed
-                self._fail(failure, e)
-            raise
-
-    def _fail(self, failure: str, cause: BaseException | None):
-        self.failure_message = f"{failure}; the engine has stopped, create a new LLM to continue"
-        self.exit()
-        raise RuntimeError(self.failure_message) from cause
+    def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
+        """``ModelRunner.rpc(method, args, kwargs)`` on every rank, between steps; returns
+        ``[rank 0's result]``."""
+        own = tuple(a.value if isinstance(a, RankZeroOnly) else a for a in args)
+        return [self.runner.rpc(method, own, kwargs)]
 
     def exit(self) -> None:
-        """Every rank leaves its loop and the process group; worker processes and the shared
-        memory are released (idempotent)."""
-        healthy = self.failure_message is None and not (self.workers and self.workers.failure())
-        if self.workers:
-            self.workers.closing = True
+        """Release the runner (idempotent)."""
         if self.runner is not None:
-            try:
-                if not healthy:
-                    raise RuntimeError("a rank is gone")
-                if self.channel is not None:
-                    self.channel.write("exit")
-                self.runner.exit()
-            except Exception:
-                self.runner.release(failed=True)
-            self.runner = None
-        self._close_workers(timeout=30.0 if healthy else 1.0)
-
-    def _close_workers(self, timeout: float) -> None:
-        if self.workers:
-            self.workers.close(timeout=timeout)
-            self.workers = None
-        if self.channel is not None:
-            self.channel.close()
-            self.channel = None
+            runner, self.runner = self.runner, None
+            runner.exit()

@@ -1,12 +1,6 @@
-"""A step's model inputs: token ids, positions and the attention context, built on the host from
-the step's description (every rank builds its own).
-
-Prefill inputs are built with NumPy (a step may hold ``max_num_batched_tokens`` tokens). Decode
-inputs, eager or for a CUDA graph, are written into one buffer of fixed layout (``DecodeLayout``)
-whose device copy the graphs read in place: the host fills a pinned copy and sends it with one
-copy. A token the host does not know yet is read on the device from the previous step's sampled
-ids (``decode_inputs``).
-"""
+"""A step's model inputs (token ids, positions, the attention context), built on the host by every
+rank. Decode inputs go into one buffer of fixed layout that the CUDA graphs read in place, sent
+with one copy."""
 
 from collections.abc import Callable
 
@@ -16,46 +10,35 @@ import torch
 from nanovllm.engine.step import Step
 from nanovllm.utils.context import Context
 
-ToDevice = Callable[
-    [list | np.ndarray, torch.dtype], torch.Tensor
-]  # host data to a tensor on the rank's device
+ToDevice = Callable[[list | np.ndarray, torch.dtype], torch.Tensor]  # host data to the device
 TORCH_DTYPES = {np.int64: torch.int64, np.int32: torch.int32, np.float32: torch.float32}
-NUM_STAGING = 2  # pinned host copies of the decode inputs, used in turn: one is filled while the last one's copy may be queued
+NUM_STAGING = 2  # pinned host copies of the decode inputs, used in turn
 
 
 def write_block_tables(out: np.ndarray, tables: list[list[int]]) -> np.ndarray:
-    """Write ``tables`` into the first rows of ``out`` ([rows, width] int32), left-aligned; the
-    entries past each table keep their value."""
+    """Write ``tables`` into the first rows of ``out`` [rows, width], left-aligned."""
     lens = np.fromiter(map(len, tables), np.int64, len(tables))
-    out[: len(tables)][np.arange(out.shape[1]) < lens[:, None]] = np.fromiter(
-        (b for t in tables for b in t), np.int32, int(lens.sum())
-    )
+    ids = np.fromiter((b for t in tables for b in t), np.int32, int(lens.sum()))
+    out[: len(tables)][np.arange(out.shape[1]) < lens[:, None]] = ids
     return out
 
 
 def block_table_array(tables: list[list[int]]) -> np.ndarray:
     """Block tables as one [rows, width] int32 array, padded with -1."""
-    return write_block_tables(
-        np.full((len(tables), max(map(len, tables))), -1, dtype=np.int32), tables
-    )
+    out = np.full((len(tables), max(map(len, tables))), -1, dtype=np.int32)
+    return write_block_tables(out, tables)
 
 
-def slot_mapping(
-    tables: np.ndarray, rows: np.ndarray, positions: np.ndarray, block_size: int
-) -> np.ndarray:
-    """The cache slot of each token (token ``j`` of row ``rows[j]`` at ``positions[j]``): its
-    block's id · block size + its offset in the block; -1 (not stored) where the row has no block."""
+def slot_mapping(tables: np.ndarray, rows, positions: np.ndarray, block_size: int) -> np.ndarray:
+    """The cache slot of token ``j`` (row ``rows[j]``, at ``positions[j]``); -1: not stored."""
     if not tables.shape[1]:  # no cache yet (the warm-up)
         return np.full(len(positions), -1, dtype=np.int64)
     blocks = tables[rows, positions // block_size].astype(np.int64)
     return np.where(blocks >= 0, blocks * block_size + positions % block_size, -1)
 
 
-def prefill_inputs(
-    step: Step, block_size: int, to_device: ToDevice
-) -> tuple[torch.Tensor, torch.Tensor, Context]:
-    """The ``num_new`` tokens after each sequence's ``num_computed``; block tables go to the
-    attention layers when any sequence has a cached prefix."""
+def prefill_inputs(step: Step, block_size: int, to_device: ToDevice) -> tuple:
+    """Input ids, positions and context of the ``num_new`` tokens after each ``num_computed``."""
     n = step.num_seqs
     starts = np.array(step.num_computed, dtype=np.int64)
     lens = np.array(step.num_new, dtype=np.int64)
@@ -79,20 +62,17 @@ def prefill_inputs(
     return to_device(input_ids, torch.int64), to_device(positions, torch.int64), context
 
 
-# A decode step's inputs, one row per sequence, as fields of one buffer: (name, element type, value
-# of a padding row). Block tables, [rows, max_blocks] int32, come last.
+# A decode step's inputs, one row per sequence: (name, element type, a padding row's value). Block
+# tables, [rows, max_blocks] int32, come last. prev_rows: the row of the previous step's sampled ids
+# that holds the input token, or -1.
 DECODE_FIELDS = (
     ("input_ids", np.int64, 0),
-    (
-        "prev_rows",
-        np.int64,
-        -1,
-    ),  # the row of the previous step's sampled ids that holds the input token, or -1
+    ("prev_rows", np.int64, -1),
     ("positions", np.int64, 0),
-    ("seeds", np.int64, 0),  # the draw seed of each row (a graph that draws, see cuda_graphs)
+    ("seeds", np.int64, 0),
     ("slot_mapping", np.int32, -1),
     ("context_lens", np.int32, 0),
-    ("temperatures", np.float32, 0.0),  # 0: greedy
+    ("temperatures", np.float32, 0.0),
 )
 
 
@@ -109,29 +89,23 @@ class DecodeLayout:
         self.nbytes = offset + max_rows * max_blocks * 4
 
     def used_bytes(self, rows: int) -> int:
-        """The prefix of the buffer that a step of ``rows`` rows (padded) fills."""
+        """The prefix of the buffer a step of ``rows`` (padded) rows fills."""
         return self.offsets["block_tables"] + rows * self.max_blocks * 4
 
     def fields(self, buffer, view) -> dict:
-        """Each field over ``buffer`` (uint8; a NumPy array or a torch tensor): ``view(part, dtype)``
-        reinterprets a byte slice as that field's type."""
+        """Each field over ``buffer`` (uint8, NumPy or torch; ``view(part, dtype)`` casts)."""
         out = {}
         for name, dtype, _ in DECODE_FIELDS:
             start = self.offsets[name]
-            out[name] = view(
-                buffer[start : start + self.max_rows * np.dtype(dtype).itemsize], dtype
-            )
-        start = self.offsets["block_tables"]
-        out["block_tables"] = view(buffer[start : self.nbytes], np.int32).reshape(
-            self.max_rows, self.max_blocks
-        )
+            end = start + self.max_rows * np.dtype(dtype).itemsize
+            out[name] = view(buffer[start:end], dtype)
+        tables = view(buffer[self.offsets["block_tables"] : self.nbytes], np.int32)
+        out["block_tables"] = tables.reshape(self.max_rows, self.max_blocks)
         return out
 
 
 def fill_decode(fields: dict[str, np.ndarray], step: Step, rows: int, block_size: int) -> None:
-    """Write a decode step into ``fields`` (NumPy arrays of ``DecodeLayout.fields``), with its rows'
-    temperatures and draw seeds where it has them (rank 0; every rank for a plain step); rows
-    ``step.num_seqs`` to ``rows`` are padding, pointed at no cache slot."""
+    """Write a decode step into ``fields`` (NumPy); rows past ``step.num_seqs`` are padding."""
     n = step.num_seqs
     positions = fields["positions"]
     positions[:n] = step.num_computed
@@ -149,11 +123,9 @@ def fill_decode(fields: dict[str, np.ndarray], step: Step, rows: int, block_size
         fields[name][n:rows] = pad
 
 
-def decode_inputs(
-    v: dict[str, torch.Tensor], sampled: torch.Tensor, rows: int
-) -> tuple[torch.Tensor, torch.Tensor, Context]:
-    """The model's inputs from the first ``rows`` rows of the device fields ``v``: each input
-    token from the host or, where ``prev_rows`` names one, from the previous step's ``sampled`` ids."""
+def decode_inputs(v: dict[str, torch.Tensor], sampled: torch.Tensor, rows: int) -> tuple:
+    """Input ids, positions and context of the first ``rows`` rows of the device fields ``v``;
+    an input token from the previous step's ``sampled`` ids where ``prev_rows`` names one."""
     prev = v["prev_rows"][:rows]
     input_ids = torch.where(prev >= 0, sampled[prev.clamp(min=0)], v["input_ids"][:rows])
     context = Context(
@@ -166,38 +138,28 @@ def decode_inputs(
 
 
 class DecodeBuffer:
-    """The decode inputs' device buffer and its host copies: on a GPU, ``NUM_STAGING`` pinned
-    copies used in turn; on the CPU the buffer is its own host copy."""
+    """The decode inputs' device buffer and its host copies (the CPU: the buffer itself)."""
 
     def __init__(self, max_rows: int, max_blocks: int, device: torch.device):
         self.layout = DecodeLayout(max_rows, max_blocks)
         self.buffer = torch.zeros(self.layout.nbytes, dtype=torch.uint8, device=device)
-        self.fields = self.layout.fields(
-            self.buffer, lambda part, dtype: part.view(TORCH_DTYPES[dtype])
-        )
-        for (
-            name,
-            _,
-            pad,
-        ) in DECODE_FIELDS:  # every row padding: a graph captured over it writes no cache slot
+        self.fields = self.layout.fields(self.buffer, lambda p, dtype: p.view(TORCH_DTYPES[dtype]))
+        for name, _, pad in DECODE_FIELDS:  # all padding: a graph captured over it writes no slot
             self.fields[name].fill_(pad)
         if device.type == "cpu":
             self.staging = [self.buffer]
         else:
+            size, u8 = self.layout.nbytes, torch.uint8
             self.staging = [
-                torch.zeros(self.layout.nbytes, dtype=torch.uint8, pin_memory=True)
-                for _ in range(NUM_STAGING)
+                torch.zeros(size, dtype=u8, pin_memory=True) for _ in range(NUM_STAGING)
             ]
-        self.staged = [
-            self.layout.fields(s.numpy(), lambda part, dtype: part.view(dtype))
-            for s in self.staging
-        ]
+        self.staged = [self.layout.fields(s.numpy(), lambda p, t: p.view(t)) for s in self.staging]
         self.copied: list[torch.cuda.Event | None] = [None] * len(self.staging)
         self.turn = 0
 
     def send(self, step: Step, rows: int, block_size: int) -> dict[str, torch.Tensor]:
-        """Fill the next host copy with ``step`` padded to ``rows`` rows (once its last copy to the
-        device is done) and queue its copy to the device buffer; returns the device fields."""
+        """Fill the next host copy (once its last copy is done) with ``step`` padded to ``rows``
+        and queue its copy to the device; returns the device fields."""
         k = self.turn = (self.turn + 1) % len(self.staging)
         if self.copied[k] is not None:
             self.copied[k].synchronize()

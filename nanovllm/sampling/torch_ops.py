@@ -1,26 +1,11 @@
-"""The sampling math in plain torch: the CPU path, and on the GPU everything but the plain
-temperature draw (which ``triton_draw`` fuses into one pass).
-
-Randomness is counter-based, so a row's draw depends on its draw seed (per row and per step,
-``engine.step.draw_seed``) and its logits alone, never on the other rows of the batch:
-
-- ``gumbel`` noise: token ``v``'s noise is a hash of ``(draw seed, v)``. The filtered draws use it,
-  and ``gumbel_argmax`` is the plain draw's reference, which the Triton kernel reproduces bit for bit.
-- ``cdf_draw``, the plain draw on the CPU: one 64-bit uniform per row (a hash of the draw seed)
-  inverts the row's cumulative distribution, held as exact integers. Hashing every (row, token)
-  pair costs about twenty passes over the logits on the CPU; this costs about as much as an argmax.
-"""
+"""The sampling math beyond the plain draw, in torch: counter-based Gumbel noise (a hash of the
+row's draw seed and the token id: the batch around a row does not change its draw), penalties,
+token masks, the filtered draw and log-probabilities."""
 
 import torch
 
 _MASK32 = 0xFFFFFFFF
-_MASK64 = (1 << 64) - 1
 _MIX = 0x45D9F3B  # < 2**31: the int64 products below never overflow
-CDF_BITS = 60  # a probability p counts as the integer floor(p * 2**60): int64 sums are exact
-CDF_BLOCK = 128  # tokens per block of the two-level search of the cumulative distribution
-CDF_GROUP = (
-    1 << 19
-)  # logits per pass of ``cdf_draw`` (rows at a time): 2 MB of float32 stay in cache
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -48,86 +33,13 @@ def gumbel_argmax(
     logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor
 ) -> torch.Tensor:
     """One token per row: argmax(logits / T + gumbel); rows with T = 0 take the plain argmax. The
-    reference of ``triton_draw.gumbel_argmax`` (the CPU draws with ``cdf_draw``, much cheaper there).
+    reference of ``triton_draw.gumbel_argmax`` (the CPU draws with ``draw.cdf_draw``).
     logits [rows, vocab] (any float dtype), temperatures [rows] float32, seeds [rows] int64."""
     logits = logits.float()
     greedy = (temperatures == 0).unsqueeze(1)
     noise = gumbel(seeds, torch.arange(logits.size(1), device=logits.device))
     scores = logits / torch.where(greedy, 1.0, temperatures.unsqueeze(1)) + noise
     return torch.where(greedy, logits, scores).argmax(dim=-1)
-
-
-def row_uniform_bits(draw_seed: int) -> int:
-    """The 64-bit uniform of one ``cdf_draw`` row: splitmix64 of its draw seed (a bijection, so
-    distinct draw seeds never share a uniform)."""
-    x = (draw_seed + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def cdf_draw(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
-    """The plain draw on the CPU: one token per row from softmax(logits / T); rows with T = 0 take
-    the argmax. logits [rows, vocab], temperatures [rows] float32, seeds [rows] int64 draw seeds.
-
-    Each probability becomes the integer ``q = floor(p * 2**CDF_BITS)`` (a token with p < 2**-60
-    is never drawn), so sums and the cumulative distribution are exact whatever their order. With
-    ``S`` the row's total and ``u`` its 64-bit uniform (``row_uniform_bits``), the target is
-    ``t = floor(u * S / 2**64)``, uniform on [0, S), and the token the first whose cumulative sum
-    exceeds ``t``: token ``v`` is drawn with probability ``q_v / S``. The search is two-level:
-    block sums of CDF_BLOCK tokens, then the tokens of the one block that holds ``t``."""
-    rows, vocab = logits.shape
-    tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    temps = temperatures.tolist()
-    drawn = [i for i, t in enumerate(temps) if t > 0]
-    greedy = [i for i, t in enumerate(temps) if t <= 0]
-    if greedy:
-        tokens[greedy] = logits[greedy].argmax(dim=-1)
-    if not drawn:
-        return tokens
-    every_row = len(drawn) == rows
-    x = logits if every_row else logits[drawn]
-    inv_t = (1.0 / (temperatures if every_row else temperatures[drawn]).float()).unsqueeze(1)
-    uniforms = [row_uniform_bits(s) for s in (seeds if every_row else seeds[drawn]).tolist()]
-    out = torch.empty(len(drawn), dtype=torch.int64, device=logits.device)
-    group = max(1, CDF_GROUP // vocab)
-    for start in range(0, len(drawn), group):
-        end = min(start + group, len(drawn))
-        out[start:end] = _cdf_search(x[start:end], inv_t[start:end], uniforms[start:end])
-    if every_row:
-        return out
-    tokens[drawn] = out
-    return tokens
-
-
-def _cdf_search(x: torch.Tensor, inv_t: torch.Tensor, uniforms: list[int]) -> torch.Tensor:
-    """``cdf_draw`` on a few rows: x [g, vocab] logits, inv_t [g, 1] float32 (1 / T)."""
-    g, vocab = x.shape
-    q = torch.softmax(x.float() * inv_t, dim=1).mul_(
-        2.0**CDF_BITS
-    )  # [g, vocab], whole numbers once truncated
-    full = vocab - vocab % CDF_BLOCK
-    blocks = q[:, :full].view(g, full // CDF_BLOCK, CDF_BLOCK).sum(dim=2, dtype=torch.int64)
-    if full < vocab:  # a last, shorter block
-        blocks = torch.cat([blocks, q[:, full:].sum(dim=1, dtype=torch.int64, keepdim=True)], dim=1)
-    cum = blocks.cumsum_(dim=1)  # [g, blocks] int64
-    targets = torch.tensor(
-        [(u * s) >> 64 for u, s in zip(uniforms, cum[:, -1].tolist())], dtype=torch.int64
-    )
-    targets = targets.unsqueeze(1)  # [g, 1]
-    block = torch.searchsorted(
-        cum, targets, right=True
-    )  # [g, 1]: the first block whose cumulative sum > t
-    before = torch.where(block > 0, cum.gather(1, (block - 1).clamp_(min=0)), 0)
-    cols = block * CDF_BLOCK + torch.arange(CDF_BLOCK)  # [g, CDF_BLOCK]: the block's tokens
-    inside = (
-        q.gather(1, cols.clamp(max=vocab - 1))
-        .to(torch.int64)
-        .masked_fill_(cols >= vocab, 0)
-        .cumsum_(dim=1)
-    )
-    offset = torch.searchsorted(inside, targets - before, right=True)
-    return (block * CDF_BLOCK + offset).squeeze(1)
 
 
 def apply_penalties(
@@ -139,10 +51,10 @@ def apply_penalties(
     prompt_tokens: tuple[torch.Tensor, torch.Tensor],
     output_tokens: tuple[torch.Tensor, torch.Tensor],
 ) -> None:
-    """In place on float32 ``logits`` [batch, vocab], for the penalised ``rows`` only. Over prompt and
-    output tokens, positive logits are divided by the repetition penalty and negative ones multiplied;
-    over output tokens, ``logits -= frequency * count + presence * (count > 0)``. ``prompt_tokens`` and
-    ``output_tokens`` are (index into ``rows``, token id) pairs, one per token occurrence."""
+    """In place on float32 ``logits`` [batch, vocab], the penalised ``rows`` only. Over prompt and
+    output tokens, positive logits are divided by the repetition penalty, negative ones multiplied;
+    over output tokens, ``logits -= frequency * count + presence * (count > 0)``. The tokens are
+    (index into ``rows``, token id) pairs, one per occurrence."""
     shape = (rows.numel(), logits.size(1))
     counts = torch.zeros(shape, device=logits.device).index_put_(
         output_tokens, torch.ones(output_tokens[0].numel(), device=logits.device), accumulate=True
@@ -161,7 +73,7 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch
     ``bitmask`` row [G, words] int32 does not allow become -inf. Token ``t`` is allowed when bit
     ``t % 32`` of word ``t // 32`` is set (xgrammar's layout); tokens past the bitmask are not."""
     vocab = logits.size(1)
-    # the words' bytes, least significant first (little-endian), then each byte's bits: [G, 32 * words]
+    # the words' bytes, least significant first (little-endian), then each byte's bits: [G, 32 * W]
     as_bytes = bitmask.contiguous().view(torch.uint8)
     shifts = torch.arange(8, dtype=torch.uint8, device=bitmask.device)
     allowed = ((as_bytes.unsqueeze(-1) >> shifts) & 1).flatten(1).bool()
@@ -171,9 +83,9 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch
 
 
 def _candidates(logits, temperatures, top_k, top_p, min_p, num_candidates, all_top_k):
-    """The ``num_candidates`` most likely tokens of each row (scaled by its temperature), and which of
-    them top-k, top-p and min-p keep. ``complete`` is False for a row whose kept set may reach past
-    the candidates (no top-k, and top-p did not cut inside them)."""
+    """The ``num_candidates`` most likely tokens of each row (scaled by its temperature), and which
+    of them top-k, top-p and min-p keep. ``complete`` is False for a row whose kept set may reach
+    past the candidates (no top-k, and top-p did not cut inside them)."""
     vocab = logits.size(1)
     vals, ids = logits.topk(num_candidates, dim=-1)  # sorted, most likely first
     t = temperatures.unsqueeze(1)
@@ -211,12 +123,10 @@ def sample_filtered(
     num_candidates: int,
     all_top_k: bool,
 ) -> torch.Tensor:
-    """Draw one token per row among those min-p, top-k and top-p keep (in that order), with the same
-    noise as ``gumbel_argmax``. Works on the ``num_candidates`` most likely tokens (no sort of the
-    vocabulary); a row without top-k whose top-p mass they do not reach is redone over the whole
-    vocabulary. logits [rows, vocab]; top_k [rows] int64 (0 = off); top_p [rows] (1 = off);
-    min_p [rows] or None; every row has temperature > 0. ``all_top_k``: every row has top-k (then
-    ``num_candidates`` >= each top_k and no row needs the vocabulary, nor a device sync)."""
+    """One token per row among those min-p, top-k and top-p keep, with ``gumbel_argmax``'s noise,
+    from the ``num_candidates`` most likely (a row whose kept set reaches past them: the whole
+    vocabulary). top_k [rows] int64 (0 = off), top_p [rows] (1 = off), min_p [rows] or None; T > 0.
+    ``all_top_k``: every row has top-k, so the candidates suffice (no device sync)."""
     vocab = logits.size(1)
     num_candidates = min(num_candidates, vocab)
     vals, ids, keep, complete = _candidates(

@@ -1,13 +1,6 @@
 """The plain temperature draw fused into one pass over the logits (GPU): per row,
-argmax(logits / T + gumbel) with the same counter-based noise as ``torch_ops.gumbel_argmax``,
-or the plain argmax when T = 0. No softmax, no noise tensor, no float32 copy of the logits.
-
-A row's vocabulary is split into chunks of ``CHUNK`` entries, one program each, so that even a
-few rows keep every SM reading (one program per row would walk 151,936 logits alone, one load after
-the other); a second small kernel picks each row's best of its chunks' winners. Under tensor
-parallelism each rank draws over its share of the vocabulary and the ranks exchange only those
-winners (``sharded_gumbel_argmax``).
-"""
+argmax(logits / T + gumbel) with ``torch_ops.gumbel_argmax``'s noise, or the argmax when T = 0
+(see docs/sampling.md)."""
 
 import torch
 import torch.distributed as dist
@@ -187,7 +180,7 @@ def best_of_parts(
     parts: torch.Tensor, temperatures: torch.Tensor, vocab_size: int, out: torch.Tensor
 ) -> torch.Tensor:
     """The second half: ``parts`` [groups, 2, rows, chunks] int32 (``gumbel_parts`` of each share of
-    the vocabulary, in the order of their ids) into each row's token id, written to ``out`` [rows]."""
+    the vocabulary, in the order of their ids) into each row's token id, into ``out`` [rows]."""
     groups, _, rows, num_chunks = parts.shape
     assert parts.is_contiguous() and parts.dtype == torch.int32
     if rows:
@@ -215,7 +208,7 @@ def sharded_gumbel_argmax(
     out: torch.Tensor,
 ) -> torch.Tensor:
     """``gumbel_argmax`` under tensor parallelism, every rank of the default process group
-    holding ``logits`` of its share of the vocabulary (ids ``vocab_start`` on, shares in rank order):
+    holding ``logits`` of its share of the vocabulary (ids ``vocab_start`` on, in rank order):
     each rank finds its chunks' winners, the ranks exchange them (a few bytes a row), and every rank
     picks the same token per row into ``out``. The scores are the same per id as over the whole
     vocabulary, so are the tokens."""

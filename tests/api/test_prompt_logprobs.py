@@ -10,9 +10,9 @@ from api_helpers import greedy, make_llm
 from hf_reference import random_prompts
 
 from nanovllm import SamplingParams
-from nanovllm.engine.core import take_prompt_logprobs
 from nanovllm.engine.sequence import request_sequences
-from nanovllm.engine.step import prompt_scoring
+from nanovllm.engine.step import SamplingRows, Step
+from nanovllm.features.attach import attach_processors
 
 TOL = 1e-4
 
@@ -160,8 +160,23 @@ def test_which_prompt_tokens_a_step_scores():
     prompt position scores nothing (it samples), tokens scored before are not scored again (a
     sequence whose step failed computes its prompt again), and only completion 0 scores."""
     prompt = list(range(100, 110))  # 10 tokens
-    first, second = request_sequences(0, prompt, SamplingParams(n=2, prompt_logprobs=1), 4, [])
-    assert second.prompt_logprobs is None and not second.scores_prompt
+    first, second = request_sequences(0, prompt, SamplingParams(n=2, prompt_logprobs=1), 4)
+    attach_processors([first, second], [])
+    assert second.processors == [] and second.uses_prefix_cache
+    (scorer,) = first.processors
+    assert not first.uses_prefix_cache  # it computes its whole prompt
+
+    def prompt_scoring(seqs, num_computed, num_new):
+        rows = SamplingRows([0.0] * len(seqs), [0] * len(seqs))
+        step = Step(True, [], num_computed, num_new, [[]] * len(seqs), None, rows)
+        for i, seq in enumerate(seqs):
+            for p in seq.processors:
+                p.contribute(step, i, seq, sum(num_new[:i]))
+        return step.prompt_scoring
+
+    def take_prompt_logprobs(seq, first_position, entries):
+        scorer.take(seq, {"prompt_logprobs": (first_position, entries)})
+
     # a step with another sequence's 3 tokens first, then the first chunk of 4 (positions 0..3)
     s = prompt_scoring([second, first], [0, 0], [3, 4])
     assert (s.rows, s.firsts, s.counts, s.nums) == ([1], [1], [4], [1])
@@ -174,11 +189,9 @@ def test_which_prompt_tokens_a_step_scores():
     s = prompt_scoring([first], [0], [6])
     assert (s.firsts, s.counts, s.indices, s.targets) == ([5], [2], [4, 5], prompt[5:7])
     take_prompt_logprobs(first, 5, [{prompt[5]: -2.0}])
-    take_prompt_logprobs(
-        first, 5, [{prompt[5]: -9.0}, {prompt[6]: -3.0}]
-    )  # token 5 again: kept once
-    assert first.prompt_logprobs == [None] + [{t: -1.0} for t in prompt[1:5]] + [
+    take_prompt_logprobs(first, 5, [{prompt[5]: -9.0}, {prompt[6]: -3.0}])  # token 5 again: once
+    assert scorer.entries == [None] + [{t: -1.0} for t in prompt[1:5]] + [
         {prompt[5]: -2.0},
         {prompt[6]: -3.0},
     ]
-    assert first.scores_prompt
+    assert scorer.scores_prompt(first) and not first.uses_prefix_cache

@@ -21,6 +21,7 @@ from structured_helpers import (
 from transformers import AutoTokenizer
 
 from nanovllm import SamplingParams, StructuredOutputsParams
+from nanovllm.features.structured_outputs.processor import GrammarProcessor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FREE_PROMPTS = ["An unconstrained prompt", "Another one, a little longer than the first"]
@@ -109,11 +110,11 @@ def test_abort_frees_the_matchers_and_the_engine_serves_on(llm, tokenizer):
         SamplingParams(temperature=1.0, max_tokens=150, seed=3, n=2, structured_outputs=so),
     )
     seqs = list(llm.core.requests[request_id])
-    assert all(seq.grammar is not None for seq in seqs)
+    assert all(isinstance(seq.processors[-1], GrammarProcessor) for seq in seqs)
     llm.step()
     llm.step()
     assert llm.abort_request(request_id)
-    assert all(seq.grammar is None and seq.finish_reason == "abort" for seq in seqs)
+    assert all(seq.processors == [] and seq.finish_reason == "abort" for seq in seqs)
     while not llm.is_finished():
         llm.step()
     prompts, params = constrained_batch()

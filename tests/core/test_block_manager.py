@@ -6,6 +6,7 @@ queue order (a fresh pool hands out 0, 1, 2, ...; freed blocks join the back of 
 
 import pytest
 from core_helpers import (
+    append_token,
     check_block_invariants,
     compute,
     expected_chain,
@@ -55,7 +56,7 @@ def test_block_filled_by_decoded_tokens_is_hashed():
     seq = make_seq([5, 6, 7])
     bm.allocate(seq)
     compute(bm, seq)
-    seq.append_token(8)  # decoded token completes block 0 once its KV is written
+    append_token(seq, 8)  # decoded token completes block 0 once its KV is written
     assert bm.can_append(seq)
     bm.may_append(seq)
     assert seq.block_table == [0]
@@ -340,7 +341,7 @@ def test_reset_prefix_cache_forgets_every_hash_and_keeps_held_blocks():
     bm.allocate(again)
     assert again.block_table == [5, 6, 7] and again.num_cached_tokens == 0
     for token in (2, 3, 4):  # a fills block 2; its hash chains from block 1's
-        a.append_token(token)
+        append_token(a, token)
         bm.may_append(a)
         compute(bm, a)
     assert bm.blocks[2].hash == expected_hash([1, 2, 3, 4], h[1])
@@ -361,13 +362,13 @@ def test_decode_needs_a_new_block_exactly_one_past_the_boundary():
     assert bm.num_free_blocks == 0
     compute(bm, seq)
 
-    seq.append_token(4)  # length 4: its newest token still fits block 2
+    append_token(seq, 4)  # length 4: its newest token still fits block 2
     assert bm.can_append(seq)
     bm.may_append(seq)
     assert seq.block_table == [2]
     compute(bm, seq)
 
-    seq.append_token(5)  # length 5: one past the boundary, needs a block
+    append_token(seq, 5)  # length 5: one past the boundary, needs a block
     assert not bm.can_append(seq)
     bm.deallocate(other)
     assert free_queue(bm) == [1, 0]
@@ -377,13 +378,13 @@ def test_decode_needs_a_new_block_exactly_one_past_the_boundary():
     compute(bm, seq)
 
     for token in (6, 7, 8):  # lengths 6..8 stay in block 1
-        seq.append_token(token)
+        append_token(seq, token)
         bm.may_append(seq)
         assert seq.block_table == [2, 1]
         compute(bm, seq)
     assert bm.blocks[1].hash == expected_hash([5, 6, 7, 8], expected_hash([1, 2, 3, 4]))
 
-    seq.append_token(9)  # length 9
+    append_token(seq, 9)  # length 9
     bm.may_append(seq)
     assert seq.block_table == [2, 1, 0]
     check_block_invariants(bm, [seq])

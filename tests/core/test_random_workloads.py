@@ -10,6 +10,7 @@ from core_helpers import (
     check_scheduler_invariants,
     make_scheduler,
     make_seq,
+    run_step,
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -140,7 +141,7 @@ def test_random_workloads_keep_invariants_and_finish(workload):
         if is_prefill:
             admitted += [s.seq_id for s in seqs if s.seq_id not in admitted]
         tokens = [plans[s.seq_id][s.num_completion_tokens] for s in seqs]
-        for seq in sched.postprocess(seqs, tokens):
+        for seq in run_step(sched, seqs, tokens):
             assert seq.status == FINISHED and seq.block_table == []
             assert seq not in sched.running and seq not in sched.waiting
         check_scheduler_invariants(sched)

@@ -10,6 +10,7 @@ from core_helpers import (
     free_queue,
     make_scheduler,
     make_seq,
+    run_step,
 )
 
 from nanovllm.engine.sequence import Sequence, SequenceStatus
@@ -38,7 +39,7 @@ def test_prefill_then_decode():
     assert list(sched.running) == [a, b] and not sched.waiting
     assert a.status == RUNNING and b.status == RUNNING
 
-    assert sched.postprocess(seqs, [100, 101]) == []
+    assert run_step(sched, seqs, [100, 101]) == []
     assert a.token_ids == [1, 2, 3, 4, 5, 100] and b.token_ids == [11, 12, 13, 101]
     assert a.completion_token_ids == [100]
     assert (a.num_cached_tokens, b.num_cached_tokens) == (5, 3)
@@ -50,7 +51,7 @@ def test_prefill_then_decode():
     assert (seqs, is_prefill) == ([a, b], False)
     assert scheduled_tokens(seqs) == [1, 1]
     assert a.block_table == [0, 1] and b.block_table == [2]
-    sched.postprocess(seqs, [102, 103])
+    run_step(sched, seqs, [102, 103])
     # b's block filled by its decoded token is hashed after the step that wrote its KV.
     assert sched.block_manager.blocks[2].hash == expected_hash([11, 12, 13, 101])
     assert a.token_ids == [1, 2, 3, 4, 5, 100, 102] and b.token_ids == [11, 12, 13, 101, 103]
@@ -63,14 +64,14 @@ def test_decode_adds_a_block_exactly_one_past_the_boundary():
     sched.add(seq)
     seqs, _ = sched.schedule()
     assert seq.block_table == [0]
-    sched.postprocess(seqs, [5])
+    run_step(sched, seqs, [5])
     table_sizes = []
     for token in range(6, 11):  # decode steps at lengths 5, 6, 7, 8, 9
         length = len(seq)
         seqs, is_prefill = sched.schedule()
         assert seqs == [seq] and not is_prefill
         table_sizes.append((length, list(seq.block_table)))
-        sched.postprocess(seqs, [token])
+        run_step(sched, seqs, [token])
         check_scheduler_invariants(sched)
     assert table_sizes == [(5, [0, 1]), (6, [0, 1]), (7, [0, 1]), (8, [0, 1]), (9, [0, 1, 2])]
     assert sched.block_manager.blocks[1].hash == expected_chain(list(range(1, 9)), 4)[1]
@@ -81,7 +82,7 @@ def test_waiting_queue_is_fifo_even_when_a_later_request_would_fit():
     x = make_seq(list(range(1, 9)))  # 2 blocks
     sched.add(x)
     seqs, _ = sched.schedule()
-    sched.postprocess(seqs, [9])
+    run_step(sched, seqs, [9])
     big = make_seq(list(range(20, 32)))  # needs 3 blocks, only 2 free
     small = make_seq([40, 41])  # would fit
     sched.add(big)
@@ -108,7 +109,7 @@ def test_long_prompt_is_chunked_and_holds_its_blocks_at_head_of_waiting():
     assert a.block_table == [0, 1, 2]  # blocks for the whole prompt
     assert list(sched.waiting) == [a, b] and not sched.running
     assert a.status == WAITING
-    assert sched.postprocess(seqs, [999]) == []
+    assert run_step(sched, seqs, [999]) == []
     assert a.token_ids == list(range(100, 110))  # no token for an unfinished prompt
     assert a.num_cached_tokens == 6
     assert sched.block_manager.blocks[0].hash == expected_hash([100, 101, 102, 103])
@@ -120,7 +121,7 @@ def test_long_prompt_is_chunked_and_holds_its_blocks_at_head_of_waiting():
     assert scheduled_tokens(seqs) == [4]
     assert a.status == RUNNING
     assert list(sched.waiting) == [b] and list(sched.running) == [a]
-    sched.postprocess(seqs, [50])
+    run_step(sched, seqs, [50])
     assert a.completion_token_ids == [50]
     assert a.num_cached_tokens == 10
     assert sched.block_manager.blocks[1].hash == expected_chain(list(range(100, 110)), 4)[1]
@@ -130,7 +131,7 @@ def test_long_prompt_is_chunked_and_holds_its_blocks_at_head_of_waiting():
     assert (seqs, is_prefill) == ([b], True)
     assert scheduled_tokens(seqs) == [3]
     assert b.block_table == [3]
-    sched.postprocess(seqs, [60])
+    run_step(sched, seqs, [60])
 
     seqs, is_prefill = sched.schedule()
     assert (seqs, is_prefill) == ([a, b], False)
@@ -155,10 +156,10 @@ def test_only_uncached_tokens_count_against_the_budget():
     sched.add(a)
     seqs, _ = sched.schedule()
     assert scheduled_tokens(seqs) == [6]
-    sched.postprocess(seqs, [0])
+    run_step(sched, seqs, [0])
     seqs, _ = sched.schedule()
     assert scheduled_tokens(seqs) == [2]
-    sched.postprocess(seqs, [1])
+    run_step(sched, seqs, [1])
 
     b = make_seq(prefix + [5, 6, 7, 8])  # 12 tokens, 8 cached: fits the budget of 6 whole
     sched.add(b)
@@ -168,7 +169,7 @@ def test_only_uncached_tokens_count_against_the_budget():
     assert b.block_table == [0, 1, 2]
     assert b.num_cached_tokens == 8 and b.num_prefix_hit_tokens == 8
     assert [sched.block_manager.blocks[i].ref_count for i in range(3)] == [2, 2, 1]
-    sched.postprocess(seqs, [9])
+    run_step(sched, seqs, [9])
     check_scheduler_invariants(sched)
 
 
@@ -186,7 +187,7 @@ def test_decode_preempts_newest_running_sequence_to_head_of_waiting():
     seqs, _ = sched.schedule()
     assert seqs == [a, b, c]
     assert (a.block_table, b.block_table, c.block_table) == ([0], [1], [2, 3])
-    sched.postprocess(seqs, [20, 21, 22])
+    run_step(sched, seqs, [20, 21, 22])
     assert free_queue(sched.block_manager) == []
 
     seqs, is_prefill = sched.schedule()
@@ -197,7 +198,7 @@ def test_decode_preempts_newest_running_sequence_to_head_of_waiting():
     assert a.block_table == [0, 3]  # c's blocks were released newest first: 3, then 2
     assert free_queue(sched.block_manager) == [2]
     assert sched.block_manager.blocks[2].hash == expected_hash([8, 9, 10, 11])  # remembered
-    sched.postprocess(seqs, [30, 31])
+    run_step(sched, seqs, [30, 31])
     check_scheduler_invariants(sched)
     assert c.token_ids == [8, 9, 10, 11, 12, 13, 22]  # its sampled token is kept
 
@@ -210,7 +211,7 @@ def test_sequence_preempts_itself_when_no_other_is_left():
     sched.add(a)
     seqs, _ = sched.schedule()
     assert (b.block_table, a.block_table) == ([0], [1])
-    sched.postprocess(seqs, [9, 10])
+    run_step(sched, seqs, [9, 10])
 
     seqs, is_prefill = sched.schedule()  # b takes the last free block; a has nobody to preempt
     assert (seqs, is_prefill) == ([b], False)
@@ -218,14 +219,14 @@ def test_sequence_preempts_itself_when_no_other_is_left():
     assert list(sched.waiting) == [a] and a.block_table == [] and a.status == WAITING
     assert list(sched.running) == [b]
     assert free_queue(sched.block_manager) == [1]
-    sched.postprocess(seqs, [11])
+    run_step(sched, seqs, [11])
     check_scheduler_invariants(sched)
 
     # a (5 tokens, block 1 remembered) needs 2 blocks; it waits until b finishes.
     for token in (12, 13):
         seqs, is_prefill = sched.schedule()
         assert (seqs, is_prefill) == ([b], False)
-        finished = sched.postprocess(seqs, [token])
+        finished = run_step(sched, seqs, [token])
     assert finished == [b] and b.completion_token_ids == [9, 11, 12, 13]
     assert free_queue(sched.block_manager) == [1, 2, 0]
 
@@ -233,7 +234,7 @@ def test_sequence_preempts_itself_when_no_other_is_left():
     assert (seqs, is_prefill) == ([a], True)
     assert a.block_table == [1, 2]  # its computed prompt block comes back out of the free queue
     assert a.num_cached_tokens == 4 and scheduled_tokens(seqs) == [1]
-    sched.postprocess(seqs, [14])
+    run_step(sched, seqs, [14])
     assert a.token_ids == [5, 6, 7, 8, 10, 14]
     check_scheduler_invariants(sched)
 
@@ -246,7 +247,7 @@ def test_preempted_sequence_is_recomputed_from_its_cached_prefix():
     sched.add(b)
     seqs, _ = sched.schedule()
     assert (a.block_table, b.block_table) == ([0], [1, 2])
-    sched.postprocess(seqs, [5, 19])
+    run_step(sched, seqs, [5, 19])
 
     seqs, is_prefill = sched.schedule()
     assert (seqs, is_prefill) == ([a], False)
@@ -254,7 +255,7 @@ def test_preempted_sequence_is_recomputed_from_its_cached_prefix():
     assert a.block_table == [0, 2]  # b released 2 then 1; a reused 2 and dropped its hash
     h = expected_chain(b.prompt_token_ids, 4)
     assert sched.block_manager.hash_to_block_id == {expected_hash([1, 2, 3, 4]): 0, h[0]: 1}
-    assert sched.postprocess(seqs, [6]) == [a]
+    assert run_step(sched, seqs, [6]) == [a]
     assert free_queue(sched.block_manager) == [1, 2, 0]
 
     seqs, is_prefill = sched.schedule()
@@ -263,7 +264,7 @@ def test_preempted_sequence_is_recomputed_from_its_cached_prefix():
     assert b.num_cached_tokens == 4  # block 1 still held b's first 4 tokens
     assert scheduled_tokens(seqs) == [5]  # tokens 4..8: the rest of the prompt and token 19
     assert b.num_prefix_hit_tokens == 0  # reported hits are those of the first admission
-    sched.postprocess(seqs, [20])
+    run_step(sched, seqs, [20])
     assert b.completion_token_ids == [19, 20]
     check_scheduler_invariants(sched)
 
@@ -280,13 +281,13 @@ def test_max_num_seqs_limits_running_sequences():
         sched.add(s)
     seqs, _ = sched.schedule()
     assert seqs == [a, b] and list(sched.waiting) == [c]
-    sched.postprocess(seqs, [10, 11])
+    run_step(sched, seqs, [10, 11])
     seqs, is_prefill = sched.schedule()
     assert (seqs, is_prefill) == ([a, b], False)  # c waits although blocks are free
-    assert sched.postprocess(seqs, [12, 13]) == [a]
+    assert run_step(sched, seqs, [12, 13]) == [a]
     seqs, is_prefill = sched.schedule()
     assert (seqs, is_prefill) == ([c], True)
-    sched.postprocess(seqs, [14])
+    run_step(sched, seqs, [14])
     seqs, is_prefill = sched.schedule()
     assert (seqs, is_prefill) == ([b, c], False)
 
@@ -298,7 +299,7 @@ def test_eos_finishes_and_frees_unless_ignore_eos():
     sched.add(a)
     sched.add(b)
     seqs, _ = sched.schedule()
-    assert sched.postprocess(seqs, [2, 2]) == [a]
+    assert run_step(sched, seqs, [2, 2]) == [a]
     assert a.status == FINISHED and a.is_finished
     assert a.block_table == [] and a.completion_token_ids == [2]
     assert list(sched.running) == [b] and b.status == RUNNING
@@ -312,7 +313,7 @@ def test_any_of_several_eos_ids_finishes():
     for s in (a, b, c):
         sched.add(s)
     seqs, _ = sched.schedule()
-    assert sched.postprocess(seqs, [9, 8, 7]) == [a, c]
+    assert run_step(sched, seqs, [9, 8, 7]) == [a, c]
     assert list(sched.running) == [b]
 
 
@@ -321,7 +322,7 @@ def test_no_eos_id_never_finishes_on_a_token():
     a = make_seq([1], max_tokens=2)
     sched.add(a)
     seqs, _ = sched.schedule()
-    assert sched.postprocess(seqs, [0]) == []
+    assert run_step(sched, seqs, [0]) == []
 
 
 def test_max_tokens_finishes_after_exactly_that_many_tokens():
@@ -331,7 +332,7 @@ def test_max_tokens_finishes_after_exactly_that_many_tokens():
     steps = 0
     while not sched.is_finished():
         seqs, _ = sched.schedule()
-        sched.postprocess(seqs, [40 + steps])
+        run_step(sched, seqs, [40 + steps])
         steps += 1
     assert steps == 3
     assert a.completion_token_ids == [40, 41, 42] and a.status == FINISHED
@@ -344,6 +345,6 @@ def test_max_model_len_finishes_the_sequence():
     finished = []
     while not finished:
         seqs, _ = sched.schedule()
-        finished = sched.postprocess(seqs, [6])
+        finished = run_step(sched, seqs, [6])
     assert finished == [a] and len(a) == 8 and a.completion_token_ids == [6, 6, 6]
     assert free_queue(sched.block_manager) == list(range(2, 16)) + [1, 0]

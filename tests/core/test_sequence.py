@@ -9,9 +9,10 @@ from pathlib import Path
 from random import Random
 
 import pytest
-from core_helpers import make_seq
+from core_helpers import append_token, make_seq
 
 from nanovllm.engine.step import build_step
+from nanovllm.features.attach import attach_processors
 from nanovllm.sampling_params import SamplingParams
 
 # ---- Sequence ----------------------------------------------------------------------------------
@@ -19,13 +20,13 @@ from nanovllm.sampling_params import SamplingParams
 
 def test_sequence_blocks_and_derived_fields():
     seq = make_seq(list(range(10)), block_size=4)
-    assert (seq.num_blocks, seq.last_block_num_tokens) == (3, 2)
+    assert seq.num_blocks == 3 and len(seq.block(2)) == 2
     assert seq.block(0) == [0, 1, 2, 3] and seq.block(2) == [8, 9]
     with pytest.raises(IndexError):
         seq.block(3)
-    seq.append_token(10)
-    seq.append_token(11)
-    assert (seq.num_blocks, seq.last_block_num_tokens) == (3, 4)
+    append_token(seq, 10)
+    append_token(seq, 11)
+    assert seq.num_blocks == 3 and len(seq.block(2)) == 4
     assert seq.prompt_token_ids == list(range(10)) and seq.completion_token_ids == [10, 11]
     assert make_seq([1, 2, 3]).seq_id < make_seq([1, 2, 3]).seq_id
 
@@ -47,7 +48,7 @@ def test_step_describes_only_what_it_computes():
     )
     assert step.block_tables == [[3, 1, 2], [5]] and step.prev_rows is None
     seq.num_cached_tokens, seq.num_scheduled_tokens = 10, 1
-    seq.append_token(42)
+    append_token(seq, 42)
     other.num_cached_tokens, other.num_scheduled_tokens = 2, 1
     other.append_placeholder(row=1)  # sampled by the step in flight, in its row 1
     decode = build_step([seq, other], False, Random(0))
@@ -57,16 +58,14 @@ def test_step_describes_only_what_it_computes():
     assert sent.token_ids == [42, -1] and sent.block_tables == [[3, 1, 2], [5]]
     assert decode.sampling.temperatures == [0.0, 0.0] and decode.sampling.plain
     rows = sent.sampling
-    assert (rows.temperatures, rows.seeds, rows.params, rows.plain) == (
+    assert (rows.temperatures, rows.seeds, rows.extra, rows.plain) == (
         [0.0, 0.0],
         decode.sampling.seeds,
-        [],
+        None,
         True,
     )
-    assert rows.suppressed is None and rows.penalty_tokens is None and rows.token_bitmask is None
-    seq.sampling_params = SamplingParams(
-        temperature=0.5, logprobs=2
-    )  # not plain: its rows stay on rank 0
+    seq.sampling_params = SamplingParams(temperature=0.5, logprobs=2)  # its rows stay on rank 0
+    attach_processors([seq], [])
     step = build_step([seq, other], False, Random(0))
     assert not step.sampling.plain and step.for_workers().sampling is None
 

@@ -295,7 +295,7 @@ def test_leaving_an_aborted_group_drops_the_one_shot_all_reduce():
     one-shot all-reduce must go all the same, or the process's next engine would capture it into its
     decode graphs (``distributed.all_reduce``) while its new workers sum through NCCL."""
     from nanovllm.parallel import distributed, group
-    from nanovllm.runner.executor import _free_port
+    from nanovllm.runner.multiproc_executor import _free_port
 
     try:
         group.init_process_group(torch.device("cpu"), 0, 1, _free_port())
@@ -329,7 +329,7 @@ def test_without_symmetric_memory_the_ranks_agree_on_nccl(monkeypatch):
     """``enable_custom_all_reduce`` on a group (one gloo rank here; the GPUs' peer check stubbed):
     without symmetric memory it sets nothing up, returns False and warns why."""
     from nanovllm.parallel import distributed, group
-    from nanovllm.runner.executor import _free_port
+    from nanovllm.runner.multiproc_executor import _free_port
 
     monkeypatch.setattr(group, "_reaches_peers", lambda device, world: True)
     monkeypatch.setattr(group, "has_symmetric_memory", lambda: False)
@@ -408,10 +408,6 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.xfail(
-    run=False,
-    reason="needs Executor._guarded to run each call to the ranks under parallel.shield.shielded()",
-)
 def test_two_ctrl_c_presses(ckpt_tied, tmp_path):
     """The second press comes while the first one's requests are being aborted: the ranks stay in
     step, the engine serves the same greedy tokens, and nothing is leaked at exit."""

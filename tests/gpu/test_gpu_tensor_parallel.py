@@ -168,7 +168,7 @@ def _worker(rank: int, port: int, errors) -> None:
 
 
 def test_gpu_custom_all_reduce_two_ranks():
-    from nanovllm.runner.executor import _free_port as free_port
+    from nanovllm.runner.multiproc_executor import _free_port as free_port
 
     ctx = mp.get_context("spawn")
     errors = ctx.Queue()

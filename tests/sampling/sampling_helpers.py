@@ -16,9 +16,11 @@ from random import Random
 import torch
 
 from nanovllm.engine.sequence import Sequence
-from nanovllm.engine.step import sampling_rows
-from nanovllm.sampling import Sampler, SamplingBatch, torch_ops
-from nanovllm.sampling.batch import NUM_CANDIDATES, make_sampling_batch
+from nanovllm.engine.step import SamplingRows, build_step
+from nanovllm.features.attach import attach_processors
+from nanovllm.sampling import torch_ops
+from nanovllm.sampling.extras import NUM_CANDIDATES
+from nanovllm.sampling.sampler import Sampler, SamplingBatch, make_sampling_batch
 from nanovllm.sampling_params import SamplingParams
 
 NUM_DRAWS = 4000
@@ -183,14 +185,21 @@ def seq_with(
 ) -> Sequence:
     """A sequence with ``num_completion`` generated tokens (100, 101, ...)."""
     seq = Sequence(prompt or [1, 2, 3], params, block_size=16)
+    attach_processors([seq], [])
     for t in range(num_completion):
-        seq.append_token(100 + t)
+        seq.append_placeholder(-1)
+        seq.set_token(len(seq) - 1, 100 + t)
     return seq
+
+
+def step_rows(seqs: list[Sequence], rng: Random | None = None) -> SamplingRows:
+    """The sampling rows of a decode step of ``seqs``, their processors' contributions included."""
+    return build_step(seqs, False, rng or Random(0)).sampling
 
 
 def make_batch(seqs: list[Sequence], vocab: int) -> SamplingBatch:
     """The engine's rows of ``seqs`` (unseeded rows draw from a fixed generator) as the sampler's tensors."""
-    rows = sampling_rows(seqs, Random(0))
+    rows = step_rows(seqs)
     return make_sampling_batch(rows, vocab, lambda values, dtype: torch.tensor(values, dtype=dtype))
 
 

@@ -1,4 +1,4 @@
-"""The plain temperature draw on the CPU (``torch_ops.cdf_draw``): the token the row's seeded uniform
+"""The plain temperature draw on the CPU (``draw.cdf_draw``): the token the row's seeded uniform
 selects from the exact cumulative distribution, so draws follow softmax(logits / T); greedy rows take
 the argmax; a row draws the same token alone, in any batch and in any group of rows; the sampler's
 CPU path is this draw."""
@@ -8,13 +8,13 @@ import torch
 from sampling_helpers import NUM_DRAWS, check_draws, reference, sample_seqs, seed_tensor, seq_with
 
 from nanovllm.engine.step import draw_seed
-from nanovllm.sampling import torch_ops
+from nanovllm.sampling import draw as cpu_draw
 from nanovllm.sampling_params import SamplingParams
 
 
 def draws_of(row: torch.Tensor, temperature: float, seeds: torch.Tensor) -> torch.Tensor:
     n = seeds.numel()
-    return torch_ops.cdf_draw(row.unsqueeze(0).repeat(n, 1), torch.full((n,), temperature), seeds)
+    return cpu_draw.cdf_draw(row.unsqueeze(0).repeat(n, 1), torch.full((n,), temperature), seeds)
 
 
 def rows_with_a_tail_block() -> torch.Tensor:
@@ -65,7 +65,7 @@ def test_the_token_is_where_the_uniform_falls_in_the_cumulative_distribution():
         drawn = draws_of(row, temperature, seeds)
         checked = 0
         for seed, token in zip(seeds.tolist(), drawn.tolist()):
-            u = torch_ops.row_uniform_bits(seed) / 2.0**64
+            u = cpu_draw.row_uniform_bits(seed) / 2.0**64
             if (cdf - u).abs().min() < 1e-9:
                 continue
             want = int(torch.searchsorted(cdf, torch.tensor([u], dtype=torch.float64), right=True))
@@ -81,7 +81,7 @@ def test_greedy_rows_take_the_first_maximum_beside_drawn_rows():
     logits = torch.randn(16, 3000, generator=g).round(decimals=1)  # many equal values
     logits[4, [17, 2500]] = 100.0  # equal maxima: the lower id
     temps = torch.tensor([0.0, 1.0] * 8)
-    tokens = torch_ops.cdf_draw(logits, temps, seed_tensor(16, 11))
+    tokens = cpu_draw.cdf_draw(logits, temps, seed_tensor(16, 11))
     greedy = torch.arange(0, 16, 2)
     assert torch.equal(tokens[greedy], logits[greedy].argmax(dim=-1))
     assert tokens[4] == 17
@@ -99,21 +99,21 @@ def test_a_row_draws_the_same_token_alone_and_in_any_batch():
     them greedy) splits the drawn rows into groups differently from each row alone or in a
     permuted order; every row must draw the same token in each."""
     vocab = 2**17 + 3
-    assert torch_ops.CDF_GROUP // vocab == 3
+    assert cpu_draw.CDF_GROUP // vocab == 3
     g = torch.Generator().manual_seed(21)
     logits = 0.5 * torch.randn(11, vocab, generator=g)
     temps = torch.tensor([0.7, 1.0, 0.0, 1.3, 0.9, 1.0, 0.0, 0.5, 2.0, 1.0, 0.8])
     seeds = seed_tensor(11, 21)
-    batch = torch_ops.cdf_draw(logits, temps, seeds)
+    batch = cpu_draw.cdf_draw(logits, temps, seeds)
     alone = torch.cat(
         [
-            torch_ops.cdf_draw(logits[i : i + 1], temps[i : i + 1], seeds[i : i + 1])
+            cpu_draw.cdf_draw(logits[i : i + 1], temps[i : i + 1], seeds[i : i + 1])
             for i in range(11)
         ]
     )
     assert torch.equal(batch, alone), (batch.tolist(), alone.tolist())
     order = torch.randperm(11, generator=g)
-    permuted = torch_ops.cdf_draw(logits[order], temps[order], seeds[order])
+    permuted = cpu_draw.cdf_draw(logits[order], temps[order], seeds[order])
     assert torch.equal(permuted, batch[order])
     assert len(set(batch.tolist())) > 5
 
@@ -125,5 +125,5 @@ def test_the_cpu_sampler_draws_plain_rows_with_the_cdf_draw():
     logits = torch.randn(6, 2000, generator=g)
     seqs = [seq_with(SamplingParams(temperature=0.9, seed=100 + i), i) for i in range(6)]
     seeds = torch.tensor([draw_seed(100 + i, i) for i in range(6)])
-    want = torch_ops.cdf_draw(logits, torch.full((6,), 0.9), seeds)
+    want = cpu_draw.cdf_draw(logits, torch.full((6,), 0.9), seeds)
     assert torch.equal(sample_seqs(seqs, logits).token_ids, want)

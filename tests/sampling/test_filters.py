@@ -16,8 +16,8 @@ from sampling_helpers import (
     seed_tensor,
 )
 
-from nanovllm.sampling import Filters, Sampler, SamplingBatch
-from nanovllm.sampling.batch import NUM_CANDIDATES
+from nanovllm.sampling.extras import NUM_CANDIDATES, Filters
+from nanovllm.sampling.sampler import Sampler, SamplingBatch
 
 
 def tie_row() -> torch.Tensor:

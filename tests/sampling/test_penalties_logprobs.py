@@ -94,8 +94,9 @@ def test_sampler_greedy_after_penalties_and_suppression():
         seq_with(SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[9]), 1),
         seq_with(SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[9]), 2),
     ]
-    seqs[0].append_token(5)
-    seqs[0].append_token(5)
+    for _ in range(2):
+        seqs[0].append_placeholder(-1)
+        seqs[0].set_token(len(seqs[0]) - 1, 5)
     want = [6, 8, 9]
     reference_row = penalised_reference(logits[0].tolist(), [1, 5], [5, 5], 1.0, 0.5, 1.0)
     assert max(range(64), key=reference_row.__getitem__) == want[0]

@@ -2,15 +2,14 @@
 ids), and the rows' ``plain`` flag: steps the fused draw serves by itself.
 """
 
-from random import Random
-
 import pytest
 import torch
-from sampling_helpers import make_batch, seq_with
+from sampling_helpers import make_batch, seq_with, step_rows
 
 from nanovllm.engine.sequence import Sequence, request_sequences
-from nanovllm.engine.step import draw_seed, sampling_rows
-from nanovllm.sampling.batch import NUM_CANDIDATES
+from nanovllm.engine.step import draw_seed
+from nanovllm.features.attach import attach_processors
+from nanovllm.sampling.extras import NUM_CANDIDATES
 from nanovllm.sampling_params import SamplingParams
 
 # ---- make_sampling_batch ----------------------------------------------------------------------------
@@ -23,10 +22,12 @@ def request_seqs(
 ) -> list[Sequence]:
     """The sequences of one request, EOS added to the min_tokens ids as the engine does, with
     ``completion`` generated already."""
-    seqs = request_sequences(0, prompt, params, block_size=16, eos_token_ids=[EOS])
+    seqs = request_sequences(0, prompt, params, block_size=16)
+    attach_processors(seqs, [EOS])
     for seq in seqs:
         for t in completion:
-            seq.append_token(t)
+            seq.append_placeholder(-1)
+            seq.set_token(len(seq) - 1, t)
     return seqs
 
 
@@ -153,7 +154,7 @@ def test_make_sampling_batch_candidates(top_ks, vocab, num_candidates, all_top_k
 
 def plain_sampling(seqs: list[Sequence]):
     """(temperatures, seeds) of a plain step, or None when a row needs more of the sampler."""
-    rows = sampling_rows(seqs, Random(0))
+    rows = step_rows(seqs)
     return (rows.temperatures, rows.seeds) if rows.plain else None
 
 

@@ -1,17 +1,16 @@
-"""The mask path of structured outputs: the rows a step's grammars constrain (``sampling_rows``),
+"""The mask path of structured outputs: the rows a step's grammars constrain (``build_step``),
 the bitmask applied to their logits (``torch_ops.apply_token_bitmask``, checked bit by bit against
 a reference in plain Python), the sampler drawing only allowed tokens while the other rows draw as
 without any grammar, and a real xgrammar matcher's masks over the Qwen3 vocabulary."""
 
-from random import Random
-
 import numpy as np
 import pytest
 import torch
-from sampling_helpers import make_batch, seq_with
+from sampling_helpers import make_batch, seq_with, step_rows
 
-from nanovllm.engine.step import sampling_rows
-from nanovllm.sampling import Sampler, torch_ops
+from nanovllm.features.structured_outputs.processor import GrammarProcessor
+from nanovllm.sampling import torch_ops
+from nanovllm.sampling.sampler import Sampler
 from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 from nanovllm.utils.checkpoint import QWEN3_VOCAB_SIZE, TOKENIZER_DIR
 
@@ -60,17 +59,17 @@ def test_apply_token_bitmask_matches_the_bits():
 
 def test_only_the_sampling_rows_with_a_grammar_are_masked_and_the_step_is_not_plain():
     plain = seq_with(SamplingParams(temperature=0.7))
-    assert sampling_rows([plain], Random(0)).plain
+    assert step_rows([plain]).plain
     constrained = seq_with(SamplingParams(temperature=0.7))
-    constrained.grammar = FakeGrammar({3, 40, 65}, bitmask_width=3)
+    constrained.processors = [GrammarProcessor(FakeGrammar({3, 40, 65}, bitmask_width=3))]
     chunk = seq_with(SamplingParams(temperature=0.7), prompt=list(range(40)))
-    chunk.grammar = FakeGrammar({5}, bitmask_width=3)
+    chunk.processors = [GrammarProcessor(FakeGrammar({5}, bitmask_width=3))]
     chunk.num_scheduled_tokens = 16  # the first of three prompt chunks: it samples nothing
     for seq in (plain, constrained):
         seq.num_cached_tokens, seq.num_scheduled_tokens = len(seq) - 1, 1
-    rows = sampling_rows([plain, constrained, chunk], Random(0))
-    assert not rows.plain
-    grammar_rows, bitmask = rows.token_bitmask
+    rows = step_rows([plain, constrained, chunk])
+    assert not rows.plain and rows.extra.sync
+    grammar_rows, bitmask = rows.extra.bitmask_rows, np.concatenate(rows.extra.bitmasks)
     assert grammar_rows == [1] and bitmask.dtype == np.int32
     assert [t for t, ok in enumerate(allowed_by(bitmask[0].tolist(), 96)) if ok] == [3, 40, 65]
 
@@ -91,7 +90,7 @@ def test_the_sampler_draws_allowed_tokens_and_other_rows_as_without_a_grammar(mo
         ]
         seqs = [seq_with(p) for p in params]
         for seq, ok in zip(seqs[:2], allowed):
-            seq.grammar = FakeGrammar(ok, bitmask_width=16)
+            seq.processors = [GrammarProcessor(FakeGrammar(ok, bitmask_width=16))]
             seq.num_cached_tokens, seq.num_scheduled_tokens = (
                 len(seq) - 1,
                 1,
@@ -123,7 +122,8 @@ def test_a_real_matchers_masks_keep_a_draw_in_its_regex(compiler):
     logits = torch.randn(1, QWEN3_VOCAB_SIZE, generator=g) * 3
     for seed in range(8):
         seq = seq_with(SamplingParams(temperature=1.0, seed=seed))
-        seq.grammar = grammars.matcher(so)
+        grammar = grammars.matcher(so)
+        seq.processors = [GrammarProcessor(grammar)]
         text = ""
         for _ in range(3):
             seq.num_cached_tokens, seq.num_scheduled_tokens = (
@@ -131,14 +131,15 @@ def test_a_real_matchers_masks_keep_a_draw_in_its_regex(compiler):
                 1,
             )  # it samples this step
             token = Sampler()(logits, make_batch([seq], QWEN3_VOCAB_SIZE)).token_ids.item()
-            seq.grammar.accept(token)
-            seq.append_token(token)
+            seq.append_placeholder(-1)
+            seq.set_token(len(seq) - 1, token)
+            ended = seq.processors[0].accept(seq, token)
             if token == 151645:
                 break
             text += tokenizer.decode([token])
             assert text.isdigit() and len(text) <= 2, text
-        assert token == 151645 and len(text) == 2 and seq.grammar.is_terminated, (text, token)
-    bitmask = np.empty((1, seq.grammar.bitmask_width), dtype=np.int32)
+        assert token == 151645 and len(text) == 2 and ended and grammar.is_terminated, (text, token)
+    bitmask = np.empty((1, grammar.bitmask_width), dtype=np.int32)
     fresh = grammars.matcher(so)
     fresh.fill_bitmask(bitmask, 0)
     allowed = [t for t, ok in enumerate(allowed_by(bitmask[0].tolist(), QWEN3_VOCAB_SIZE)) if ok]

@@ -9,7 +9,7 @@ KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 @dataclass(frozen=True)
 class StructuredOutputsParams:
-    """Exactly one of ``json``, ``regex``, ``choice``, ``grammar`` and ``json_object`` (vLLM's names).
+    """Exactly one of ``json``, ``regex``, ``choice``, ``grammar``, ``json_object`` (vLLM's names).
 
     json: a JSON schema (a dict, or its JSON text); the completion is a JSON value valid for it.
     regex: the completion fully matches this regular expression.
@@ -35,7 +35,8 @@ class StructuredOutputsParams:
         given = [k for k in KINDS if getattr(self, k) is not None and getattr(self, k) is not False]
         if len(given) != 1:
             raise ValueError(
-                "StructuredOutputsParams needs exactly one of json, regex, choice, grammar, json_object; "
+                "StructuredOutputsParams needs exactly one of json, regex, choice, grammar, "
+                "json_object; "
                 f"got {', '.join(given) if given else 'none'}"
             )
         kind = given[0]
@@ -96,7 +97,8 @@ def _spec_text(kind: str, value) -> str:
             or not all(isinstance(c, str) for c in value)
         ):
             raise TypeError(
-                f"StructuredOutputsParams.choice must be a non-empty list of str, got {_short(value)}"
+                "StructuredOutputsParams.choice must be a non-empty list of str, "
+                f"got {_short(value)}"
             )
         if not all(value):
             raise ValueError(
@@ -109,7 +111,8 @@ def _spec_text(kind: str, value) -> str:
         return ""
     if not isinstance(value, str):  # regex, grammar
         raise TypeError(
-            f"StructuredOutputsParams.{kind} must be a str, got {_short(value)} ({type(value).__name__})"
+            f"StructuredOutputsParams.{kind} must be a str, "
+            f"got {_short(value)} ({type(value).__name__})"
         )
     if not value:
         raise ValueError(f"StructuredOutputsParams.{kind} must not be empty")

@@ -1,0 +1,30 @@
+"""Which request processors a request's sequences get, chosen once when it is queued."""
+
+from nanovllm.features import logits_processors as lp
+
+
+def attach_processors(seqs: list, eos_token_ids: list[int], core=None) -> None:
+    """Give each of a request's sequences the processors its ``SamplingParams`` ask for (``core``:
+    the engine core, whose tokenizer a grammar needs). Completion 0 scores the prompt."""
+    for i, seq in enumerate(seqs):
+        sp, procs = seq.sampling_params, []
+        stop_ids = list(sp.stop_token_ids)
+        if not sp.ignore_eos:
+            stop_ids += [e for e in eos_token_ids if e not in sp.stop_token_ids]
+        if sp.min_tokens and stop_ids:
+            procs.append(lp.MinTokens(sp.min_tokens, stop_ids))
+        if sp.has_penalties:
+            procs.append(lp.Penalties(sp))
+        if sp.has_filters:
+            procs.append(lp.Filters(sp))
+        if sp.logprobs is not None:
+            procs.append(lp.Logprobs(sp.logprobs))
+        if sp.structured_outputs is not None:
+            from nanovllm.features.structured_outputs.processor import grammar_processor
+
+            procs.append(grammar_processor(core, sp.structured_outputs))
+        if i == 0 and sp.prompt_logprobs is not None:
+            from nanovllm.features.prompt_logprobs import PromptLogprobs
+
+            procs.append(PromptLogprobs(seq, sp.prompt_logprobs))
+        seq.processors = procs

@@ -1,0 +1,50 @@
+"""Processors that shape a row's sampling: min_tokens suppression, penalties, top-k/top-p/min-p
+filters, and sampled-token log-probabilities (``processors.RequestProcessor``)."""
+
+from nanovllm.features.processors import RequestProcessor, row_extras
+
+
+class MinTokens(RequestProcessor):
+    """Until ``min_tokens`` tokens are out, the stop ids (and EOS) are masked."""
+
+    def __init__(self, min_tokens: int, token_ids: list[int]):
+        self.min_tokens, self.token_ids = min_tokens, token_ids
+
+    def contribute(self, step, row, seq, offset):
+        if seq.num_completion_tokens < self.min_tokens:
+            row_extras(step).set("suppressed", row, self.token_ids)
+
+
+class Penalties(RequestProcessor):
+    """Repetition, presence and frequency penalties over the prompt and output tokens (whose values
+    the host needs: the step is resolved before the next one is scheduled)."""
+
+    def __init__(self, sp):
+        self.values = (sp.repetition_penalty, sp.presence_penalty, sp.frequency_penalty)
+
+    def contribute(self, step, row, seq, offset):
+        extra = row_extras(step)
+        extra.set("penalties", row, (*self.values, seq.prompt_token_ids, seq.completion_token_ids))
+        extra.sync = True
+
+
+class Filters(RequestProcessor):
+    def __init__(self, sp):
+        self.values = (sp.top_k, sp.top_p, sp.min_p)
+
+    def contribute(self, step, row, seq, offset):
+        row_extras(step).set("filters", row, self.values)
+
+
+class Logprobs(RequestProcessor):
+    """The sampled token's log-probability and the ``num`` most likely, with each token."""
+
+    def __init__(self, num: int):
+        self.num = num
+
+    def contribute(self, step, row, seq, offset):
+        row_extras(step).set("logprobs", row, self.num)
+
+    def report(self, seq, out, extra):
+        if extra is not None and "logprobs" in extra:
+            out.new_logprobs = [extra["logprobs"]]
