@@ -9,10 +9,8 @@ WHERE = " given to update_weights"
 
 
 def _helpers():
-    try:
-        from nanovllm.utils import weights
-    except ImportError:
-        from nanovllm.utils import loader as weights
+    from nanovllm.utils import weights
+
     return weights
 
 
@@ -20,10 +18,8 @@ def plan_rank(runner, tensors: list[tuple[str, tuple, bool]]):
     """Where each ``(name, shape, is float8)`` goes (``WeightEntry`` list), or the ValueError
     that refuses them (returned, not raised: a worker's loop must go on)."""
     w = _helpers()
-    fp8 = w.is_fp8_model(runner.model)
     try:
-        expected = w.expected_shapes(runner.config.model, runner.config.hf_config, fp8)
-        entries = w.plan_weights(runner.model, [t[:2] for t in tensors], expected, WHERE)
+        entries = w.plan_weights(runner.model, [t[:2] for t in tensors], WHERE)
         fp8_names = {e.name for e in entries if tensors[e.index][2]}
         return w.check_fp8_tensors(runner.model, entries, fp8_names, WHERE)
     except ValueError as e:

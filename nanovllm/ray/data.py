@@ -103,8 +103,8 @@ class _EngineReplica:
         sampling_params = self.sampling_params(row.get("sampling_params"))
         if messages is not None:
             token_ids = self.chat_prompt(messages, row.get("chat_template_kwargs"))
-            return self.llm.inputs.check(token_ids, sampling_params, "'messages'"), sampling_params
-        return self.llm.inputs.check(prompt, sampling_params, "'prompt'"), sampling_params
+            return self.llm.inputs.check(token_ids, sampling_params, "'messages'")
+        return self.llm.inputs.check(prompt, sampling_params, "'prompt'")
 
     def sampling_params(self, value) -> SamplingParams:
         """The model folder's recommended settings (``get_default_sampling_params``: what
