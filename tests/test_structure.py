@@ -36,7 +36,7 @@ import json, sys
 from nanovllm import LLM, SamplingParams
 llm = LLM(sys.argv[1], enforce_eager=True, max_model_len=256, num_kvcache_blocks=64,
           kvcache_block_size=16, device="cpu")
-out = llm.generate(["hello world", [1, 2, 3]], SamplingParams(temperature=0, max_tokens=8),
+out = llm.generate([[1, 2, 3], [4, 5, 6, 7]], SamplingParams(temperature=0, max_tokens=8),
                    use_tqdm=False)
 llm.exit()
 print(json.dumps(sorted(m.__file__ for n, m in list(sys.modules.items())
