@@ -44,7 +44,8 @@ from nanovllm.layers.attention import (
     get_attention_backend,
 )  # noqa: E402
 from nanovllm.layers.attention.reference import TorchAttentionBackend  # noqa: E402
-from nanovllm.layers.attention.triton_backend import DecodeTile, TritonAttentionBackend  # noqa: E402
+from nanovllm.layers.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from nanovllm.layers.attention.triton_tiles import DecodeTile  # noqa: E402
 from nanovllm.utils.context import Context  # noqa: E402
 
 SWEEP = dict(block_n=(32, 64, 128), num_stages=(2, 3, 4), num_warps=(4, 8))

@@ -282,7 +282,8 @@ def check_store(store, *, device, dtype, head_dim, block_size, num_kv_heads=2) -
 
 def small_tiles(num_splits: int):
     """The Triton backend with 16-key decode tiles, one pipeline stage."""
-    from nanovllm.layers.attention.triton_backend import DecodeTile, TritonAttentionBackend
+    from nanovllm.layers.attention.triton_backend import TritonAttentionBackend
+    from nanovllm.layers.attention.triton_tiles import DecodeTile
 
     return TritonAttentionBackend(num_splits=num_splits, decode_tile=DecodeTile(16, 1))
 
@@ -365,7 +366,7 @@ H100_SHARED_MEMORY = 232448  # bytes per block, also the H200's
 def test_triton_tiles_fit_shared_memory():
     """float32 and head_dim 256 get tiles whose estimate fits the H100/H200 limit; 2-byte types
     with head_dim <= 128 keep the tiles they always had."""
-    from nanovllm.layers.attention.triton_backend import (
+    from nanovllm.layers.attention.triton_tiles import (
         decode_tiles,
         prefill_tiles,
         shared_memory_estimate,

@@ -368,7 +368,8 @@ def check_prefill(
 
 def small_tiles(num_splits: int):
     """The Triton backend with 16-key decode tiles, one pipeline stage."""
-    from nanovllm.layers.attention.triton_backend import DecodeTile, TritonAttentionBackend
+    from nanovllm.layers.attention.triton_backend import TritonAttentionBackend
+    from nanovllm.layers.attention.triton_tiles import DecodeTile
 
     return TritonAttentionBackend(num_splits=num_splits, decode_tile=DecodeTile(16, 1))
 
