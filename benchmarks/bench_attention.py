@@ -1,4 +1,4 @@
-"""Decode attention alone, on one decode step's shape: time per call and the KV bandwidth it reaches.
+"""Decode attention alone, on one decode step's shape: time per call and the KV bandwidth.
 
 The cache is paged (block size 256, block ids shuffled) and filled with N(0, 1) rows; each of the
 ``--num-seqs`` sequences has a context length drawn uniformly from [--min-len, --max-len] (seed 0);
@@ -7,11 +7,11 @@ against the torch backend in float32 over the same cache (dequantized for FP8), 
 CUDA graph and timed with CUDA events (median of --iters replays after warm-up). "GB/s" counts the
 K/V bytes the step must read (and the scales of an FP8 cache) over the median time. GPU only.
 
-    python benchmarks/bench_attention.py                       # flash-attn, Triton bf16 and FP8 at their defaults
-    python benchmarks/bench_attention.py --sweep               # also every Triton tile of SWEEP
+    python benchmarks/bench_attention.py              # flash-attn, Triton bf16 and FP8, defaults
+    python benchmarks/bench_attention.py --sweep      # also every Triton tile of SWEEP
     python benchmarks/bench_attention.py --heads 32 --kv-heads 4
     python benchmarks/bench_attention.py --cache fp8 --tile 256,2,4 --tile 128,3,4   # given tiles
-    python benchmarks/bench_attention.py --run --cache bf16    # every 16th decode step of bench.py's workload
+    python benchmarks/bench_attention.py --run --cache bf16   # every 16th step of bench.py's run
 
 ``--run`` replays the decode steps of ``bench.py``'s workload (its seed, prompt and output lengths;
 sequence i has context prompt_len + j at its j-th decode step and leaves after its last) and sums
@@ -20,10 +20,10 @@ Qwen3-0.6B's; 36 for the Qwen3-8B shape): the decode attention of the whole run,
 candidate; "as is" keeps the workload's order of sequences, "sorted" orders each step longest
 context first (as the scheduler does).
 
-Run it from the repository root as ``python benchmarks/bench_attention.py ...``. It imports ``bench``
-(``bench.py``'s workload) through the repository root, which the first lines below put on
-``sys.path``; tools of this folder import each other by their plain names (a script's own
-folder is on ``sys.path``).
+Run it from the repository root as ``python benchmarks/bench_attention.py ...``. It imports
+``bench`` (``bench.py``'s workload) through the repository root, which the first lines below put on
+``sys.path``; tools of this folder import each other by their plain names (a script's own folder is
+on ``sys.path``).
 """
 
 import argparse
@@ -44,7 +44,8 @@ from nanovllm.layers.attention import (
     get_attention_backend,
 )  # noqa: E402
 from nanovllm.layers.attention.reference import TorchAttentionBackend  # noqa: E402
-from nanovllm.layers.attention.triton_backend import DecodeTile, TritonAttentionBackend  # noqa: E402
+from nanovllm.layers.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from nanovllm.layers.attention.triton_tiles import DecodeTile  # noqa: E402
 from nanovllm.utils.context import Context  # noqa: E402
 
 SWEEP = dict(block_n=(32, 64, 128), num_stages=(2, 3, 4), num_warps=(4, 8))
@@ -159,7 +160,8 @@ def time_run(args, candidates: list, dtype: torch.dtype) -> None:
         caches[True] = (k8, v8, ks, vs)
     read = median_ms(lambda: torch.sum(k, dtype=torch.float32), args.iters)
     print(
-        f"reference: torch.sum over the bf16 K cache ({k.nbytes / 1e9:.2f} GB) reads at {k.nbytes / read / 1e9:.2f} TB/s"
+        f"reference: torch.sum over the bf16 K cache ({k.nbytes / 1e9:.2f} GB) reads at "
+        f"{k.nbytes / read / 1e9:.2f} TB/s"
     )
     width = -(-4096 // args.block_size)  # the graphs' block tables span max_model_len
     totals = {}  # (name, fp8, tile, rule, order) -> {bucket: [seconds, bytes]}
@@ -193,19 +195,23 @@ def time_run(args, candidates: list, dtype: torch.dtype) -> None:
                 acc[0] += ms * 1e-3 * args.stride * args.layers
                 acc[1] += sum(lens) * args.kv_heads * row_bytes * args.stride * args.layers
     print(
-        f"{len(steps)} steps (every {args.stride}th), x{args.stride} x {args.layers} layers; seconds (TB/s) by batch size"
+        f"{len(steps)} steps (every {args.stride}th), x{args.stride} x {args.layers} layers; "
+        "seconds (TB/s) by batch size"
     )
     print(
         f"{'candidate':<44} {'order':<7} {'total':>14} "
         + " ".join(f"{f'{lo}-{hi - 1}':>14}" for lo, hi in RUN_BUCKETS)
     )
+
+    def fmt(s, n):
+        return f"{s:6.3f} ({n / s / 1e12 if s else 0:4.2f})"
+
     for (name, fp8, tile, rule, order), by in totals.items():
         label = f"{name} {'fp8' if fp8 else 'bf16'} {tuple(tile) if tile else 'default'}" + (
             f" split {rule}" if rule else ""
         )
         cells = [by.get(b, [0.0, 0]) for b in RUN_BUCKETS]
         secs, nbytes = sum(c[0] for c in cells), sum(c[1] for c in cells)
-        fmt = lambda s, n: f"{s:6.3f} ({n / s / 1e12 if s else 0:4.2f})"
         print(
             f"{label:<44} {order:<7} {fmt(secs, nbytes):>14} "
             + " ".join(f"{fmt(*c):>14}" for c in cells),
@@ -215,7 +221,8 @@ def time_run(args, candidates: list, dtype: torch.dtype) -> None:
 
 def run_context(lens: list[int], blocks: int, width: int, block_size: int) -> Context:
     """A decode step's context as the engine's graphs see it: padded to a graph batch size (rows of
-    context 0), block tables ``width`` wide, each sequence's blocks drawn at random from ``blocks``."""
+    context 0), block tables ``width`` wide, each sequence's blocks drawn at random from
+    ``blocks``."""
     batch = next(b for b in GRAPH_BATCHES if b >= len(lens))
     ids = torch.randperm(blocks, generator=torch.Generator().manual_seed(len(lens)))
     tables = torch.zeros(batch, width, dtype=torch.int32)
@@ -287,11 +294,13 @@ def main() -> None:
     if args.run:
         return time_run(args, candidates, dtype)
     print(
-        f"{args.num_seqs} seqs, contexts {args.min_len}-{args.max_len}, {args.heads} heads / {args.kv_heads} KV heads,"
+        f"{args.num_seqs} seqs, contexts {args.min_len}-{args.max_len}, "
+        f"{args.heads} heads / {args.kv_heads} KV heads,"
         f" head_dim {args.head_dim}, block size {args.block_size}, {torch.cuda.get_device_name()}"
     )
     print(
-        f"{'backend':<10} {'cache':<5} {'tile (block_n, stages, warps)':<36} {'us':>8} {'GB/s':>7} {'rel err':>8}"
+        f"{'backend':<10} {'cache':<5} {'tile (block_n, stages, warps)':<36} "
+        f"{'us':>8} {'GB/s':>7} {'rel err':>8}"
     )
     steps = {fp8: decode_step(args, dtype, fp8) for fp8 in caches}
     for name, fp8, tile, rule in candidates:
@@ -306,12 +315,14 @@ def main() -> None:
             ms = median_ms(lambda: backend.decode(q, k, v, context, scale, ks, vs), args.iters)
         except Exception as e:  # a tile that does not fit, or flash-attn missing: report and go on
             print(
-                f"{name:<10} {'fp8' if fp8 else 'bf16':<5} {str(tuple(tile or ())):<36} {type(e).__name__}: {str(e)[:60]}"
+                f"{name:<10} {'fp8' if fp8 else 'bf16':<5} {str(tuple(tile or ())):<36} "
+                f"{type(e).__name__}: {str(e)[:60]}"
             )
             continue
         label = (str(tuple(tile)) if tile else "default") + (f" split {rule}" if rule else "")
         print(
-            f"{name:<10} {'fp8' if fp8 else 'bf16':<5} {label:<36} {ms * 1e3:8.1f} {nbytes / ms / 1e6:7.0f} {err:8.1e}",
+            f"{name:<10} {'fp8' if fp8 else 'bf16':<5} {label:<36} {ms * 1e3:8.1f} "
+            f"{nbytes / ms / 1e6:7.0f} {err:8.1e}",
             flush=True,
         )
 

@@ -4,13 +4,13 @@
 
 For each layer (qkv, o, gate_up, down) and token count, GPU time under a CUDA graph
 (``triton.testing.do_bench_cudagraph``, so launch overhead is not counted) of: ``fp8_linear_triton``
-with its Triton GEMM (activation quantization per 1x128 group included; by default the tensor cores sum
-each k-block, with ``precise`` every MMA's result is added in float32) and with cuBLAS's block-scaled
-FP8 GEMM (``cublas=True``: the same quantization, rows padded to 16, then ``F.scaled_mm``; where torch
-and the GPU have it); ``torch._scaled_mm`` on e4m3 inputs with one scale per tensor (the tensor-core
-rate with the least scaling work, no activation quantization timed); and the bf16 ``F.linear``.
-TFLOP/s count 2·M·N·K. First the FP8 GEMMs are checked against the torch path of ``fp8.py`` (CPU) at
-16 and 2,048 tokens.
+with its Triton GEMM (activation quantization per 1x128 group included; by default the tensor cores
+sum each k-block, with ``precise`` every MMA's result is added in float32) and with cuBLAS's
+block-scaled FP8 GEMM (``cublas=True``: the same quantization, rows padded to 16, then
+``F.scaled_mm``; where torch and the GPU have it); ``torch._scaled_mm`` on e4m3 inputs with one
+scale per tensor (the tensor-core rate with the least scaling work, no activation quantization
+timed); and the bf16 ``F.linear``. TFLOP/s count 2·M·N·K. First the FP8 GEMMs are checked against
+the torch path of ``fp8.py`` (CPU) at 16 and 2,048 tokens.
 """
 
 import torch

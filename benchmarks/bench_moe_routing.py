@@ -1,7 +1,7 @@
-"""A MoE layer's routing and grouping alone: the torch path (``select_experts`` + ``group_by_expert``,
-some thirty small kernels) against the Triton kernels (``select_experts_triton`` +
-``group_by_expert_triton``, three launches), on Qwen3-30B-A3B's router (128 experts, top-8,
-renormalised) from decode batches to long prefills. GPU only.
+"""A MoE layer's routing and grouping alone: the torch path (``select_experts`` +
+``group_by_expert``, some thirty small kernels) against the Triton kernels
+(``select_experts_triton`` + ``group_by_expert_triton``, three launches), on Qwen3-30B-A3B's router
+(128 experts, top-8, renormalised) from decode batches to long prefills. GPU only.
 
 Router logits are N(0, 1) in bf16 (seed 0); each size takes the block_m that ``moe_tile`` picks for
 it. Both paths are first checked to give the same ids and layout, then timed with CUDA events as
@@ -9,7 +9,7 @@ the median of --iters calls after warm-up: replays of a CUDA graph that holds on
 step runs), and with ``--eager`` plain calls too (as a prefill runs). Times are per layer; a
 Qwen3-30B-A3B step runs 48 of them.
 
-    python benchmarks/bench_moe_routing.py                  # 1..512 decode tokens, 1k..16k prefill tokens
+    python benchmarks/bench_moe_routing.py       # 1..512 decode tokens, 1k..16k prefill tokens
     python benchmarks/bench_moe_routing.py --eager --tokens 1 64 4096 16384
     python benchmarks/bench_moe_routing.py --experts 60 --top-k 4
 

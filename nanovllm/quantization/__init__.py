@@ -1,12 +1,10 @@
-"""Weight quantization: ``resolve_quantization`` decides, before any weights load, whether a model
-runs with FP8 weights and checks that it can. What the model is built with: ``fp8_method``."""
+"""Weight quantization: ``resolve_quantization`` decides and checks it before weights load."""
 
 BLOCK_SIZE = [128, 128]
 
 
 def checkpoint_quantization(hf_config) -> str | None:
-    """ "fp8" when config.json's ``quantization_config`` describes Qwen's block FP8 format, None
-    when there is none; any other method or setting is a ValueError naming the key and value."""
+    """ "fp8" for Qwen's block FP8 config, None without one; else ValueError."""
     qc = getattr(hf_config, "quantization_config", None)
     if qc is None:
         return None
@@ -14,7 +12,8 @@ def checkpoint_quantization(hf_config) -> str | None:
     method = qc.get("quant_method")
     if method != "fp8":
         raise ValueError(
-            f"config.json: quantization_config.quant_method {method!r} is not supported (only 'fp8')"
+            f"config.json: quantization_config.quant_method {method!r} is not supported "
+            "(only 'fp8')"
         )
     fmt = qc.get("fmt", "e4m3")
     if fmt != "e4m3":
@@ -46,9 +45,7 @@ def checkpoint_quantization(hf_config) -> str | None:
 def resolve_quantization(
     quantization: str | None, hf_config, tensor_parallel_size: int, device: str
 ) -> str | None:
-    """The quantization the model runs with: the checkpoint's, else ``quantization`` (None or "fp8":
-    a float checkpoint quantized at load). A ValueError, before any weights load, for an unsupported
-    format, a GPU older than compute capability 8.9, or sizes not in whole 128-blocks."""
+    """The checkpoint's quantization, else ``quantization``; ValueError for what cannot run."""
     resolved = checkpoint_quantization(hf_config) or quantization
     if resolved is None:
         return None
@@ -59,16 +56,15 @@ def resolve_quantization(
         if capability < (8, 9):
             raise ValueError(
                 f"FP8 weights need a GPU of compute capability 8.9 or newer, this one has "
-                f"{capability[0]}.{capability[1]}; use a float checkpoint without quantization='fp8'"
+                f"{capability[0]}.{capability[1]}; use a float checkpoint without "
+                "quantization='fp8'"
             )
     check_fp8_shapes(hf_config, tensor_parallel_size)
     return resolved
 
 
 def check_fp8_shapes(hf_config, tp: int) -> None:
-    """Every quantized layer must split into whole 128-blocks: the fused q/k/v and gate/up parts
-    (their scale blocks are packed like the weights) and every tensor-parallel shard. A shard
-    boundary inside a block is a ValueError naming the layer, its size and the TP size."""
+    """ValueError unless every part of a fused FP8 layer and every TP shard is whole blocks."""
     from nanovllm.models.config import head_dim
 
     hd = head_dim(hf_config)

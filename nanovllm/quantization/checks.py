@@ -1,5 +1,4 @@
-"""Checks of float8 tensors on their way into an FP8 model (checkpoint files and
-``update_weights``)."""
+"""Checks of float8 tensors loaded into an FP8 model."""
 
 from dataclasses import replace
 
@@ -13,10 +12,7 @@ def is_fp8_model(model: nn.Module) -> bool:
 
 
 def check_fp8_tensors(model: nn.Module, entries: list, fp8: set[str], where: str = "") -> list:
-    """``entries`` (``WeightEntry``) with their ``fp8`` flag set (``fp8``: names of float8_e4m3fn
-    tensors), checked: a float8 tensor for a parameter that is not FP8 is a TypeError; a float8
-    weight without its ``weight_scale_inv`` among the entries, or a scale without its float8
-    weight, a ValueError. A float weight alone is quantized on load."""
+    """``entries`` with ``fp8`` set; raises on unpaired e4m3 weights and scales."""
     params = dict(model.named_parameters(remove_duplicate=False))
     names = {entry.name for entry in entries}
     for entry in entries:

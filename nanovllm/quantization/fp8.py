@@ -1,6 +1,4 @@
-"""Block-wise FP8 (e4m3) W8A8 arithmetic in torch: the reference every GPU kernel must match, and
-the CPU path (docs/quantization.md). Weights: 128x128 blocks with one float32 scale each (the real
-weight is ``weight * weight_scale_inv``); activations: one scale per token and 128 channels."""
+"""Block FP8 W8A8 arithmetic in torch: the GPU kernels' reference and the CPU path."""
 
 import torch
 
@@ -14,7 +12,6 @@ def _blocks(n: int) -> int:
 
 
 def _scale(amax: torch.Tensor) -> torch.Tensor:
-    """amax / 448, or 1 where amax is 0."""
     # divided by a tensor: CUDA turns a division by a Python number into a multiply by its
     # reciprocal, one ulp away from the CPU's quotient
     scale = amax / torch.full_like(amax, FP8_MAX)
@@ -22,8 +19,7 @@ def _scale(amax: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_weight_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``weight`` [..., out, in] (any float dtype) -> (float8_e4m3fn [..., out, in], float32 scales
-    [..., ceil(out/128), ceil(in/128)]). Edge blocks may be smaller than 128x128."""
+    """(e4m3 weight, float32 scales [..., ceil(out/128), ceil(in/128)])."""
     *lead, rows, cols = weight.shape
     pad_rows, pad_cols = _blocks(rows) * BLOCK - rows, _blocks(cols) * BLOCK - cols
     w = torch.nn.functional.pad(weight.float(), (0, pad_cols, 0, pad_rows))  # zeros: same max
@@ -35,17 +31,14 @@ def quantize_weight_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
 
 def dequantize_weight_blocks(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The real weight in float32: ``weight`` [..., out, in] e4m3 times its block's scale."""
     rows, cols = weight.shape[-2:]
-    full = scale.repeat_interleave(BLOCK, dim=-2).repeat_interleave(BLOCK, dim=-1)[
-        ..., :rows, :cols
-    ]
+    full = scale.repeat_interleave(BLOCK, dim=-2).repeat_interleave(BLOCK, dim=-1)
+    full = full[..., :rows, :cols]
     return weight.float() * full
 
 
 def quantize_activation_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` [tokens, k] -> (float8_e4m3fn [tokens, k], float32 scales [tokens, ceil(k/128)]): one
-    scale per token and group of 128 channels (the last group may be narrower)."""
+    """(e4m3 [tokens, k], float32 scales [tokens, ceil(k/128)])."""
     tokens, k = x.shape
     pad = _blocks(k) * BLOCK - k
     groups = torch.nn.functional.pad(x.float(), (0, pad)).view(tokens, _blocks(k), BLOCK)
@@ -55,7 +48,6 @@ def quantize_activation_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 
 def quantize_to_rows(x: torch.Tensor) -> QuantizedRows:
-    """``quantize_activation_groups`` of ``x`` [tokens, k], as ``QuantizedRows``."""
     q, scale = quantize_activation_groups(x)
     return QuantizedRows(q, scale.T, x.shape[0], x.dtype)
 
@@ -67,10 +59,7 @@ def fp8_linear(
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """``x`` [..., in] (or its ``QuantizedRows``) @ the block-quantized ``weight`` [out, in].T (+
-    ``bias``, added after the cast to ``out_dtype``, default x's dtype). For each 128-wide k-block
-    the e4m3 products are summed in float32 and scaled; the k-blocks are summed in order. On a GPU
-    the Triton/cuBLAS kernels compute the same (``fp8_triton``)."""
+    """``x`` [..., in] @ ``weight``.T in ``out_dtype`` (default x's), then ``bias``."""
     if (x.q if isinstance(x, QuantizedRows) else x).is_cuda:
         from nanovllm.quantization.fp8_triton import fp8_linear_triton
 

@@ -1,14 +1,4 @@
-"""cuBLAS's block-scaled FP8 GEMM (``torch.nn.functional.scaled_mm`` with 1x128 activation scales and
-128x128 weight scales, on Hopper): the arithmetic of ``fp8.py``'s torch path — e4m3 products summed
-inside each 128-wide k-block, the block's sum promoted to float32 and scaled by (activation scale x
-weight scale), the k-blocks added in float32. ``fp8_triton.fp8_linear_triton`` hands it the GEMM
-from ``MIN_ROWS`` rows on, where it measures faster than the Triton kernel (BENCHMARKS.md); the
-activations are quantized by the same Triton kernel either way.
-
-cuBLAS wants the activation scales M-major ([k-blocks, rows] in memory, which is how
-``quantize_rows`` writes them), the weight column-major (``weight.t()`` of the [out, in] tensor) and
-rows in multiples of ``ROW_MULTIPLE`` (the quantized activations are padded with zero rows) and
-input sizes in multiples of ``K_MULTIPLE``."""
+"""cuBLAS's block-scaled FP8 GEMM (``F.scaled_mm``); docs/quantization.md."""
 
 import torch
 import torch.nn.functional as F
@@ -24,9 +14,7 @@ _available: dict[torch.device, bool] = {}
 
 
 def available(device: torch.device) -> bool:
-    """Whether torch and the GPU run the block-scaled GEMM: one small call tried on a device's first
-    use outside a CUDA graph capture (the engine's warm-up), remembered; during a capture before it,
-    False."""
+    # tried once per device outside a CUDA graph capture (the warm-up); False during one before
     if device not in _available:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return False
@@ -53,7 +41,6 @@ def _try(device: torch.device) -> bool:
 
 
 def usable(m: int, weight: torch.Tensor, out_dtype: torch.dtype) -> bool:
-    """``m`` rows times ``weight`` [out, in] into ``out_dtype`` can take cuBLAS's GEMM."""
     n, k = weight.shape
     return (
         m >= MIN_ROWS
@@ -68,8 +55,7 @@ def usable(m: int, weight: torch.Tensor, out_dtype: torch.dtype) -> bool:
 def gemm(
     q: torch.Tensor, scales: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 ) -> torch.Tensor:
-    """``q`` [rows, in] e4m3 (rows a multiple of ``ROW_MULTIPLE``) with ``scales`` [in / 128, rows],
-    times ``weight`` [out, in] e4m3 with ``weight_scale`` [out / 128, in / 128] -> bf16 [rows, out]."""
+    """bf16 [rows, out] from e4m3 ``q`` [rows, in] and ``weight`` [out, in] with their scales."""
     recipe = F.ScalingType
     return F.scaled_mm(
         q,

@@ -1,7 +1,5 @@
-"""The ops in front of an FP8 linear, quantizing what they produce (``QuantizedRows``): RMSNorm
-with its residual add, and SiLU-and-mul, so the linear skips its own quantization. The arithmetic
-is the unfused op's then ``quantize_activation_groups`` (exactly that on the CPU; one Triton kernel
-on a GPU, rows padded to 16 for cuBLAS). Models build them in place of the plain ops."""
+"""RMSNorm and SiLU-and-mul quantizing their output for the FP8 linear behind them: the plain op,
+then ``quantize_activation_groups`` (one Triton kernel on a GPU)."""
 
 import torch
 import triton
@@ -39,8 +37,7 @@ def _rms_norm_quant_kernel(
     HAS_RESIDUAL: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """One row: (x + residual, rounded; written to ``sum_ptr``), its RMSNorm times the weight, each
-    rounded to x's dtype, quantized per 128 channels. Rows from M to M_OUT (the grid) read as zeros."""
+    """One row; rows from M to M_OUT (the grid) read as zeros."""
     wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)  # (row offsets past 2^31 elements in a large prefill)
     group = tl.arange(0, GROUPS)
@@ -67,12 +64,10 @@ def _rms_norm_quant_kernel(
 def _silu_mul_quant_kernel(
     x_ptr, q_ptr, scale_ptr, M, M_OUT, N, stride_x, BLOCK_ROWS: tl.constexpr, PDL: tl.constexpr
 ):
-    """BLOCK_ROWS rows x one 128-channel group of SiLU(gate) * up (x = [gate | up], N channels each),
-    each op rounded to x's dtype, quantized. Rows from M to M_OUT read as zeros."""
+    """BLOCK_ROWS rows x one 128-channel group; rows from M to M_OUT read as zeros."""
     wait_for_inputs(PDL)
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(
-        0, BLOCK_ROWS
-    )  # (offsets past 2^31)
+    # (offsets past 2^31)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     group = tl.program_id(1)
     cols = group * _BLOCK + tl.arange(0, _BLOCK)
     ok = (rows < M)[:, None] & (cols < N)[None, :]
@@ -98,8 +93,7 @@ def _silu_mul_quant_kernel(
 def rms_norm_quantized(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> QuantizedRows | tuple[QuantizedRows, torch.Tensor]:
-    """``RMSNorm``'s result for ``x`` [tokens, n] quantized: without ``residual`` the rows, with it
-    (rows, x + residual)."""
+    """Quantized rows, or with ``residual`` (rows, x + residual)."""
     if x.is_cuda:
         return rms_norm_quantized_triton(x, residual, weight, eps)
     if residual is None:
@@ -109,14 +103,12 @@ def rms_norm_quantized(
 
 
 def silu_and_mul_quantized(x: torch.Tensor) -> QuantizedRows:
-    """``silu_and_mul`` of x [tokens, 2n] quantized."""
     return silu_and_mul_quantized_triton(x) if x.is_cuda else quantize_to_rows(silu_and_mul(x))
 
 
 def rms_norm_quantized_triton(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> QuantizedRows | tuple[QuantizedRows, torch.Tensor]:
-    """``rms_norm_quantized`` by the Triton kernel, rows padded to 16."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     residual = residual if residual is None or residual.stride(-1) == 1 else residual.contiguous()
     m, n = x.shape
@@ -139,7 +131,7 @@ def rms_norm_quantized_triton(
             GROUPS=triton.next_power_of_2(scales.shape[0]),
             HAS_RESIDUAL=residual is not None,
             PDL=pdl(x.device),
-            # at 4096 channels and 16-256 rows: 8 warps 0.6-0.9 us faster
+            # 8 warps are faster from 4096 channels on
             num_warps=8 if n >= 4096 else 4,
             **launch_options(x.device),
         )
@@ -148,7 +140,6 @@ def rms_norm_quantized_triton(
 
 
 def silu_and_mul_quantized_triton(x: torch.Tensor) -> QuantizedRows:
-    """``silu_and_mul_quantized`` by the Triton kernel, rows padded to 16."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     m, n = x.shape[0], x.shape[1] // 2
     m_out, q, scales = empty_quantized(m, n, ROW_MULTIPLE, x.device)
@@ -169,8 +160,7 @@ def silu_and_mul_quantized_triton(x: torch.Tensor) -> QuantizedRows:
 
 
 class QuantizedRMSNorm(RMSNorm):
-    """``RMSNorm`` whose normed rows come quantized for the FP8 linear behind it.
-    ``reduces_input``: with a residual, x is a row-parallel layer's unsummed output (summed first)."""
+    """``reduces_input``: with a residual, x is a row-parallel output still to be summed."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, reduces_input: bool = False):
         super().__init__(hidden_size, eps)
@@ -183,7 +173,5 @@ class QuantizedRMSNorm(RMSNorm):
 
 
 class QuantizedSiluAndMul(nn.Module):
-    """``SiluAndMul`` whose output comes quantized for the FP8 linear behind it."""
-
     def forward(self, x: torch.Tensor) -> QuantizedRows:
         return silu_and_mul_quantized(x)

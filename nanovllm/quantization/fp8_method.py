@@ -1,6 +1,4 @@
-"""FP8 weights as a quantization method (``quantization="fp8"``, or an FP8 checkpoint): the
-decoder's linear layers hold float8_e4m3fn weights with one float32 scale per 128x128 block
-(``weight_scale_inv``), and the ops in front of them hand their input quantized."""
+"""FP8 weights as a quantization method (docs/quantization.md)."""
 
 from functools import partial
 
@@ -14,9 +12,7 @@ from nanovllm.quantization.fp8_types import BLOCK, FP8_DTYPE
 
 
 class Fp8LinearMethod(LinearMethod):
-    """Scale blocks are placed as the weight is (a shard or fused part at ``offset`` has its
-    scales at ``offset / 128``); a float checkpoint tensor is quantized on the way in. The bias
-    stays in the model dtype."""
+    """Scale blocks placed like the weight; float tensors quantized on load."""
 
     def create_weights(self, layer: LinearBase, input_size: int, output_size: int) -> None:
         weight = torch.empty(output_size, input_size, dtype=FP8_DTYPE)
@@ -56,9 +52,7 @@ class Fp8LinearMethod(LinearMethod):
 
 
 class Fp8Config:
-    """What an FP8 model builds: ``Fp8LinearMethod`` for the decoder's projections (not the LM
-    head or MoE routers), norms and SiLU-and-mul that quantize for them, and the attention's decode
-    output quantized for o_proj where a head is one 128-channel group."""
+    """What an FP8 model builds: FP8 linears and ops quantizing for them."""
 
     name = "fp8"
 

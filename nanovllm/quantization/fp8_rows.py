@@ -1,5 +1,4 @@
-"""Quantizing activation rows on the GPU: one e4m3 value per channel and one float32 scale per
-token and 128 channels, as ``fp8.quantize_activation_groups``; scales stored k-block-major."""
+"""Activation rows quantized on the GPU, as ``quantize_activation_groups``."""
 
 import torch
 import triton
@@ -11,13 +10,9 @@ _FP8_MAX = tl.constexpr(FP8_MAX)
 _BLOCK_K = tl.constexpr(BLOCK)
 
 
-# Row counts are not specialised on: Triton would compile a second variant of a kernel the first time
-# a prefill's token count is not a multiple of 16 (about 0.3 s each, in the middle of a user's call).
 @triton.jit
 def quantize_store(x, q_ptrs, scale_ptrs, mask, scale_mask):
-    """x float32 [rows, 128], one 128-channel group a row: e4m3 values and scales stored as
-    ``quantize_activation_groups`` computes them (scale = max |x| / 448 by a rounded division, 1 for
-    an all-zero group; x / scale clamped and rounded to the nearest e4m3)."""
+    # x float32 [rows, 128]: each row's e4m3 values and scale
     scale = tl.math.div_rn(tl.max(tl.abs(x), axis=1), _FP8_MAX)
     scale = tl.where(scale == 0.0, 1.0, scale)
     q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -_FP8_MAX), _FP8_MAX)
@@ -25,12 +20,12 @@ def quantize_store(x, q_ptrs, scale_ptrs, mask, scale_mask):
     tl.store(scale_ptrs, scale, mask=scale_mask)
 
 
+# Row counts are not specialised on: a new token count would compile a second variant mid-call.
 @triton.jit(do_not_specialize=["M", "M_OUT"])
 def _quantize_kernel(
     x_ptr, q_ptr, scale_ptr, M, M_OUT, K, stride_xm, stride_qm, BLOCK_ROWS: tl.constexpr
 ):
-    """BLOCK_ROWS tokens x one 128-channel group: e4m3 values and scales, as ``quantize_activation_groups``.
-    Rows from M to M_OUT (padding) are written as zeros with scale 1."""
+    # rows M..M_OUT (padding) come out as zeros with scale 1
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     group = tl.program_id(1)
     k = group * _BLOCK_K + tl.arange(0, _BLOCK_K)
@@ -50,17 +45,14 @@ def _quantize_kernel(
 def empty_quantized(
     m: int, k: int, row_multiple: int, device: torch.device
 ) -> tuple[int, torch.Tensor, torch.Tensor]:
-    """(m', e4m3 values [m', k], float32 scales k-block-major [ceil(k / 128), m']) to be filled, m
-    rounded up to ``row_multiple`` as m'."""
+    """(m', values [m', k], scales [k / 128, m']); m' = m rounded up."""
     m_out = triton.cdiv(m, row_multiple) * row_multiple
     q = torch.empty(m_out, k, dtype=FP8_DTYPE, device=device)
     return m_out, q, torch.empty(triton.cdiv(k, BLOCK), m_out, dtype=torch.float32, device=device)
 
 
 def quantize_rows(x: torch.Tensor, row_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` [m, k] (rows contiguous) -> e4m3 values [m', k] and float32 scales k-block-major
-    [ceil(k / 128), m'], as ``quantize_activation_groups`` computes them; m' is m rounded up to
-    ``row_multiple``, the extra rows zeros with scale 1."""
+    """``empty_quantized``'s tensors filled from ``x`` [m, k]."""
     m, k = x.shape
     m_out, q, scales = empty_quantized(m, k, row_multiple, x.device)
     rows = 16 if m_out >= 16 else 1

@@ -1,6 +1,5 @@
-"""W8A8 block-FP8 linear on the GPU (compute capability 8.9+): a Triton GEMM with split-K for
-decode sizes, or cuBLAS's block-scaled GEMM from ``fp8_cublas.MIN_ROWS`` rows; the arithmetic of
-``fp8.fp8_linear`` (docs/quantization.md). ``precise``: float32 accumulation inside k-blocks."""
+"""``fp8.fp8_linear`` on the GPU: a Triton GEMM with split-K, or cuBLAS's from
+``fp8_cublas.MIN_ROWS`` rows (docs/quantization.md)."""
 
 import functools
 from typing import NamedTuple
@@ -57,14 +56,8 @@ def _fp8_gemm_kernel(
     PDL: tl.constexpr,
     PREFETCH: tl.constexpr,
 ):
-    """``q_src``/``w_src``: TMA descriptors of the e4m3 activations [M, K] and weight [N, K] (``TMA``),
-    or their pointers. BLOCK_N divides 128, so a tile's outputs share one weight scale per k-block.
-    With SPLIT_K > 1 the k-blocks are cut into SPLIT_K ranges (grid axis 1); each program writes its
-    float32 sum to ``partial_ptr`` [SPLIT_K, M, N] and counts itself in ``counter_ptr[tile]``; the
-    last of a tile adds the SPLIT_K sums in range order (the same result whichever program is last),
-    writes the output and sets the counter back to zero. With PREFETCH (which needs 128 | K >= 256
-    and 16-byte aligned rows) the program asks for its first two k-blocks of weight rows to be
-    brought into L2 while it waits for the previous kernel (``dependent_launch``)."""
+    """``q_src``/``w_src``: TMA descriptors (``TMA``) or pointers; BLOCK_N divides 128. With
+    SPLIT_K > 1 a tile's last program adds the partial sums in order and zeroes its counter."""
     # programs of one group of GROUP_M token tiles walk the same weight tiles together (L2 reuse)
     pid, tiles_m, tiles_n = tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     first_m = (pid // (GROUP_M * tiles_n)) * GROUP_M
@@ -75,9 +68,7 @@ def _fp8_gemm_kernel(
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, _BLOCK_K)
     m_ok, n_ok = rm < M, rn < N
-    w_scales = (
-        ws_ptr + (pid_n * BLOCK_N // _BLOCK_K) * stride_wsn
-    )  # this tile's row of weight scales
+    w_scales = ws_ptr + (pid_n * BLOCK_N // _BLOCK_K) * stride_wsn  # this tile's weight scales
     k_blocks = tl.cdiv(tl.cdiv(K, _BLOCK_K), SPLIT_K)  # per range
     first_kb = tl.program_id(1) * k_blocks
     last_kb = tl.minimum(first_kb + k_blocks, tl.cdiv(K, _BLOCK_K))
@@ -102,11 +93,11 @@ def _fp8_gemm_kernel(
                 mask=n_ok[:, None] & (k < K)[None, :],
                 other=0.0,
             )
-        if PRECISE:  # every MMA's result added in float32 (see the module docstring)
+        if PRECISE:  # every MMA's result added in float32
             partial = tl.dot(q, tl.trans(w), out_dtype=tl.float32, max_num_imprecise_acc=0)
         else:
             partial = tl.dot(q, tl.trans(w), out_dtype=tl.float32)
-        # activation scale x weight scale: a vector over the tile's rows, one multiply-add per output
+        # activation scale x weight scale: a vector over the tile's rows
         scale = tl.load(xs_ptr + kb * stride_xsk + rm, mask=m_ok, other=0.0) * tl.load(
             w_scales + kb
         )
@@ -120,9 +111,8 @@ def _fp8_gemm_kernel(
         tl.debug_barrier()  # the whole sum is written before the count releases it
         if tl.atomic_add(counter_ptr + pid, 1, sem="acq_rel") == SPLIT_K - 1:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for split in range(
-                SPLIT_K
-            ):  # from L2: other SMs wrote these (".cg" skips this SM's L1)
+            # from L2: other SMs wrote these (".cg" skips this SM's L1)
+            for split in range(SPLIT_K):
                 acc += tl.load(
                     partial_ptr + split * M * N + tile_offsets,
                     mask=mask,
@@ -130,9 +120,7 @@ def _fp8_gemm_kernel(
                     cache_modifier=".cg",
                 )
             _store_tile(acc, bias_ptr, out_ptr, rm, rn, m_ok, n_ok, stride_om, HAS_BIAS)
-            tl.atomic_xchg(
-                counter_ptr + pid, 0
-            )  # ready for the next call (and the next graph replay)
+            tl.atomic_xchg(counter_ptr + pid, 0)  # ready for the next call or graph replay
 
 
 @triton.jit
@@ -148,7 +136,7 @@ def _store_tile(acc, bias_ptr, out_ptr, rm, rn, m_ok, n_ok, stride_om, HAS_BIAS:
 
 @functools.cache
 def _has_tma(device: torch.device) -> bool:
-    """Hopper or newer; off CUDA (the Triton interpreter) descriptors are emulated."""
+    # Hopper or newer; the Triton interpreter emulates descriptors
     return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (9, 0)
 
 
@@ -166,12 +154,10 @@ MAX_SPLIT_TILES = 4096  # tiles a split-K call may have (one counter each)
 
 @functools.cache
 def _split_counters(device: torch.device) -> torch.Tensor:
-    """One arrival count per split-K tile; each tile's last program resets it (zeroed once)."""
     return torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
 
 
 def tile(num_tokens: int) -> GemmTile:
-    """The GEMM's tile for ``num_tokens`` rows: small for decode, large for prefill."""
     if num_tokens <= 16:
         return GemmTile(16, 64, 4, 6)
     if num_tokens <= 32:
@@ -186,8 +172,7 @@ def tile(num_tokens: int) -> GemmTile:
 
 
 def split_k(num_tokens: int, k: int, tiles: int, sms: int) -> int:
-    """How many k ranges (a power of two up to 8) to cut the GEMM into: more, shorter programs
-    where few output tiles would leave SMs idle, within bounds on programs and partial sums."""
+    """k ranges (a power of two up to 8): more where few output tiles would leave SMs idle."""
     splits = 1
     while (more := 2 * splits) <= 8 and tiles * more <= 3 * sms and 8 * more * num_tokens <= k / 3:
         splits = more
@@ -205,12 +190,9 @@ def fp8_linear_triton(
     splits: int | None = None,
     cublas: bool | None = None,
 ) -> torch.Tensor:
-    """``fp8.fp8_linear`` on a CUDA device: ``x`` [..., in] (float, or already quantized: a
-    ``QuantizedRows``), ``weight`` [out, in] float8_e4m3fn, ``weight_scale`` [ceil(out/128),
-    ceil(in/128)] float32. ``precise``: float32 accumulation inside k-blocks too (the module
-    docstring; default ``PRECISE``). ``gemm_tile`` and ``splits`` (k ranges) override ``tile`` and
-    ``split_k``. ``cublas``: the GEMM by cuBLAS (``fp8_cublas``; default: where ``fp8_cublas.usable``
-    says, never with ``precise`` or a tile given)."""
+    """``fp8.fp8_linear`` on CUDA. ``precise``: float32 accumulation inside k-blocks too;
+    ``gemm_tile``, ``splits`` and ``cublas`` override the choices of ``tile``, ``split_k`` and
+    ``fp8_cublas.usable``."""
     if isinstance(x, QuantizedRows):
         q, x_scale, m, dtype = x
         lead, k = (m,), q.shape[1]

@@ -1,4 +1,4 @@
-"""What the FP8 weight modules share: the block edge and quantized activation rows."""
+"""FP8 types."""
 
 from typing import NamedTuple
 
@@ -12,11 +12,9 @@ BLOCK = 128  # the block edge of weights, and the activation group size
 
 
 class QuantizedRows(NamedTuple):
-    """Activations already quantized by the op that produced them: ``q`` e4m3 [rows', k],
-    ``scales`` float32 k-block-major [ceil(k/128), rows'], of which the first ``rows`` are real
-    (GPU kernels pad to 16 rows with zeros of scale 1); ``dtype``: the activations' own."""
+    """Activations already quantized."""
 
-    q: torch.Tensor
-    scales: torch.Tensor
-    rows: int
-    dtype: torch.dtype
+    q: torch.Tensor  # e4m3 [rows', k]
+    scales: torch.Tensor  # float32 [ceil(k/128), rows'], k-block-major
+    rows: int  # the real rows; GPU kernels pad to 16 with zeros of scale 1
+    dtype: torch.dtype  # the activations' own

@@ -1,5 +1,4 @@
-"""Write a randomly initialised checkpoint (Hugging Face layout, bundled Qwen3 tokenizer) of a
-named shape: every code path and the throughput of a real model of that shape."""
+"""Random checkpoints of named model shapes (Hugging Face layout, bundled Qwen3 tokenizer)."""
 
 import json
 import math
@@ -114,7 +113,7 @@ COMMON = dict(
 
 
 def model_config(shape: str = "qwen3-0.6b", **overrides) -> dict:
-    """A ``config.json`` as a dict: ``shape``'s values on its architecture's base, ``overrides``."""
+    """``config.json`` as a dict: ``shape`` on its architecture's base, then ``overrides``."""
     if shape not in SHAPES:
         raise ValueError(f"shape must be one of {', '.join(SHAPES)}, got {shape!r}")
     values = dict(SHAPES[shape])
@@ -124,15 +123,13 @@ def model_config(shape: str = "qwen3-0.6b", **overrides) -> dict:
 
 
 def weight_bytes(config: dict, itemsize: int = 2, quantization: str | None = None) -> int:
-    """The checkpoint's size in bytes (``tensor_bytes`` summed)."""
     return sum(tensor_bytes(config, itemsize, quantization).values())
 
 
 def tensor_bytes(
     config: dict, itemsize: int = 2, quantization: str | None = None
 ) -> dict[str, int]:
-    """Tensor name -> its bytes at ``itemsize`` bytes a value; with ``quantization="fp8"`` the
-    quantized layers' weights take 1 byte a value plus 4 bytes per 128x128 block scale."""
+    """Tensor name -> bytes; FP8 weights take 1 byte a value plus their scales."""
     sizes = {}
     for name, shape in weight_shapes(config).items():
         if quantization == "fp8" and is_quantized_weight(name):
@@ -143,19 +140,16 @@ def tensor_bytes(
 
 
 def is_quantized_weight(name: str) -> bool:
-    """Whether an FP8 checkpoint holds this tensor in float8 with block scales: the decoder layers'
-    projections (q/k/v/o, gate/up/down, each expert's). Embeddings, norms, MoE routers and the LM
-    head stay in the model dtype."""
+    """The decoder layers' projections; embeddings, norms, routers and the LM head stay float."""
     return name.startswith("model.layers.") and name.endswith("_proj.weight")
 
 
 def scale_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The shape of a [out, in] weight's ``weight_scale_inv``: one scale per 128x128 block."""
     return tuple(-(-n // 128) for n in shape)
 
 
 def weight_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape, under the checkpoint names of the config's Hugging Face architecture."""
+    """Tensor name -> shape, by the architecture's checkpoint names."""
     hidden, model_type = config["hidden_size"], config["model_type"]
     head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
     q_size = config["num_attention_heads"] * head_dim
@@ -186,10 +180,10 @@ def weight_shapes(config: dict) -> dict[str, tuple[int, ...]]:
             inter = config["moe_intermediate_size"]
             shapes[p + "mlp.gate.weight"] = (config["num_experts"], hidden)
             for e in range(config["num_experts"]):
-                shapes[p + f"mlp.experts.{e}.gate_proj.weight"] = shapes[
-                    p + f"mlp.experts.{e}.up_proj.weight"
-                ] = (inter, hidden)
-                shapes[p + f"mlp.experts.{e}.down_proj.weight"] = (hidden, inter)
+                expert = p + f"mlp.experts.{e}."
+                shapes[expert + "gate_proj.weight"] = (inter, hidden)
+                shapes[expert + "up_proj.weight"] = (inter, hidden)
+                shapes[expert + "down_proj.weight"] = (hidden, inter)
         else:
             inter = config["intermediate_size"]
             shapes[p + "mlp.gate_proj.weight"] = shapes[p + "mlp.up_proj.weight"] = (inter, hidden)
@@ -201,7 +195,7 @@ def weight_shapes(config: dict) -> dict[str, tuple[int, ...]]:
 
 
 def _is_sparse(config: dict, layer_idx: int) -> bool:
-    """Qwen3-MoE's rule (as ``models/qwen3_moe.py``): an MoE block unless listed in mlp_only_layers."""
+    # Qwen3-MoE's rule, as models/qwen3_moe.py
     step = config.get("decoder_sparse_step") or 1
     return (
         layer_idx not in (config.get("mlp_only_layers") or [])
@@ -213,7 +207,7 @@ def _is_sparse(config: dict, layer_idx: int) -> bool:
 def random_weights(
     config: dict, dtype: torch.dtype, seed: int = 0, std: float = 0.02
 ) -> dict[str, torch.Tensor]:
-    """Random tensors of ``weight_shapes``: N(0, std) matrices and biases, norm weights 1 + N(0, 0.1)."""
+    """N(0, std) matrices and biases, norm weights 1 + N(0, 0.1)."""
     g = torch.Generator().manual_seed(seed)
     weights = {}
     for name, shape in weight_shapes(config).items():
@@ -225,8 +219,7 @@ def random_weights(
 
 
 def quantize_checkpoint(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Qwen's FP8 format: each quantized weight (``is_quantized_weight``) as float8_e4m3fn and its
-    float32 ``weight_scale_inv`` (one per 128x128 block); the other tensors as they are."""
+    """Qwen's FP8 format: quantized weights as e4m3 with their ``weight_scale_inv``."""
     from nanovllm.quantization.fp8 import quantize_weight_blocks
 
     out = {}
@@ -248,11 +241,8 @@ def make_random_checkpoint(
     quantization: str | None = None,
     **overrides,
 ) -> str:
-    """Write ``config.json``, ``model.safetensors`` (unless ``weights`` is False: then the folder
-    is for ``load_format="dummy"``), the Qwen3 tokenizer files and Qwen3's ``generation_config.json``
-    (its recommended sampling settings) into ``path``. ``quantization="fp8"``: in Qwen's FP8
-    format (``FP8_QUANTIZATION_CONFIG``, ``quantize_checkpoint``) the weights of ``dtype`` the
-    same seed draws, quantized."""
+    """Write config.json, model.safetensors (not without ``weights``: for load_format="dummy") and
+    the tokenizer and generation config into ``path``; ``quantization="fp8"``: Qwen's format."""
     if shape not in SHAPES:
         raise ValueError(f"shape must be one of {', '.join(SHAPES)}, got {shape!r}")
     if quantization not in (None, "fp8"):

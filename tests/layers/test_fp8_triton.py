@@ -1,11 +1,11 @@
 """The block-FP8 linear kernel (``fp8_triton.py``) against the torch path of ``fp8.py`` under the
 Triton interpreter (one subprocess: this file run as a script): token counts on each tile size and
-past it, K and N that are not multiples of 128 or of the tiles (plain loads; multiples of 16 take the
-TMA descriptors), an all-zero activation group (scale 1), float32, bf16 and fp16 activations, a bias,
-a float32 result, strided rows, no rows, K cut into ranges (split-K: uneven and empty ranges; each
-case runs twice, so the arrival counters must have been set back). Then the FP8 Mixture-of-Experts
-kernels (``fused_moe_fp8``) against ``fused_moe_torch_fp8``: decode-sized and uneven routings, a
-hidden size that is not a multiple of 128, bf16.
+past it, K and N that are not multiples of 128 or of the tiles (plain loads; multiples of 16 take
+the TMA descriptors), an all-zero activation group (scale 1), float32, bf16 and fp16 activations, a
+bias, a float32 result, strided rows, no rows, K cut into ranges (split-K: uneven and empty ranges;
+each case runs twice, so the arrival counters must have been set back). Then the FP8
+Mixture-of-Experts kernels (``fused_moe_fp8``) against ``fused_moe_torch_fp8``: decode-sized and
+uneven routings, a hidden size that is not a multiple of 128, bf16.
 
 The products of e4m3 values are exact in float32 and the k-blocks are summed in the same order, so
 the two differ only by the order of the sums inside a k-block (and, split, of the ranges' sums):

@@ -58,8 +58,9 @@ def make_routing(num_tokens, top_k, num_experts, *, skew=True, id_dtype=I64, dev
 
 
 def make_weights(num_experts, hidden, inter, dtype, device="cpu", transposed=False):
-    """w13 [E, 2 * inter, hidden] and w2 [E, hidden, inter], scaled by 1/sqrt(fan_in). ``transposed``:
-    w13 as a view of [E, hidden, 2 * inter] storage (its reduction dim not contiguous)."""
+    """w13 [E, 2 * inter, hidden] and w2 [E, hidden, inter], scaled by 1/sqrt(fan_in).
+    ``transposed``: w13 as a view of [E, hidden, 2 * inter] storage (its reduction dim not
+    contiguous)."""
     if transposed:
         w13 = torch.randn(num_experts, hidden, 2 * inter, device=device).transpose(1, 2)
     else:
@@ -83,7 +84,8 @@ def check_fused(
     strided=False,
     transposed=False,
 ) -> dict:
-    """fused_moe against ``reference_moe``. ``strided``: hidden_states a column view of a wider tensor."""
+    """fused_moe against ``reference_moe``. ``strided``: hidden_states a column view of a wider
+    tensor."""
     w13, w2 = make_weights(num_experts, hidden, inter, dtype, transposed=transposed)
     x = torch.randn(num_tokens, 2 * hidden if strided else hidden).to(dtype)
     x = x[:, ::2] if strided else x
@@ -180,7 +182,8 @@ def test_sum_pairs_adds_in_k_order(interpreter_results):
 
 
 def test_interpreter_routings_are_uneven(interpreter_results):
-    """The skewed routings give expert 0 the most pairs (with top-8, every token) and the last none."""
+    """The skewed routings give expert 0 the most pairs (with top-8, every token) and the last
+    none."""
     for case in ("tokens64_top1", "tokens300_top8", "tokens700_top2"):
         loads = interpreter_results[case]["loads"]
         assert loads[-1] == 0 and loads[0] > 1.5 * sorted(loads)[-2], (case, loads)
@@ -356,7 +359,7 @@ def test_rejects_bad_inputs(fn, name, value, message):
         fn(**{**valid_inputs(), name: value})
 
 
-# ---- GPU: Qwen3-30B-A3B shapes against fused_moe_torch --------------------------------------------
+# ---- GPU: Qwen3-30B-A3B shapes against fused_moe_torch -------------------------------------------
 
 gpu = pytest.mark.gpu  # skipped without a CUDA GPU (tests/conftest.py)
 GPU_TOKENS = [1, 2, 7, 64, 333, 1024, 4096]
@@ -398,7 +401,8 @@ def test_gpu_fused_moe(dtype, tol, inter):
 @gpu
 @pytest.mark.parametrize("num_tokens", [1, 64, 512])
 def test_gpu_fused_moe_cuda_graph(num_tokens):
-    """Capture once over static inputs, then replay with new hidden states and routings copied in."""
+    """Capture once over static inputs, then replay with new hidden states and routings copied
+    in."""
     w13, w2 = _gpu_weights(384, torch.bfloat16)
     x = torch.zeros(num_tokens, HIDDEN, dtype=torch.bfloat16, device="cuda")
     topk_weights, topk_ids = make_routing(

@@ -33,7 +33,8 @@ def tied_logits(num_tokens: int, num_experts: int, seed: int) -> torch.Tensor:
 
 
 def check_routing(logits: torch.Tensor, top_k: int, renormalize: bool) -> dict:
-    """The kernel and the reference; ``boundary_tie``: some token's k-th and (k+1)-th logits are equal."""
+    """The kernel and the reference; ``boundary_tie``: some token's k-th and (k+1)-th logits are
+    equal."""
     weights, ids = select_experts_triton(logits, top_k, renormalize)
     ref_weights, ref_ids = select_experts(logits, top_k, renormalize)
     top = logits.float().sort(dim=-1, descending=True).values
@@ -241,7 +242,8 @@ def test_fused_moe_routed_by_the_kernels(interpreter_results, case):
 
 
 def test_select_experts_is_topk_with_ties_by_id():
-    """The reference: on distinct logits, torch.topk of the softmax; equal logits by ascending id."""
+    """The reference: on distinct logits, torch.topk of the softmax; equal logits by ascending
+    id."""
     torch.manual_seed(0)
     logits = torch.randn(50, 128)
     weights, ids = select_experts(logits, 8, renormalize=False)
@@ -252,7 +254,8 @@ def test_select_experts_is_topk_with_ties_by_id():
 
 
 def test_grouping_chunk_sizes():
-    """Decode is one chunk of one tile per 64 pairs (128 experts); a 16k-token prefill is 256 chunks."""
+    """Decode is one chunk of one tile per 64 pairs (128 experts); a 16k-token prefill is 256
+    chunks."""
     assert grouping_chunks(8, 128) == (64, 64, 1)
     assert grouping_chunks(512 * 8, 128) == (64, 64, 64)
     assert grouping_chunks(16384 * 8, 128) == (64, 512, 256)

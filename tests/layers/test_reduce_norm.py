@@ -1,9 +1,9 @@
-"""The norm that sums a row-parallel layer's partial outputs (nanovllm/parallel/reduce_norm.py) under
-the Triton interpreter. The plain kernel (after the process group's sum) against
+"""The norm that sums a row-parallel layer's partial outputs (nanovllm/parallel/reduce_norm.py)
+under the Triton interpreter. The plain kernel (after the process group's sum) against
 ``layernorm.add_rms_norm``; the one-shot kernel, as one rank of a group whose peers are simulated
 (their rows in their slots of this rank's buffer, the rest of it the sentinel), against the plain
-kernel over the rank-order sum, bit for bit: the same arithmetic is what makes the two ways give
-the same tokens. The engine's tensor-parallel tests run the CPU path (the process group's sum, then
+kernel over the rank-order sum, bit for bit: the same arithmetic is what makes the two ways give the
+same tokens. The engine's tensor-parallel tests run the CPU path (the process group's sum, then
 ``add_rms_norm``)."""
 
 import json

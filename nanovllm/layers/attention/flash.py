@@ -1,7 +1,4 @@
-"""flash-attn backend: ``flash_attn_varlen_func`` for prefill, ``flash_attn_with_kvcache`` for decode.
-Its paged KV cache needs the block size to be a multiple of 256; it reads neither float32 nor an FP8
-cache (``resolve_backend_name`` never picks it for those, so ``k_scale``/``v_scale`` are always None).
-New K/V rows are stored by ``kv_store.rope_and_store``, before ``prefill``/``decode`` run."""
+"""The flash-attn backend (block size a multiple of 256; no float32, no FP8 cache)."""
 
 from nanovllm.layers.attention.interface import AttentionBackend
 from nanovllm.utils.context import Context
@@ -15,8 +12,8 @@ class FlashAttentionBackend(AttentionBackend):
             from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
         except ImportError as e:
             raise ImportError(
-                "attention_backend 'flash-attn' needs the flash-attn package (pip install flash-attn); "
-                "use attention_backend='triton' or 'auto' without it"
+                "attention_backend 'flash-attn' needs the flash-attn package "
+                "(pip install flash-attn); use attention_backend='triton' or 'auto' without it"
             ) from e
         self._varlen = flash_attn_varlen_func
         self._with_kvcache = flash_attn_with_kvcache
@@ -24,9 +21,7 @@ class FlashAttentionBackend(AttentionBackend):
     def prefill(
         self, q, k, v, k_cache, v_cache, context: Context, scale, k_scale=None, v_scale=None
     ):
-        if (
-            context.block_tables is not None
-        ):  # keys (cached prefix and new tokens) come from the cache
+        if context.block_tables is not None:  # keys (prefix and new tokens) from the cache
             k, v = k_cache, v_cache
         return self._varlen(
             q,

@@ -1,6 +1,4 @@
-"""The Triton KV store, used on the GPU by every kernel backend: ``rope_and_store`` does the QK-norm
-and RoPE of a step's new tokens and writes their K/V rows into the paged cache in one pass (a plain
-copy for a cache in the model's dtype, a quantizing store for an FP8 cache)."""
+"""QK-norm, RoPE and the paged-cache store of a step's new tokens in one Triton kernel."""
 
 import torch
 import triton
@@ -15,33 +13,27 @@ _FP8_MIN_SCALE = tl.constexpr(FP8_MIN_SCALE)
 
 @triton.jit
 def _fp8_scale(amax):
-    """Each row's scale from its max |x|, as ``reference.quantize_fp8`` computes it."""
+    # as reference.quantize_fp8
     return tl.maximum(tl.math.div_rn(amax, _FP8_MAX), _FP8_MIN_SCALE)
 
 
 @triton.jit
 def _to_e4m3(x, scale):
-    """A float32 [rows, cols] tile divided by its rows' scales (correctly rounded), then rounded
-    to nearest even in e4m3."""
     return tl.math.div_rn(x, scale[:, None]).to(tl.float8e4nv, fp_downcast_rounding="rtne")
 
 
 @triton.jit
 def _scale_offsets(slot, heads, block_size, stride_sb, stride_st, stride_sh):
-    """Where the scales of ``heads`` of cache slot ``slot`` live, in a scale tensor of any strides
-    ([num_blocks, block_size, num_kv_heads])."""
     return (slot // block_size) * stride_sb + (slot % block_size) * stride_st + heads * stride_sh
 
 
 @triton.jit
 def _rotate_half(x1, x2, cos, sin, OUT_DTYPE: tl.constexpr):
-    """Rotate-half RoPE of a [heads, dim] tile given as its two halves, in float32."""
     return (x1 * cos - x2 * sin).to(OUT_DTYPE), (x2 * cos + x1 * sin).to(OUT_DTYPE)
 
 
 @triton.jit
 def _load_halves(ptr, rows, row_mask, d, HALF: tl.constexpr):
-    """One token's heads [rows, 2 * HALF] read from ``ptr``, as their two halves."""
     offs = rows[:, None] * (2 * HALF) + d[None, :]
     return (
         tl.load(ptr + offs, mask=row_mask[:, None], other=0.0),
@@ -53,8 +45,7 @@ def _load_halves(ptr, rows, row_mask, d, HALF: tl.constexpr):
 def _norm_rope(
     ptr, rows, row_mask, d, w_ptr, eps, cos, sin, HALF: tl.constexpr, HAS_NORM: tl.constexpr
 ):
-    """One token's heads read from ``ptr``: per-head RMSNorm (HAS_NORM), then RoPE, with
-    ``rotary_embedding``'s arithmetic and roundings. Returns the two halves."""
+    """Per-head RMSNorm (HAS_NORM) and RoPE with ``rotary_embedding``'s roundings."""
     x1, x2 = _load_halves(ptr, rows, row_mask, d, HALF)
     dtype = x1.dtype
     x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
@@ -88,8 +79,6 @@ def _cache_store(
     HALF: tl.constexpr,
     FP8: tl.constexpr,
 ):
-    """One token's K or V heads, given as their two halves, into its cache slot (for FP8
-    quantized, one scale per head, stored at ``scale_ptr + scale_offsets``)."""
     row = cache_ptr + slot * (NUM_KV_HEADS * 2 * HALF)
     if FP8:
         x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
@@ -132,8 +121,7 @@ def _rope_store_kernel(
     FP8: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """One program per token: its q and k heads normalised (HAS_NORM) and rotated, q (and k, with
-    WRITE_K) written out, k and v stored into the cache slot (STORE; slot -1 skips)."""
+    """One program per token; slot -1 stores nothing."""
     wait_for_inputs(PDL)
     token = tl.program_id(0)
     pos = tl.load(positions_ptr + token)
@@ -209,11 +197,8 @@ def rope_and_store(
     v_scale: torch.Tensor | None = None,
     write_k: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """A step's new tokens from the fused projection qkv [num_tokens, (num_heads + 2 * num_kv_heads)
-    * head_dim]: QK-norm (``norm`` = (q weight, k weight, eps); None: none), rotate-half RoPE from
-    ``cos_sin_cache`` [max_position, 1, head_dim] float32, and the store of k and v into their cache
-    slots (an empty ``k_cache``: no store), in one kernel. Returns q [num_tokens, num_heads,
-    head_dim], k (rotated; None unless ``write_k``) and v (a view of qkv)."""
+    """q [num_tokens, num_heads, head_dim], k (None unless ``write_k``) and v (a view of qkv);
+    ``norm``: (q weight, k weight, eps) or None; an empty ``k_cache`` stores nothing."""
     num_tokens = qkv.shape[0]
     head_dim = cos_sin_cache.shape[-1]
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim

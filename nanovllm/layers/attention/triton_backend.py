@@ -1,12 +1,8 @@
-"""The Triton attention backend: checks shapes, chooses tile sizes and split counts, and launches
-the kernels of ``triton_kernels.py`` (prefill) and ``triton_decode.py`` (paged decode, split-K
-merge); new K/V rows are stored by ``kv_store.rope_and_store`` before they run. The same kernels
-read a cache in the model's dtype or an FP8 cache. Decode can hand an FP8 output projection its
-input quantized (``quantize``)."""
+"""The Triton attention backend: checks shapes, picks tiles and split counts, launches the kernels
+of ``triton_prefill.py`` and ``triton_decode.py`` on a cache in the model's dtype or FP8."""
 
 import functools
 import math
-from typing import NamedTuple
 
 import torch
 import triton
@@ -14,91 +10,19 @@ import triton.language as tl
 
 from nanovllm.layers.attention.interface import FP8_DTYPE, AttentionBackend
 from nanovllm.layers.attention.triton_decode import _decode_kernel, _decode_reduce_kernel
-from nanovllm.layers.attention.triton_kernels import LOG2E, _prefill_kernel
+from nanovllm.layers.attention.triton_kernels import LOG2E
+from nanovllm.layers.attention.triton_prefill import _prefill_kernel
+from nanovllm.layers.attention.triton_tiles import (
+    MAX_TABLE_IN_REGISTERS,
+    DecodeTile,
+    decode_tiles,
+    prefill_tiles,
+)
 from nanovllm.quantization.fp8_cublas import ROW_MULTIPLE
 from nanovllm.quantization.fp8_rows import empty_quantized
 from nanovllm.quantization.fp8_types import BLOCK, QuantizedRows
 from nanovllm.utils.context import Context
 from nanovllm.utils.dependent_launch import launch_options, pdl
-
-# Shared memory a tile configuration may plan for, by ``shared_memory_estimate``: under the H100's
-# and H200's 232448-byte limit per block, with room to spare.
-SHARED_MEMORY_BUDGET = 200 * 1024
-# (BLOCK_M, BLOCK_N, num_warps, num_stages), in order of preference: the first that fits the budget
-# runs. 2-byte types with head_dim <= 128 get the first; float32 and head_dim 256 smaller ones.
-PREFILL_TILES = (
-    (128, 64, 8, 3),
-    (64, 64, 4, 3),
-    (64, 64, 4, 2),
-    (64, 32, 4, 2),
-    (32, 32, 4, 2),
-    (16, 16, 4, 1),
-)
-# where no sequence has more than 64 new tokens, or head_dim > 128
-SHORT_PREFILL_TILES = (
-    (64, 64, 4, 3),
-    (64, 64, 4, 2),
-    (64, 32, 4, 2),
-    (32, 32, 4, 2),
-    (16, 16, 4, 1),
-)
-DECODE_TILES = (
-    (128, 2),
-    (64, 2),
-    (32, 2),
-    (16, 2),
-    (16, 1),
-)  # (BLOCK_N, num_stages); BLOCK_M is the padded group
-# An FP8 cache gains from one more key tile in flight (its tiles are half the bytes), bf16 loses
-# (over bench.py's decode steps on an H100: FP8 -4.5%, bf16 +3% of the time; BENCHMARKS.md).
-FP8_DECODE_TILES = ((128, 3),) + DECODE_TILES
-# Decode holds a sequence's block ids in registers when a key tile lies within one cache block and
-# the block table is at most this wide: the key and value loads then depend on no other load in
-# the loop, so the compiler can buffer them ``num_stages - 1`` tiles ahead.
-MAX_TABLE_IN_REGISTERS = 1024
-
-
-class DecodeTile(NamedTuple):
-    """A decode launch's tile: keys per loop step, pipeline stages and warps."""
-
-    block_n: int
-    num_stages: int
-    num_warps: int = 4
-
-
-def shared_memory_estimate(
-    block_m: int, block_n: int, head_dim: int, num_stages: int, itemsize: int
-) -> int:
-    """Rough shared memory of one program: ``num_stages`` buffered K and V tiles, plus the Q tile."""
-    return num_stages * (block_n * head_dim * 2) * itemsize + block_m * head_dim * itemsize
-
-
-def prefill_tiles(head_dim: int, itemsize: int, max_seqlen_q: int) -> tuple[int, int, int, int]:
-    """BLOCK_M, BLOCK_N, num_warps, num_stages for a prefill of q's ``itemsize`` bytes per element."""
-    short = max_seqlen_q <= 64 or head_dim > 128
-    return _first_fitting(SHORT_PREFILL_TILES if short else PREFILL_TILES, head_dim, itemsize)
-
-
-def decode_tiles(
-    head_dim: int, itemsize: int, group_pad: int, fp8: bool = False
-) -> tuple[int, int]:
-    """BLOCK_N, num_stages for a decode over ``group_pad`` query heads per program."""
-    tiles = FP8_DECODE_TILES if fp8 else DECODE_TILES
-    candidates = tuple((group_pad, block_n, 4, num_stages) for block_n, num_stages in tiles)
-    _, block_n, _, num_stages = _first_fitting(candidates, head_dim, itemsize)
-    return block_n, num_stages
-
-
-@functools.lru_cache(maxsize=None)
-def _first_fitting(candidates: tuple, head_dim: int, itemsize: int) -> tuple[int, int, int, int]:
-    """The first (BLOCK_M, BLOCK_N, num_warps, num_stages) within SHARED_MEMORY_BUDGET, else the last."""
-    for block_m, block_n, num_warps, num_stages in candidates:
-        if (
-            shared_memory_estimate(block_m, block_n, head_dim, num_stages, itemsize)
-            <= SHARED_MEMORY_BUDGET
-        ):
-            return block_m, block_n, num_warps, num_stages
-    return candidates[-1]
 
 
 @functools.lru_cache(maxsize=None)
@@ -131,19 +55,18 @@ def _fp8_args(
     k_scale: torch.Tensor | None,
     v_scale: torch.Tensor | None,
 ):
-    """(fp8, k_scale, v_scale, scale strides, DOT_DTYPE) for a launch. For a cache in the model's
-    dtype all of them are None, which Triton takes as compile-time constants: the kernel is then
-    the plain one, with the same parameters."""
+    """(fp8, k_scale, v_scale, scale strides, DOT_DTYPE); False and Nones for a cache in the
+    model's dtype, which compile the plain kernel."""
     if k_cache.dtype != FP8_DTYPE:
         return False, None, None, (None, None, None), None
     if k_scale is None or v_scale is None:
         raise ValueError("an FP8 KV cache needs k_scale and v_scale")
     if k_scale.stride() != v_scale.stride() or k_scale.shape != k_cache.shape[:3]:
         raise ValueError(
-            "k_scale and v_scale must be [num_blocks, block_size, num_kv_heads] with the same strides"
+            "k_scale and v_scale must be [num_blocks, block_size, num_kv_heads] "
+            "with the same strides"
         )
-    # the dots' type: float32 for a float32 model, else float16 (e4m3 converts to it in one instruction
-    # per pair, and the kernels scale both dots' other operand into (-2, 2))
+    # float32 for a float32 model, else float16 (e4m3 converts to it exactly; docs/attention.md)
     dot_dtype = tl.float32 if q.dtype == torch.float32 else tl.float16
     return True, k_scale, v_scale, k_scale.stride(), dot_dtype
 
@@ -156,9 +79,8 @@ class TritonAttentionBackend(AttentionBackend):
     PROGRAMS_PER_SM = 2  # split-K until the launch has this many programs per SM
 
     def __init__(self, num_splits: int | None = None, decode_tile: DecodeTile | None = None):
-        """``num_splits``: key splits per sequence in decode (a power of two); None picks one from the
-        batch size, the block-table width and the GPU's SM count. ``decode_tile`` replaces the tile
-        ``decode_tiles`` would choose (``bench_attention.py`` compares them)."""
+        """``num_splits``: decode key splits per sequence (a power of two; None: by shapes and SM
+        count). ``decode_tile``: overrides ``decode_tiles``' choice."""
         if num_splits is not None and (num_splits < 1 or num_splits & (num_splits - 1)):
             raise ValueError(f"num_splits must be a power of two >= 1, got {num_splits}")
         self.num_splits = num_splits
@@ -239,13 +161,13 @@ class TritonAttentionBackend(AttentionBackend):
         v_scale=None,
         quantize=False,
     ):
-        """CUDA-graph safe: no host syncs; the split count depends only on shapes. ``quantize``: the
-        output as ``QuantizedRows`` (see the interface)."""
+        """CUDA-graph safe: no host syncs, the split count depends only on shapes."""
         _check_shapes(q, k_cache, v_cache)
         num_seqs, num_heads, head_dim = q.shape
         if quantize and head_dim != BLOCK:
             raise ValueError(
-                f"a quantized decode output needs head_dim {BLOCK} (one group per head), got {head_dim}"
+                f"a quantized decode output needs head_dim {BLOCK} (one group per head), "
+                f"got {head_dim}"
             )
         num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
         group = num_heads // num_kv_heads
@@ -255,7 +177,7 @@ class TritonAttentionBackend(AttentionBackend):
             *decode_tiles(head_dim, q.element_size(), group_pad, fp8)
         )
         tables = context.block_tables
-        if quantize:  # the kernels store only the quantized rows; ``out`` (q) just gives them the dtype to round to
+        if quantize:  # only quantized rows are stored; ``out`` (q) gives the dtype to round to
             out = q
             m_out, qo, qo_scales = empty_quantized(
                 num_seqs, num_heads * head_dim, ROW_MULTIPLE, q.device
@@ -344,9 +266,8 @@ class TritonAttentionBackend(AttentionBackend):
     def _pick_num_splits(
         self, num_programs: int, max_context: int, block_n: int, device: torch.device
     ) -> int:
-        """Enough splits to give every SM about PROGRAMS_PER_SM programs, while each split keeps at least
-        MIN_TILES_PER_SPLIT key tiles of ``block_n`` keys of the longest context the block tables
-        can address."""
+        """Splits until about PROGRAMS_PER_SM programs per SM, each keeping at least
+        MIN_TILES_PER_SPLIT key tiles of the longest context the block tables address."""
         max_tiles = math.ceil(max_context / block_n)
         target = self.PROGRAMS_PER_SM * _num_sms(device)
         splits = 1

@@ -1,7 +1,5 @@
-"""The paged decode kernels: one query per sequence over its cached keys, with a split-K variant
-(the merge kernel) for few sequences over long contexts; the softmax steps and the FP8 handling
-are ``triton_kernels.py``'s. The program that writes a sequence's output can instead quantize it
-for an FP8 output projection (``QUANTIZE``: one 128-channel group a head)."""
+"""Paged decode: one query per sequence over its cached keys, optionally split along the keys
+and merged by ``_decode_reduce_kernel``."""
 
 import triton
 import triton.language as tl
@@ -33,10 +31,8 @@ def _store_output(
     HEAD_DIM: tl.constexpr,
     QUANTIZE: tl.constexpr,
 ):
-    """Rows ``heads`` of one sequence's output (float32 [heads, HEAD_DIM]) rounded to o's dtype;
-    with QUANTIZE (HEAD_DIM 128: a head is one 128-channel group of the next linear's input), not
-    stored but quantized into e4m3 rows [m_out, NUM_HEADS * HEAD_DIM] and their k-block-major
-    scales [NUM_HEADS, m_out], as ``fp8_triton.quantize_rows`` does with the stored output."""
+    """Rows ``heads`` of one sequence's output in o's dtype; with QUANTIZE, e4m3 rows
+    [m_out, NUM_HEADS * HEAD_DIM] and scales [NUM_HEADS, m_out] as ``quantize_rows`` makes."""
     offs_d = tl.arange(0, HEAD_DIM)
     out = out.to(o_ptr.dtype.element_ty)
     if QUANTIZE:
@@ -103,13 +99,8 @@ def _decode_kernel(
     QUANTIZE: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """One program: all GROUP query heads sharing one KV head, over one split of one sequence's
-    context. With NUM_SPLITS == 1 it writes the output (``_store_output``); otherwise unnormalised
-    partial sums for ``_decode_reduce_kernel``. TABLE_PAD > 0 (a power of two at least the block
-    table's width; only where every key tile lies within one cache block): the block ids are loaded
-    once and picked from registers, so no load in the loop waits on another and the pipeline can
-    fetch tiles ahead. grid: (num_seqs, num_kv_heads, NUM_SPLITS); with QUANTIZE and one split
-    (m_out, ...): the rows past num_seqs read nothing and come out as zeros with scale 1."""
+    """The GROUP query heads of one KV head over one split of one sequence's keys; grid
+    (num_seqs or m_out, num_kv_heads, NUM_SPLITS). Rows past num_seqs read nothing: zeros."""
     wait_for_inputs(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -149,9 +140,8 @@ def _decode_kernel(
         kv_mask = pos < hi
         if TABLE_PAD:
             block = tl.sum(tl.where(offs_t == start // BLOCK_SIZE, table, 0))
-            offset = (
-                start % BLOCK_SIZE + offs_n
-            )  # the tile lies within one block: visibly consecutive
+            # the tile lies within one block: visibly consecutive
+            offset = start % BLOCK_SIZE + offs_n
         else:
             block = tl.load(
                 block_tables_ptr + real_seq * stride_bt + pos // BLOCK_SIZE, mask=kv_mask, other=0
@@ -189,7 +179,8 @@ def _decode_kernel(
             QUANTIZE,
         )
     else:
-        # part_acc: [num_seqs, NUM_HEADS, NUM_SPLITS, HEAD_DIM]; part_ml: [2, num_seqs, NUM_HEADS, NUM_SPLITS]
+        # part_acc: [num_seqs, NUM_HEADS, NUM_SPLITS, HEAD_DIM]
+        # part_ml: [2, num_seqs, NUM_HEADS, NUM_SPLITS]
         part = (seq * NUM_HEADS + heads).to(tl.int64) * NUM_SPLITS + split
         tl.store(
             part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None]
@@ -215,8 +206,7 @@ def _decode_reduce_kernel(
     QUANTIZE: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Merge the splits of one (sequence, head). grid: (num_seqs, num_heads); with QUANTIZE
-    (m_out, num_heads), the rows past num_seqs zeros with scale 1."""
+    """Merge the splits of one (sequence, head); grid (num_seqs or m_out, num_heads)."""
     wait_for_inputs(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -225,12 +215,11 @@ def _decode_reduce_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     part = (real_seq * NUM_HEADS + head).to(tl.int64) * NUM_SPLITS + offs_s
     m = tl.load(part_ml_ptr + part)
-    l = tl.load(part_ml_ptr + num_seqs * NUM_HEADS * NUM_SPLITS + part)
-    acc = tl.load(
-        part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :]
-    )  # [NUM_SPLITS, HEAD_DIM]
+    l_part = tl.load(part_ml_ptr + num_seqs * NUM_HEADS * NUM_SPLITS + part)
+    # [NUM_SPLITS, HEAD_DIM]
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :])
     weight = tl.exp2(m - tl.max(m, 0))
-    total = tl.sum(l * weight, 0)
+    total = tl.sum(l_part * weight, 0)
     out = tl.sum(acc * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
     out = tl.where(seq < num_seqs, out, 0.0)  # a padding row
     heads = head + tl.arange(0, 1)

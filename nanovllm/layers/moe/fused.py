@@ -1,6 +1,5 @@
-"""Mixture-of-Experts feed-forward (SwiGLU experts): the fused Triton path (CUDA-graph safe) and
-the torch reference, also the CPU path. For each token t and routed expert e = topk_ids[t, k]:
-``out[t] = sum_k topk_weights[t, k] * w2[e] @ (silu(gate_e @ x[t]) * (up_e @ x[t]))``."""
+"""SwiGLU experts: ``out[t] = sum_k topk_weights[t, k] * w2[e] @ (silu(gate_e @ x[t]) * (up_e @
+x[t]))`` with e = topk_ids[t, k], as Triton kernels and as the torch reference (the CPU path)."""
 
 from typing import NamedTuple
 
@@ -17,8 +16,6 @@ ID_DTYPES = (torch.int32, torch.int64)
 
 
 class MoeTile(NamedTuple):
-    """One grouped-GEMM launch's tile: rows of an expert's group, output columns, reduction step."""
-
     block_m: int
     block_n: int
     block_k: int
@@ -26,13 +23,10 @@ class MoeTile(NamedTuple):
     num_stages: int
 
 
-# (largest mean rows per expert, tile), first match wins. Mean rows per expert is
+# (largest mean rows per expert, tile), first match wins (docs/moe.md). Mean rows per expert is
 # num_tokens * top_k / num_experts: Qwen3-30B-A3B (128 experts, top-8) has 1/16 row per token.
 MOE_TILES = (
-    (
-        16.0,
-        MoeTile(16, 32, 128, 4, 4),
-    ),  # decode and small batches: weight-bound, many narrow programs
+    (16.0, MoeTile(16, 32, 128, 4, 4)),  # decode and small batches: weight-bound
     (48.0, MoeTile(32, 64, 64, 4, 4)),
     (256.0, MoeTile(64, 128, 64, 8, 3)),
     (float("inf"), MoeTile(128, 128, 64, 8, 3)),  # long prefills (~4k+ tokens on Qwen3-30B-A3B)
@@ -40,15 +34,7 @@ MOE_TILES = (
 
 
 def moe_tile(num_tokens: int, top_k: int, num_experts: int, itemsize: int) -> MoeTile:
-    """The tile for a batch whose experts get ``num_tokens * top_k / num_experts`` rows on average.
-
-    BLOCK_M follows that mean: each expert's group is padded to a multiple of BLOCK_M, so a small
-    batch (decode) wants BLOCK_M 16, the smallest ``tl.dot`` takes, while a long prefill fills 128-row
-    tiles and reuses each weight tile over more rows. Decode only streams weights, so it takes narrow
-    N tiles (more programs over the few groups) and long K steps; larger batches take wider N tiles.
-    float32 elements (``itemsize`` 4) keep at most 2 pipeline stages, so that every tile's
-    ``shared_memory_estimate`` stays under the H100's 227 KiB per block. The tiles are reasonable
-    starting points, not tuned ones."""
+    # float32 keeps at most 2 stages, to stay within the H100's shared memory per block
     rows_per_expert = num_tokens * top_k / num_experts
     tile = next(tile for bound, tile in MOE_TILES if rows_per_expert <= bound)
     if itemsize >= 4:
@@ -57,16 +43,14 @@ def moe_tile(num_tokens: int, top_k: int, num_experts: int, itemsize: int) -> Mo
 
 
 def shared_memory_estimate(tile: MoeTile, itemsize: int) -> int:
-    """Shared memory of a gate/up program (the larger kernel): per stage, an activation tile and
-    the gate and up weight tiles."""
+    # of a gate/up program, the larger kernel
     return (
         tile.num_stages * (tile.block_m * tile.block_k + 2 * tile.block_k * tile.block_n) * itemsize
     )
 
 
 def check_moe_inputs(hidden_states, w13, w2, topk_weights, topk_ids) -> None:
-    """ValueError naming the argument, its value and what is allowed; the ids' range is not checked
-    (that would synchronise with the device): they must lie in [0, num_experts)."""
+    """ValueError for bad inputs; the ids must lie in [0, num_experts) (unchecked: no host sync)."""
     if hidden_states.dim() != 2:
         raise ValueError(
             f"hidden_states must be [num_tokens, hidden], got shape {tuple(hidden_states.shape)}"
@@ -87,7 +71,8 @@ def check_moe_inputs(hidden_states, w13, w2, topk_weights, topk_ids) -> None:
     for name, weight in (("w13", w13), ("w2", w2)):
         if weight.dtype != hidden_states.dtype:
             raise ValueError(
-                f"{name}.dtype must equal hidden_states.dtype ({hidden_states.dtype}), got {weight.dtype}"
+                f"{name}.dtype must equal hidden_states.dtype ({hidden_states.dtype}), "
+                f"got {weight.dtype}"
             )
     if topk_ids.dim() != 2 or topk_ids.shape[0] != num_tokens:
         raise ValueError(
@@ -100,7 +85,8 @@ def check_moe_inputs(hidden_states, w13, w2, topk_weights, topk_ids) -> None:
         raise ValueError(f"top_k must be between 1 and num_experts ({num_experts}), got {top_k}")
     if topk_weights.shape != topk_ids.shape:
         raise ValueError(
-            f"topk_weights must have topk_ids' shape {tuple(topk_ids.shape)}, got {tuple(topk_weights.shape)}"
+            f"topk_weights must have topk_ids' shape {tuple(topk_ids.shape)}, "
+            f"got {tuple(topk_weights.shape)}"
         )
     if topk_weights.dtype != torch.float32:
         raise ValueError(f"topk_weights.dtype must be torch.float32, got {topk_weights.dtype}")
@@ -112,10 +98,7 @@ def check_moe_inputs(hidden_states, w13, w2, topk_weights, topk_ids) -> None:
 def fused_moe(
     hidden_states, w13, w2, topk_weights, topk_ids, tile: MoeTile | None = None
 ) -> torch.Tensor:
-    """The Triton path: [num_tokens, hidden] in hidden_states' dtype. ``tile`` replaces the one
-    ``moe_tile`` would choose. The GEMMs accumulate in float32; the intermediate and each pair's
-    weighted output are held in the input dtype, and the top_k outputs of a token are summed in
-    float32, k in order (``sum_pairs``). CUDA-graph safe: no host synchronisation."""
+    """The Triton path, CUDA-graph safe; ``tile`` overrides ``moe_tile``'s choice."""
     from nanovllm.layers.moe.routing import MAX_ROUTED_EXPERTS, group_by_expert_triton
     from nanovllm.layers.moe.triton_kernels import launch_down, launch_gate_up, sum_pairs
 
@@ -134,16 +117,13 @@ def fused_moe(
     like = dict(dtype=hidden_states.dtype, device=hidden_states.device)
     intermediate = torch.empty(groups.sorted_pairs.numel(), inter, **like)
     launch_gate_up(hidden_states, w13, intermediate, groups, top_k, num_pairs, tile)
-    pair_out = torch.empty(
-        num_pairs, hidden, **like
-    )  # pair p's weighted output, p = token * top_k + k
+    pair_out = torch.empty(num_pairs, hidden, **like)  # row token * top_k + k: weighted output
     launch_down(intermediate, w2, pair_out, topk_weights.reshape(-1), groups, num_pairs, tile)
     return sum_pairs(pair_out, top_k, hidden_states.dtype)
 
 
 def pairs_by_expert(topk_ids: torch.Tensor, topk_weights: torch.Tensor):
-    """For each expert some token is routed to: (expert, its tokens, their routing weights [pairs, 1]).
-    One host sync per expert: for the torch paths, not for CUDA graphs."""
+    """(expert, its tokens, their weights [pairs, 1]) per routed expert; syncs with the host."""
     num_tokens, top_k = topk_ids.shape
     expert_of_pair = topk_ids.flatten()
     token_of_pair = torch.arange(num_tokens, device=topk_ids.device).repeat_interleave(top_k)
@@ -154,8 +134,7 @@ def pairs_by_expert(topk_ids: torch.Tensor, topk_weights: torch.Tensor):
 
 
 def fused_moe_torch(hidden_states, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
-    """The reference and the CPU path: float32 matmuls, one expert at a time (only those routed to).
-    Synchronises with the device, so it is not for CUDA graphs."""
+    """The reference and CPU path: float32 matmuls, one routed expert at a time."""
     check_moe_inputs(hidden_states, w13, w2, topk_weights, topk_ids)
     inter = w13.shape[1] // 2
     x = hidden_states.float()

@@ -1,14 +1,4 @@
-"""The Mixture-of-Experts feed-forward with FP8 expert weights (128x128 blocks, float32 scales):
-the W8A8 arithmetic of ``quantization/fp8.py`` applied to each expert's gate/up and down
-projections, as the torch reference (the CPU path) and as Triton kernels (``triton_fp8.py``, GPUs).
-
-For every token t and each of its top_k experts e: ``g, u = fp8_linear(x[t], w13[e])`` (float32),
-``h = silu(g) * u`` held in x's dtype (as the Triton bf16 path holds its intermediate), then
-``out[t] += topk_weights[t, k] * fp8_linear(h, w2[e])`` in float32; the sum is cast to x's dtype
-at the end. ``fp8_linear``'s activation quantization (per token, per 128 channels) applies to x
-and to h. The torch path synchronises with the device (one expert at a time), so it is not for CUDA
-graphs; the Triton path does not.
-"""
+"""MoE with FP8 expert weights: the torch reference (the CPU path) and the Triton path."""
 
 import torch
 import torch.nn.functional as F
@@ -25,9 +15,8 @@ def check_fp8_experts(w13: torch.Tensor, w2: torch.Tensor) -> None:
 def fused_moe_torch_fp8(
     hidden_states, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids
 ) -> torch.Tensor:
-    """``w13`` [experts, 2 * inter, hidden] and ``w2`` [experts, hidden, inter] float8_e4m3fn with
-    their block scales ``w13_scale`` [experts, 2 * inter / 128, ceil(hidden / 128)] and ``w2_scale``
-    [experts, ceil(hidden / 128), inter / 128] -> [num_tokens, hidden] in hidden_states' dtype."""
+    """e4m3 ``w13`` [experts, 2 * inter, hidden] and ``w2`` [experts, hidden, inter] with their
+    per-expert block scales."""
     check_fp8_experts(w13, w2)
     inter = w13.shape[1] // 2
     out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
@@ -36,9 +25,8 @@ def fused_moe_torch_fp8(
             hidden_states[tokens], w13[expert], w13_scale[expert], out_dtype=torch.float32
         )
         h = (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]).to(hidden_states.dtype)
-        down = fp8_linear(
-            h, w2[expert], w2_scale[expert], out_dtype=torch.float32
-        )  # [pairs, hidden]
+        # [pairs, hidden]
+        down = fp8_linear(h, w2[expert], w2_scale[expert], out_dtype=torch.float32)
         out.index_add_(0, tokens, down * weights)
     return out.to(hidden_states.dtype)
 
@@ -46,10 +34,7 @@ def fused_moe_torch_fp8(
 def fused_moe_fp8(
     hidden_states, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, precise: bool | None = None
 ) -> torch.Tensor:
-    """``fused_moe_torch_fp8`` as Triton kernels, CUDA-graph safe (no host synchronisation): x is
-    quantized per token, the pairs grouped by expert, gate/up with SiLU-and-mul (h in x's dtype),
-    h quantized per row, down with the routing weight in float32; a token's top_k outputs summed in
-    float32. ``precise``: as ``fp8_triton.fp8_linear_triton``'s (default ``fp8_triton.PRECISE``)."""
+    """``fused_moe_torch_fp8`` in Triton kernels, CUDA-graph safe."""
     from nanovllm.layers.moe.routing import MAX_ROUTED_EXPERTS, group_by_expert_triton
     from nanovllm.layers.moe.triton_fp8 import launch_down_fp8, launch_gate_up_fp8
     from nanovllm.layers.moe.triton_kernels import sum_pairs

@@ -1,7 +1,4 @@
-"""A sparse Mixture-of-Experts feed-forward block: a softmax top-k router and SwiGLU experts whose
-weights live in two fused tensors, run by the fused Triton kernel on the GPU and by its torch
-reference on the CPU (``fused.py``). With tensor parallelism every rank holds a slice of every
-expert's intermediate dimension, and the block's output is summed with one all-reduce."""
+"""The sparse MoE block: a softmax top-k router and SwiGLU experts (docs/moe.md)."""
 
 import re
 
@@ -14,7 +11,7 @@ from nanovllm.layers.moe.fused_fp8 import fused_moe_fp8, fused_moe_torch_fp8
 from nanovllm.parallel.distributed import all_reduce, get_tp_rank, get_tp_size
 from nanovllm.quantization.fp8 import BLOCK, FP8_DTYPE, quantize_weight_blocks
 
-# one expert's tensor in a Hugging Face checkpoint: "...experts.<id>.<gate_proj|up_proj|down_proj>.weight"
+# one expert's checkpoint tensor: "...experts.<id>.<gate_proj|up_proj|down_proj>.weight"
 EXPERT_TENSOR = re.compile(
     r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight(_scale_inv)?$"
 )
@@ -23,13 +20,8 @@ EXPERT_TENSOR = re.compile(
 def select_experts(
     router_logits: torch.Tensor, top_k: int, renormalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax over the experts in float32 and the ``top_k`` most probable, optionally divided by their
-    sum. -> (weights [num_tokens, top_k] float32, expert ids [num_tokens, top_k] int64)
-
-    The experts come in the order of their float32 logits, largest first, and equal logits in
-    ascending id order (a stable sort): the order of the probabilities, with ties settled by a rule
-    the routing kernel (``routing.select_experts_triton``) follows too. ``torch.topk`` leaves the order
-    of equal values unspecified (on the CPU it is not by id), and bf16 router logits tie often."""
+    """float32 softmax weights and int64 ids [num_tokens, top_k] of the largest logits, equal
+    logits by ascending id (a stable sort, unlike ``torch.topk``)."""
     logits = router_logits.float()
     ids = logits.sort(dim=-1, descending=True, stable=True).indices[..., :top_k]
     weights = torch.softmax(logits, dim=-1).gather(-1, ids)
@@ -41,8 +33,6 @@ def select_experts(
 def route(
     router_logits: torch.Tensor, top_k: int, renormalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``select_experts`` by the Triton routing kernel where it applies (at most
-    ``MAX_ROUTED_EXPERTS`` experts), else by torch; the same experts and weights either way."""
     from nanovllm.layers.moe.routing import MAX_ROUTED_EXPERTS, select_experts_triton
 
     if router_logits.shape[-1] <= MAX_ROUTED_EXPERTS:
@@ -51,18 +41,14 @@ def route(
 
 
 class Experts(nn.Module):
-    """``gate_up_proj`` [num_experts, 2 * inter, hidden] ([gate | up] per expert) and ``down_proj``
-    [num_experts, hidden, inter], ``inter`` being this rank's slice of ``intermediate_size``. They
-    load from per-expert checkpoint tensors (``load_expert``) or from fused ones of the full size.
-    With ``fp8`` they are float8_e4m3fn, each with float32 scales of its 128x128 blocks
-    (``*_scale_inv``, placed like the weights in block units); a float tensor is quantized."""
+    """``gate_up_proj`` [num_experts, 2 * inter, hidden] and ``down_proj`` [num_experts, hidden,
+    inter], inter this rank's slice; with ``fp8`` e4m3 plus ``*_scale_inv`` block scales."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, fp8: bool):
         super().__init__()
         tp_size = get_tp_size()
-        self.tp_rank = (
-            get_tp_rank()
-        )  # the group's, when built: an engine of one rank may live beside a group
+        # the group's, when built: an engine of one rank may live beside a group
+        self.tp_rank = get_tp_rank()
         if intermediate_size % tp_size:
             raise ValueError(
                 f"moe_intermediate_size ({intermediate_size}) must be divisible by "
@@ -94,15 +80,11 @@ class Experts(nn.Module):
             self.gate_up_proj_scale_inv.weight_loader = self.load_gate_up
             self.down_proj_scale_inv.weight_loader = self.load_down
             self.gate_up_proj_scale_inv.derived = self.down_proj_scale_inv.derived = True
-        self.loaded: set[tuple[str, int, int]] = (
-            set()
-        )  # (parameter, expert, shard) seen by load_expert
-        self.scaled: set[tuple[str, int, int]] = (
-            set()
-        )  # (parameter, expert, shard) whose scales are loaded
+        # (parameter, expert, shard) whose weights / scales are loaded
+        self.loaded: set[tuple[str, int, int]] = set()
+        self.scaled: set[tuple[str, int, int]] = set()
 
     def _scale_of(self, param: nn.Parameter) -> nn.Parameter | None:
-        """The scale parameter of an FP8 weight parameter, else None."""
         if not self.fp8:
             return None
         return {
@@ -113,8 +95,7 @@ class Experts(nn.Module):
     def _load(
         self, param: nn.Parameter, loaded: torch.Tensor, place, keys: list[tuple[str, int, int]]
     ) -> None:
-        """``place(param, loaded, block)`` copies in units of ``block`` rows of the inter dimension;
-        an FP8 weight from a float tensor is quantized first and its scales placed too."""
+        # place(param, loaded, block) copies in block-row units of inter; FP8 from float: quantized
         if self.fp8:
             scale = self._scale_of(param)
             if scale is None:  # ``param`` is a scale tensor
@@ -139,8 +120,7 @@ class Experts(nn.Module):
         expert: int | None = None,
         shard: int | None = None,
     ) -> None:
-        """One expert's gate (shard 0) or up (shard 1) projection [intermediate, hidden], or, with no
-        expert, the fused [num_experts, 2 * intermediate, hidden] tensor (or their scales)."""
+        """One expert's gate (shard 0) or up (shard 1), or with no expert the fused tensor."""
         if expert is None:
 
             def place(p, t, block):
@@ -162,8 +142,6 @@ class Experts(nn.Module):
     def load_down(
         self, param: nn.Parameter, loaded: torch.Tensor, expert: int | None = None
     ) -> None:
-        """One expert's down projection [hidden, intermediate], or the fused [num_experts, hidden,
-        intermediate] (or their scales)."""
         if expert is None:
 
             def place(p, t, block):
@@ -179,8 +157,7 @@ class Experts(nn.Module):
         self._load(param, loaded, place, keys)
 
     def checkpoint_shape(self, param: nn.Parameter, expert=None, shard=None) -> tuple[int, ...]:
-        """The full shape of the tensor that loads into ``param``: one expert's projection, or
-        (no ``expert``) all experts fused as transformers 5 holds them; scales in blocks."""
+        """The full checkpoint shape loading into ``param`` (no expert: transformers 5's fused)."""
         inter, hidden = self.full_inter, self.hidden_size
         if param is self.gate_up_proj or param is getattr(self, "gate_up_proj_scale_inv", None):
             shape = (inter if expert is not None else 2 * inter, hidden)
@@ -191,7 +168,7 @@ class Experts(nn.Module):
         return shape if expert is not None else (self.num_experts, *shape)
 
     def missing(self) -> list[str]:
-        """The expert tensors not loaded yet, by checkpoint name (after the ``experts.`` prefix)."""
+        """Checkpoint names (after ``experts.``) not loaded yet."""
         want = [("gate_up_proj", e, s) for e in range(self.num_experts) for s in (0, 1)]
         want += [("down_proj", e, 0) for e in range(self.num_experts)]
         names = {
@@ -210,24 +187,18 @@ class Experts(nn.Module):
 
 
 def map_expert_tensor(name: str) -> tuple[str, tuple] | None:
-    """A per-expert checkpoint name -> (fused parameter name, loader arguments), else None."""
+    """(fused parameter name, loader arguments) of a per-expert checkpoint name, else None."""
     match = EXPERT_TENSOR.match(name)
     if match is None:
         return None
-    prefix, expert, proj, scale = (
-        match.group(1),
-        int(match.group(2)),
-        match.group(3),
-        match.group(4) or "",
-    )
+    prefix, expert, proj, scale = match[1], int(match[2]), match[3], match[4] or ""
     if proj == "down_proj":
         return f"{prefix}.down_proj{scale}", (expert,)
     return f"{prefix}.gate_up_proj{scale}", (expert, 0 if proj == "gate_proj" else 1)
 
 
 class SparseMoeBlock(nn.Module):
-    """Router ``gate`` (hidden -> num_experts, replicated) and ``experts``; the output is the
-    routing-weighted sum of each token's ``top_k`` experts."""
+    """Router ``gate`` (replicated) and ``experts``: each token's ``top_k`` experts, weighted."""
 
     def __init__(
         self,

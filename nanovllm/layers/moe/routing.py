@@ -1,23 +1,5 @@
-"""The router's top-k and the grouping of (token, k) pairs by expert as Triton kernels: the Triton
-path's counterparts of ``layer.select_experts`` and ``fused.group_by_expert``, with the same results.
-
-A decode step of a MoE layer is then a few launches (routing, counting, scattering, the two grouped
-GEMMs, the sum over top_k) instead of some thirty small torch kernels. Nothing synchronises with the
-host and every size (grid, scratch buffers) is derived from shapes, so all of it can be captured in
-a CUDA graph.
-
-Routing: one program per token, over all its experts at once (``BLOCK_E``, the next power of two,
-masked), so ``num_experts`` is at most ``MAX_ROUTED_EXPERTS``.
-
-Grouping, in two launches over chunks of consecutive pairs (one chunk for a small batch, at most
-``MAX_CHUNKS`` for a long prefill): the first counts each chunk's pairs per expert; the second has
-every chunk sum those counts (all chunks, and the chunks before it), derive the padded group
-starts, and write its own pairs at start + (pairs of that expert in earlier chunks) + (earlier pairs
-of the chunk). So each expert's pairs land in pair order, as with a stable sort, and no atomics are
-needed. Each program of the second launch (there may be more of them than chunks) also writes the
-sentinel into the padding rows of its share of the rows, and the expert of every block that starts
-in it.
-"""
+"""Routing (top-k) and grouping of (token, k) pairs by expert as Triton kernels, with the results
+of ``layer.select_experts`` and ``groups.group_by_expert``; no host sync (docs/moe.md)."""
 
 import torch
 import triton
@@ -42,8 +24,8 @@ def _select_experts_kernel(
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """One token: softmax of its logits in float32, then TOP_K times the largest logit not taken yet,
-    the lowest such expert id among equal ones. grid: (num_tokens,)"""
+    """One token: float32 softmax, then TOP_K times the largest logit left (lowest id among
+    equals). grid: (num_tokens,)"""
     token = tl.program_id(0).to(tl.int64)
     offs_e = tl.arange(0, BLOCK_E)
     real = offs_e < num_experts
@@ -75,20 +57,18 @@ def _select_experts_kernel(
 
 @triton.jit
 def _pair_tile(ids_ptr, start, end, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr):
-    """Pairs [start, start + BLOCK_P) clipped to ``end``: their ids, which exist, and the one-hot
-    [BLOCK_P, BLOCK_E] of their experts (all False for a missing pair)."""
     offs_p = start + tl.arange(0, BLOCK_P)
     exists = offs_p < end
     experts = tl.load(ids_ptr + offs_p, mask=exists, other=-1)
     return offs_p, exists, experts[:, None] == tl.arange(0, BLOCK_E)[None, :]
 
 
-# Counts that change with each step's tokens are not specialised on (see fp8_triton._quantize_kernel).
+# Counts that change with each step's tokens are not specialised on.
 @triton.jit(do_not_specialize=["num_pairs", "chunk_size"])
 def _count_kernel(
     ids_ptr, chunk_counts_ptr, num_pairs, chunk_size, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr
 ):
-    """chunk_counts[c, e] = pairs of chunk c routed to expert e. grid: (num_chunks,)"""
+    # chunk_counts[c, e] = pairs of chunk c routed to expert e; grid: (num_chunks,)
     chunk = tl.program_id(0)
     start = chunk * chunk_size
     end = tl.minimum(start + chunk_size, num_pairs)
@@ -119,8 +99,7 @@ def _scatter_kernel(
     BLOCK_C: tl.constexpr,
     BLOCK_E: tl.constexpr,
 ):
-    """Chunk c's pairs (none for c >= num_chunks) into their rows of the grouped layout, then the
-    padding and the block experts of rows [c * rows_per_program, (c + 1) * rows_per_program).
+    """Chunk c's pairs into their rows, then the padding and block experts of program c's rows.
     grid: (at least num_chunks,)"""
     chunk = tl.program_id(0)
     offs_e = tl.arange(0, BLOCK_E)
@@ -128,19 +107,19 @@ def _scatter_kernel(
     before = tl.zeros([BLOCK_E], dtype=tl.int32)  # pairs per expert in the chunks before this one
     for c in range(0, num_chunks, BLOCK_C):
         offs_c = c + tl.arange(0, BLOCK_C)
+        # [BLOCK_C, BLOCK_E]
         counts = tl.load(
             chunk_counts_ptr + offs_c[:, None] * BLOCK_E + offs_e[None, :],
             mask=(offs_c < num_chunks)[:, None],
             other=0,
-        )  # [BLOCK_C, BLOCK_E]
+        )
         total += tl.sum(counts, axis=0)
         before += tl.sum(tl.where((offs_c < chunk)[:, None], counts, 0), axis=0)
     padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # 0 for the lanes past NUM_EXPERTS
     ends = tl.cumsum(padded, axis=0)
     starts = ends - padded
-    tl.store(
-        expert_ends_ptr + offs_e, ends, mask=offs_e < tl.where(chunk == 0, NUM_EXPERTS, 0)
-    )  # chunk 0 only
+    # chunk 0 only
+    tl.store(expert_ends_ptr + offs_e, ends, mask=offs_e < tl.where(chunk == 0, NUM_EXPERTS, 0))
 
     # each pair's row: its expert's next free row, then that expert's row moves on by one
     start = chunk * chunk_size
@@ -149,9 +128,8 @@ def _scatter_kernel(
     for sub in range(0, end - start, BLOCK_P):  # no pass past the last chunk
         offs_p, exists, onehot = _pair_tile(ids_ptr, start + sub, end, BLOCK_P, BLOCK_E)
         hits = onehot.to(tl.int32)
-        earlier = (
-            tl.cumsum(hits, axis=0) - hits
-        )  # [BLOCK_P, BLOCK_E]: earlier pairs of the tile, per expert
+        # [BLOCK_P, BLOCK_E]: earlier pairs of the tile, per expert
+        earlier = tl.cumsum(hits, axis=0) - hits
         rows = tl.sum(tl.where(onehot, earlier + next_row[None, :], 0), axis=1)
         tl.store(sorted_pairs_ptr + rows, offs_p, mask=exists)
         next_row += tl.sum(hits, axis=0)
@@ -182,9 +160,8 @@ def _scatter_kernel(
 def select_experts_triton(
     router_logits: torch.Tensor, top_k: int, renormalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``layer.select_experts`` in one launch: (weights [num_tokens, top_k] float32, expert ids
-    [num_tokens, top_k] int32), the same experts in the same order (the largest logits first, the
-    lower id first among equal logits), the same weights up to float32 rounding."""
+    """``layer.select_experts`` in one launch: float32 weights and int32 ids [num_tokens, top_k],
+    the same experts in the same order, weights up to float32 rounding."""
     if router_logits.dim() != 2 or not router_logits.is_floating_point():
         raise ValueError(
             f"router_logits must be a floating-point [num_tokens, num_experts] tensor, got "
@@ -193,7 +170,8 @@ def select_experts_triton(
     num_tokens, num_experts = router_logits.shape
     if not 1 <= num_experts <= MAX_ROUTED_EXPERTS:
         raise ValueError(
-            f"num_experts must be in [1, {MAX_ROUTED_EXPERTS}] for the routing kernel, got {num_experts}"
+            f"num_experts must be in [1, {MAX_ROUTED_EXPERTS}] for the routing kernel, "
+            f"got {num_experts}"
         )
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}")
@@ -219,17 +197,14 @@ def select_experts_triton(
 
 
 def grouping_chunks(num_pairs: int, num_experts: int) -> tuple[int, int, int]:
-    """(pairs per tile, pairs per chunk, number of chunks) for ``group_by_expert_triton``. A tile's
-    one-hot [pairs, experts] stays at 8192 elements; a chunk is a whole number of tiles, as few as
-    keep the chunks at most ``MAX_CHUNKS``."""
+    """(pairs per tile, pairs per chunk, number of chunks) for ``group_by_expert_triton``."""
     block_p = max(16, min(128, 8192 // triton.next_power_of_2(num_experts)))
     chunk_size = block_p * max(1, triton.cdiv(num_pairs, block_p * MAX_CHUNKS))
     return block_p, chunk_size, triton.cdiv(num_pairs, chunk_size)
 
 
 def group_by_expert_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertGroups:
-    """``fused.group_by_expert`` in two launches, field for field the same layout. The ids must lie in
-    [0, num_experts) (not checked: that would synchronise with the device)."""
+    """``groups.group_by_expert`` in two launches; ids must lie in [0, num_experts) (unchecked)."""
     if topk_ids.dim() != 2 or topk_ids.dtype not in ID_DTYPES:
         raise ValueError(
             f"topk_ids must be an int32 or int64 [num_tokens, top_k] tensor, got shape "
@@ -237,7 +212,8 @@ def group_by_expert_triton(topk_ids: torch.Tensor, num_experts: int, block_m: in
         )
     if not 1 <= num_experts <= MAX_ROUTED_EXPERTS:
         raise ValueError(
-            f"num_experts must be in [1, {MAX_ROUTED_EXPERTS}] for the grouping kernels, got {num_experts}"
+            f"num_experts must be in [1, {MAX_ROUTED_EXPERTS}] for the grouping kernels, "
+            f"got {num_experts}"
         )
     if isinstance(block_m, bool) or not isinstance(block_m, int) or block_m < 1:
         raise ValueError(f"block_m must be a positive int, got {block_m!r}")

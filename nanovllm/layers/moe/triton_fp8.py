@@ -1,12 +1,5 @@
-"""The grouped-GEMM Triton kernels of the Mixture-of-Experts feed-forward with FP8 expert weights:
-``triton_kernels.py``'s layout (blocks of BLOCK_M grouped rows of one expert, padding rows masked)
-with the W8A8 arithmetic of ``quantization/fp8_triton.py``. The activations come in as e4m3 values
-with one float32 scale per token and 128-channel group (``quantize_rows``, scales k-block-major);
-each 128-wide k-block of a product is summed by the tensor cores and added to the float32 tile times
-(activation scale x weight block scale). BLOCK_N divides 128, so a tile's outputs share one weight
-scale per k-block; the expert's intermediate size is a multiple of 128 (the FP8 loader checks it),
-so the up rows start on a block boundary.
-"""
+"""The MoE grouped-GEMM Triton kernels with FP8 expert weights: ``triton_kernels.py``'s layout
+with ``fp8_triton.py``'s W8A8 arithmetic (docs/moe.md)."""
 
 import triton
 import triton.language as tl
@@ -19,7 +12,6 @@ _BLOCK_K = tl.constexpr(BLOCK)
 
 @triton.jit
 def _scaled_block(acc, q, w_rows, k, k_ok, n_ok, scale, PRECISE: tl.constexpr):
-    """acc + (q @ w[k-block]^T) * scale[:, None]; ``w_rows`` points at the tile's weight rows."""
     w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
     if PRECISE:
         partial = tl.dot(q, tl.trans(w), out_dtype=tl.float32, max_num_imprecise_acc=0)
@@ -28,7 +20,7 @@ def _scaled_block(acc, q, w_rows, k, k_ok, n_ok, scale, PRECISE: tl.constexpr):
     return acc + partial * scale[:, None]
 
 
-# Counts that change with each step's tokens are not specialised on (see fp8_triton._quantize_kernel).
+# Counts that change with each step's tokens are not specialised on.
 @triton.jit(do_not_specialize=["num_pairs", "num_tokens"])
 def _gate_up_fp8_kernel(
     q_ptr,
@@ -55,8 +47,7 @@ def _gate_up_fp8_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """h[r, n] = silu(gate) * up of row r's token (its e4m3 row ``q`` and scales ``xs``) against
-    the block's expert; padding rows get zeros. grid: (max_padded_rows // BLOCK_M, cdiv(inter, BLOCK_N))"""
+    """As ``_gate_up_kernel`` on e4m3 rows ``q`` with scales ``xs``."""
     block, n_tile = tl.program_id(0), tl.program_id(1)
     if block * BLOCK_M >= tl.load(expert_ends_ptr + NUM_EXPERTS - 1):
         return
@@ -119,8 +110,7 @@ def _down_fp8_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """out[p, n] = topk_weights[p] * (h[r] @ w2[e, n]) in float32, h given as e4m3 rows ``qh`` with
-    scales ``hs``; padding rows are not stored. grid: (max_padded_rows // BLOCK_M, cdiv(hidden, BLOCK_N))"""
+    """As ``_down_kernel`` on e4m3 rows ``qh`` with scales ``hs``, out in float32."""
     block, n_tile = tl.program_id(0), tl.program_id(1)
     if block * BLOCK_M >= tl.load(expert_ends_ptr + NUM_EXPERTS - 1):
         return
@@ -157,9 +147,7 @@ def launch_gate_up_fp8(
     tile,
     precise: bool,
 ) -> None:
-    """Fill ``intermediate`` [max_padded_rows, inter] from the tokens' e4m3 rows ``q`` [num_tokens,
-    hidden] and scales ``x_scale`` [hidden / 128, num_tokens], and w13 [experts, 2 * inter, hidden]
-    with its block scales."""
+    """``x_scale`` [hidden / 128, num_tokens] as ``quantize_rows`` makes."""
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
     grid = (groups.block_experts.numel(), triton.cdiv(inter, tile.block_n))
     _gate_up_fp8_kernel[grid](
@@ -194,9 +182,7 @@ def launch_gate_up_fp8(
 def launch_down_fp8(
     qh, h_scale, w2, w2_scale, pair_out, topk_weights, groups, num_pairs: int, tile, precise: bool
 ) -> None:
-    """Fill ``pair_out`` [num_pairs, hidden] (float32) from the intermediate's e4m3 rows ``qh`` and
-    scales ``h_scale`` [inter / 128, max_padded_rows], w2 [experts, hidden, inter] with its block
-    scales, and the flat float32 ``topk_weights``."""
+    """``pair_out`` [num_pairs, hidden] float32; ``h_scale`` [inter / 128, max_padded_rows]."""
     num_experts, hidden, inter = w2.shape
     grid = (groups.block_experts.numel(), triton.cdiv(hidden, tile.block_n))
     _down_fp8_kernel[grid](

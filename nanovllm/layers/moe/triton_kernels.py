@@ -1,15 +1,4 @@
-"""The project's own grouped-GEMM Triton kernels for the Mixture-of-Experts feed-forward, and their
-launches; ``fused.py`` groups the (token, k) pairs by expert and calls them. ``sum_pairs`` adds each
-token's top_k weighted outputs (also for the FP8 kernels of ``triton_fp8.py``).
-
-Both GEMM kernels walk the grouped layout of ``fused.ExpertGroups``: program (block, n_tile) takes
-BLOCK_M consecutive rows of it, all of one expert (the groups are padded to multiples of BLOCK_M),
-and BLOCK_N output columns. Padding rows hold the sentinel pair id ``num_pairs`` and are masked off.
-The grid covers the worst-case layout, whose size depends only on shapes; a block starting past
-the rows in use (the last of ``expert_ends``, read on the device) returns at once. Every load is
-masked at the K and N edges, so neither hidden nor inter needs to be a multiple of the tile (or a
-power of two). The dots accumulate in float32; float32 inputs use IEEE dots, not TF32.
-"""
+"""The MoE feed-forward's grouped-GEMM Triton kernels (docs/moe.md) and ``sum_pairs``."""
 
 import torch
 import triton
@@ -18,15 +7,14 @@ import triton.language as tl
 
 @triton.jit
 def _block_rows(block, sorted_pairs_ptr, block_experts_ptr, num_pairs, BLOCK_M: tl.constexpr):
-    """One block of grouped rows: its expert, its row offsets, the (token, k) pair of each row,
-    and which rows hold a pair (not padding)."""
+    # a block's expert, row offsets, the pair of each row, and which rows are not padding
     expert = tl.load(block_experts_ptr + block).to(tl.int64)
     offs_r = block * BLOCK_M + tl.arange(0, BLOCK_M)
     pairs = tl.load(sorted_pairs_ptr + offs_r)
     return expert, offs_r, pairs, pairs < num_pairs
 
 
-# Counts that change with each step's tokens are not specialised on (see fp8_triton._quantize_kernel).
+# Counts that change with each step's tokens are not specialised on.
 @triton.jit(do_not_specialize=["num_pairs"])
 def _gate_up_kernel(
     x_ptr,
@@ -51,9 +39,8 @@ def _gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """h[r, n] = silu(x[t] @ w13[e, n]) * (x[t] @ w13[e, inter + n]) for the rows r of one block,
-    where row r holds pair p = sorted_pairs[r] of token t = p // TOP_K and e is the block's expert.
-    Padding rows get zeros. grid: (max_padded_rows // BLOCK_M, cdiv(inter, BLOCK_N))"""
+    """h[r, n] = silu(x[t] @ w13[e, n]) * (x[t] @ w13[e, inter + n]), t = sorted_pairs[r] // TOP_K;
+    padding rows get zeros. grid: (max_padded_rows // BLOCK_M, cdiv(inter, BLOCK_N))"""
     block = tl.program_id(0)
     n_tile = tl.program_id(1)
     if block * BLOCK_M >= tl.load(expert_ends_ptr + NUM_EXPERTS - 1):
@@ -66,7 +53,8 @@ def _gate_up_kernel(
     n_mask = offs_n < inter
     offs_k = tl.arange(0, BLOCK_K)
 
-    x_ptrs = x_ptr + tokens[:, None] * stride_xt + offs_k[None, :] * stride_xh  # [BLOCK_M, BLOCK_K]
+    # [BLOCK_M, BLOCK_K]
+    x_ptrs = x_ptr + tokens[:, None] * stride_xt + offs_k[None, :] * stride_xh
     # the gate rows as a [BLOCK_K, BLOCK_N] tile; the up rows sit inter rows further
     gate_ptrs = (
         w13_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
@@ -112,9 +100,8 @@ def _down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """out[p, n] = topk_weights[p] * (h[r] @ w2[e, n]) for the rows r of one block, with p =
-    sorted_pairs[r] and e the block's expert; padding rows are not stored.
-    grid: (max_padded_rows // BLOCK_M, cdiv(hidden, BLOCK_N))"""
+    """out[p, n] = topk_weights[p] * (h[r] @ w2[e, n]), p = sorted_pairs[r]; padding rows are not
+    stored. grid: (max_padded_rows // BLOCK_M, cdiv(hidden, BLOCK_N))"""
     block = tl.program_id(0)
     n_tile = tl.program_id(1)
     if block * BLOCK_M >= tl.load(expert_ends_ptr + NUM_EXPERTS - 1):
@@ -150,7 +137,6 @@ def _down_kernel(
 def _sum_pairs_kernel(
     pair_ptr, out_ptr, hidden, stride_p, stride_o, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr
 ):
-    """out[t] = the sum of pair rows t * TOP_K ... t * TOP_K + TOP_K - 1, in float32 in k order, cast once."""
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = cols < hidden
@@ -163,13 +149,12 @@ def _sum_pairs_kernel(
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
-    """IEEE float32 dots for a float32 model; 16-bit inputs ignore the setting (TF32 is the default)."""
+    # IEEE float32 dots for a float32 model; 16-bit inputs ignore the setting
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def launch_gate_up(x, w13, intermediate, groups, top_k: int, num_pairs: int, tile) -> None:
-    """Fill ``intermediate`` [max_padded_rows, inter] (contiguous) from x [num_tokens, hidden] and
-    w13 [num_experts, 2 * inter, hidden]; ``groups`` is a ``fused.ExpertGroups``."""
+    """``intermediate`` [max_padded_rows, inter] contiguous."""
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
     grid = (groups.block_experts.numel(), triton.cdiv(inter, tile.block_n))
     _gate_up_kernel[grid](
@@ -198,8 +183,7 @@ def launch_gate_up(x, w13, intermediate, groups, top_k: int, num_pairs: int, til
 
 
 def launch_down(intermediate, w2, pair_out, topk_weights, groups, num_pairs: int, tile) -> None:
-    """Fill ``pair_out`` [num_pairs, hidden] (contiguous) from ``gate_up``'s intermediate, w2
-    [num_experts, hidden, inter] and the flat float32 ``topk_weights`` [num_pairs]."""
+    """``pair_out`` [num_pairs, hidden] contiguous; ``topk_weights`` flat."""
     num_experts, hidden, inter = w2.shape
     grid = (groups.block_experts.numel(), triton.cdiv(hidden, tile.block_n))
     _down_kernel[grid](
@@ -227,10 +211,7 @@ def launch_down(intermediate, w2, pair_out, topk_weights, groups, num_pairs: int
 
 
 def sum_pairs(pair_out: torch.Tensor, top_k: int, dtype: torch.dtype) -> torch.Tensor:
-    """[num_tokens, hidden] in ``dtype``: each token's ``top_k`` rows of ``pair_out`` [num_pairs, hidden]
-    (pair p = token * top_k + k) summed in float32, k in order, and cast once: one kernel, where
-    torch's sum over the middle dimension and the FP8 experts' cast were two (the sum alone took
-    7.6 µs a call in a decode step of the Qwen3-30B-A3B shape on an H200, BENCHMARKS.md)."""
+    """Each token's ``top_k`` rows of ``pair_out`` summed in float32 in k order, cast once."""
     num_pairs, hidden = pair_out.shape
     out = torch.empty(num_pairs // top_k, hidden, dtype=dtype, device=pair_out.device)
     block = min(1024, triton.next_power_of_2(hidden))

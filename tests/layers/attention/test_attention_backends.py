@@ -1,10 +1,11 @@
 """The GPU attention backends against the torch reference, on the same inputs.
 
-On the CPU the Triton kernels run under the Triton interpreter (TRITON_INTERPRET=1, which must be set
-before triton is imported, so those cases run together in one subprocess: this file run as a script).
-On a CUDA GPU the same cases run in bf16 for "triton" and "flash-attn", plus a CUDA-graph capture of
-decode. Every case draws fresh random inputs; cache slots no sequence owns hold NaN, so a kernel that
-reads past a sequence's context or through a padded block-table entry fails the comparison.
+On the CPU the Triton kernels run under the Triton interpreter (TRITON_INTERPRET=1, which must be
+set before triton is imported, so those cases run together in one subprocess: this file run as a
+script). On a CUDA GPU the same cases run in bf16 for "triton" and "flash-attn", plus a CUDA-graph
+capture of decode. Every case draws fresh random inputs; cache slots no sequence owns hold NaN, so a
+kernel that reads past a sequence's context or through a padded block-table entry fails the
+comparison.
 """
 
 import importlib.util
@@ -258,8 +259,8 @@ def check_decode_quantized(
 
 
 def check_store(store, *, device, dtype, head_dim, block_size, num_kv_heads=2) -> dict:
-    """Random distinct slots with some -1 among them: the cache ``store`` writes must equal the torch
-    store's, exactly."""
+    """Random distinct slots with some -1 among them: the cache ``store`` writes must equal the
+    torch store's, exactly."""
     device = torch.device(device)
     num_blocks, num_tokens = 6, 40
     slots = torch.randperm(num_blocks * block_size)[:num_tokens].to(torch.int32)
@@ -277,12 +278,13 @@ def check_store(store, *, device, dtype, head_dim, block_size, num_kv_heads=2) -
     return {"cache_equal": equal}
 
 
-# ---- CPU: the Triton kernels under the interpreter ------------------------------------------------
+# ---- CPU: the Triton kernels under the interpreter -----------------------------------------------
 
 
 def small_tiles(num_splits: int):
     """The Triton backend with 16-key decode tiles, one pipeline stage."""
-    from nanovllm.layers.attention.triton_backend import DecodeTile, TritonAttentionBackend
+    from nanovllm.layers.attention.triton_backend import TritonAttentionBackend
+    from nanovllm.layers.attention.triton_tiles import DecodeTile
 
     return TritonAttentionBackend(num_splits=num_splits, decode_tile=DecodeTile(16, 1))
 
@@ -298,13 +300,15 @@ INTERPRETER_CASES = {
         b, CHUNKED_SEQS, num_heads=2, num_kv_heads=2, **CPU_DIMS
     ),
     "decode": lambda b: check_decode(b, DECODE_LENS, **CPU_DIMS),
-    # 16-key tiles: several per sequence (the default tile covers these contexts at once) and per split
+    # 16-key tiles: several per sequence (the default tile covers these contexts at once) and per
+    # split
     "decode_small_tiles": lambda b: check_decode(small_tiles(1), DECODE_LENS, **CPU_DIMS),
     "decode_split4": lambda b: check_decode(small_tiles(4), DECODE_LENS, **CPU_DIMS),
     "decode_group8": lambda b: check_decode(
         b, DECODE_LENS, num_heads=8, num_kv_heads=1, **CPU_DIMS
     ),
-    # an FP8 o_proj's input: head_dim 128, one group per head; with splits the merge kernel quantizes
+    # an FP8 o_proj's input: head_dim 128, one group per head; with splits the merge kernel
+    # quantizes
     "decode_quantized": lambda b: check_decode_quantized(
         b, DECODE_LENS, **(CPU_DIMS | dict(head_dim=128))
     ),
@@ -317,7 +321,7 @@ INTERPRETER_CASES = {
 def run_interpreter_cases() -> dict:
     """Runs in the subprocess, with TRITON_INTERPRET=1 already in the environment."""
     squeeze_interpreter_loop_bounds()
-    round_interpreter_casts_to_nearest()  # the quantized decode's e4m3 values, rounded as a GPU does
+    round_interpreter_casts_to_nearest()  # the quantized decode's e4m3 values, rounded as on a GPU
     from nanovllm.layers.attention.triton_backend import TritonAttentionBackend
 
     torch.manual_seed(0)
@@ -365,7 +369,7 @@ H100_SHARED_MEMORY = 232448  # bytes per block, also the H200's
 def test_triton_tiles_fit_shared_memory():
     """float32 and head_dim 256 get tiles whose estimate fits the H100/H200 limit; 2-byte types
     with head_dim <= 128 keep the tiles they always had."""
-    from nanovllm.layers.attention.triton_backend import (
+    from nanovllm.layers.attention.triton_tiles import (
         decode_tiles,
         prefill_tiles,
         shared_memory_estimate,
@@ -396,7 +400,7 @@ def test_triton_tiles_fit_shared_memory():
     assert prefill_tiles(128, 4, 4096) != (128, 64, 8, 3)
 
 
-# ---- GPU: bf16 against the torch backend in float32 -----------------------------------------------
+# ---- GPU: bf16 against the torch backend in float32 ----------------------------------------------
 
 GPU_TOL = 1e-2
 GPU_BACKENDS = [
@@ -409,7 +413,8 @@ GPU_BACKENDS = [
         marks=pytest.mark.skipif(not HAS_FLASH_ATTN, reason="flash_attn not installed"),
     ),
 ]
-# longer than the CPU cases: several query and key tiles, contexts across many 16- and 256-token blocks
+# longer than the CPU cases: several query and key tiles, contexts across many 16- and 256-token
+# blocks
 GPU_PREFILL = {
     "prefill": [(0, 1), (0, 200), (0, 513), (0, 64)],
     "prefill_prefix": [(256, 5), (512, 300), (0, 77), (768, 1)],
@@ -482,7 +487,8 @@ def test_gpu_triton_decode_splits(num_splits, block_size):
 @pytest.mark.parametrize("num_splits", [1, 4, None])
 @pytest.mark.parametrize("heads", [(16, 8), (32, 8)], ids=["gqa2", "gqa4"])
 def test_gpu_triton_decode_quantized(num_splits, heads):
-    """bf16: the e4m3 rows and scales equal the plain output's quantization (in bf16, then per group)."""
+    """bf16: the e4m3 rows and scales equal the plain output's quantization (in bf16, then per
+    group)."""
     from nanovllm.layers.attention.triton_backend import TritonAttentionBackend
 
     result = check_decode_quantized(

@@ -54,7 +54,8 @@ POISON_SCALE = -777.0
 GUARD = 256
 TOL = 1e-5  # float32 on both sides, over the same e4m3 values
 # bf16 q and output. The interpreter narrows float32 to bf16 by truncation: that alone gives the
-# reference 3.4e-3 on these cases (1.5e-3 rounded to nearest); the float16 dots change it by under 1e-5.
+# reference 3.4e-3 on these cases (1.5e-3 rounded to nearest); the float16 dots change it by under
+# 1e-5.
 BF16_QUERY_TOL = 5e-3
 
 
@@ -122,12 +123,13 @@ def write_rows(
 
 
 def set_scales(scale: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
-    """scale[slot] = values for a [num_blocks, block_size, num_kv_heads] scale tensor of any strides."""
+    """scale[slot] = values for a [num_blocks, block_size, num_kv_heads] scale tensor of any
+    strides."""
     slots = slots.long()
     scale[slots // scale.shape[1], slots % scale.shape[1]] = values
 
 
-# ---- the checks, run on the CPU under the interpreter and on a GPU ----------------------------------
+# ---- the checks, run on the CPU under the interpreter and on a GPU -------------------------------
 
 
 def guarded(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
@@ -248,7 +250,8 @@ def check_decode(
     num_kv_heads=2,
 ) -> dict:
     """Decode over an FP8 cache against the torch backend's dequantize-then-attend in float32 over
-    the same stored values. Slots no sequence owns are NaN; padded rows (context 0) must be finite."""
+    the same stored values. Slots no sequence owns are NaN; padded rows (context 0) must be
+    finite."""
     device = torch.device(device)
     scale = head_dim**-0.5
     blocks, tables, num_blocks = paged_layout([max(n, 1) for n in context_lens], block_size, device)
@@ -301,8 +304,9 @@ def check_prefill(
     num_kv_heads=2,
 ) -> dict:
     """(cached, new) tokens per sequence: the cached prefix is in the FP8 cache already; ``backend``
-    stores the new tokens (the kernel backends' store, ``rope_and_store``), then prefills. The reference: the torch backend's store and prefill
-    (dequantize-then-attend in float32; over the fresh k/v where nothing is cached)."""
+    stores the new tokens (the kernel backends' store, ``rope_and_store``), then prefills. The
+    reference: the torch backend's store and prefill (dequantize-then-attend in float32; over the
+    fresh k/v where nothing is cached)."""
     device = torch.device(device)
     scale = head_dim**-0.5
     totals = [c + n for c, n in seqs]
@@ -363,12 +367,13 @@ def check_prefill(
     return {"rel_err": relative_error(out, ref), "cache_equal": cache_equal}
 
 
-# ---- CPU: the Triton kernels under the interpreter --------------------------------------------------
+# ---- CPU: the Triton kernels under the interpreter -----------------------------------------------
 
 
 def small_tiles(num_splits: int):
     """The Triton backend with 16-key decode tiles, one pipeline stage."""
-    from nanovllm.layers.attention.triton_backend import DecodeTile, TritonAttentionBackend
+    from nanovllm.layers.attention.triton_backend import TritonAttentionBackend
+    from nanovllm.layers.attention.triton_tiles import DecodeTile
 
     return TritonAttentionBackend(num_splits=num_splits, decode_tile=DecodeTile(16, 1))
 
@@ -379,7 +384,8 @@ INTERPRETER_CASES = {
         for name in TRITON_STORE_CASES
     },
     "decode": lambda b: check_decode(b, DECODE_LENS),
-    # 16-key tiles: several per sequence (the default tile covers these contexts at once) and per split
+    # 16-key tiles: several per sequence (the default tile covers these contexts at once) and per
+    # split
     "decode_small_tiles": lambda b: check_decode(small_tiles(1), DECODE_LENS),
     "decode_split4": lambda b: check_decode(small_tiles(4), DECODE_LENS),
     "decode_group8": lambda b: check_decode(b, DECODE_LENS, num_heads=8, num_kv_heads=1),
@@ -426,7 +432,7 @@ def test_triton_interpreter_fp8(interpreter_results, case):
     assert_result(interpreter_results[case], BF16_QUERY_TOL if "bf16" in case else TOL)
 
 
-# ---- the quantization and the torch backend, in-process ---------------------------------------------
+# ---- the quantization and the torch backend, in-process ------------------------------------------
 
 
 def test_quantization_error_is_bounded():
@@ -514,7 +520,7 @@ def test_torch_backend_fp8_decode_and_prefill_match_float64_reference():
         )
 
 
-# ---- the engine on the CPU --------------------------------------------------------------------------
+# ---- the engine on the CPU -----------------------------------------------------------------------
 
 
 class RoundTripCacheBackend(TorchAttentionBackend):
@@ -594,7 +600,8 @@ def test_llm_fp8_cache_matches_round_trip_reference(ckpt_tied):
 
 def test_block_bytes_count_the_scales():
     """A bf16 Qwen3-0.6B-shaped cache (28 layers, 8 KV heads, head_dim 128): e4m3 plus a float32
-    scale per row takes 132 bytes a row instead of 256, so the same memory holds 1.94x the blocks."""
+    scale per row takes 132 bytes a row instead of 256, so the same memory holds 1.94x the
+    blocks."""
     from nanovllm.runner import kv_cache
 
     def block_bytes(kv_cache_dtype):
@@ -639,7 +646,7 @@ def test_allocated_cache_matches_block_bytes(ckpt_tied, kv_cache_dtype):
         assert (scale_bytes > 0) == (kv_cache_dtype == "fp8")
 
 
-# ---- which backend, and what is refused before anything loads --------------------------------------
+# ---- which backend, and what is refused before anything loads ------------------------------------
 
 
 @pytest.fixture

@@ -127,10 +127,10 @@ def rope_store_kvcache(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Store k/v ``[num_tokens, num_kv_heads, head_dim]`` through ``kv_store.rope_and_store``, the one
-    Triton store: k and v packed as a fused projection (k's rows standing in for q), no QK-norm, and
-    RoPE by the angle 0 (cos 1, sin 0: ``x * 1 - y * 0`` is x exactly), so the rows stored are k's
-    and v's, as the model's store writes its already rotated rows."""
+    """Store k/v ``[num_tokens, num_kv_heads, head_dim]`` through ``kv_store.rope_and_store``, the
+    one Triton store: k and v packed as a fused projection (k's rows standing in for q), no QK-norm,
+    and RoPE by the angle 0 (cos 1, sin 0: ``x * 1 - y * 0`` is x exactly), so the rows stored are
+    k's and v's, as the model's store writes its already rotated rows."""
     from nanovllm.layers.attention.kv_store import rope_and_store
 
     num_tokens, num_kv_heads, head_dim = k.shape
