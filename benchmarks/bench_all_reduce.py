@@ -1,6 +1,6 @@
 """The all-reduce of tensor parallelism alone: NCCL against the one-shot kernel
-(``nanovllm/parallel/custom_all_reduce.py``) over the GPUs of this host, one process each, at the sizes
-of a decode step (a bf16 row of hidden size 4096 is 8 KiB; 256 rows are 2 MiB) and above.
+(``nanovllm/parallel/custom_all_reduce.py``) over the GPUs of this host, one process each, at the
+sizes of a decode step (a bf16 row of hidden size 4096 is 8 KiB; 256 rows are 2 MiB) and above.
 
 Each size is first checked (the one-shot sum equals NCCL's, bit for bit, with two ranks), then
 timed as a decode step runs it: a CUDA graph holding --calls all-reduces, replayed --iters times
@@ -8,7 +8,8 @@ after warm-up, timed with CUDA events on rank 0; the figure is the time per all-
 
     python benchmarks/bench_all_reduce.py                # 2 GPUs, 8 KiB .. 32 MiB of bf16
     python benchmarks/bench_all_reduce.py --world 4
-    python benchmarks/bench_all_reduce.py --block 2048 --programs 128 --warps 8   # another shape of the kernel
+    # another shape of the kernel:
+    python benchmarks/bench_all_reduce.py --block 2048 --programs 128 --warps 8
 """
 
 import argparse

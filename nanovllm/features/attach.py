@@ -1,11 +1,8 @@
-"""Which request processors a request's sequences get, chosen once when it is queued."""
-
 from nanovllm.features import logits_processors as lp
 
 
 def attach_processors(seqs: list, eos_token_ids: list[int], core=None) -> None:
-    """Give each of a request's sequences the processors its ``SamplingParams`` ask for (``core``:
-    the engine core, whose tokenizer a grammar needs). Completion 0 scores the prompt."""
+    """Give each sequence the processors its params ask for; completion 0 scores the prompt."""
     for i, seq in enumerate(seqs):
         sp, procs = seq.sampling_params, []
         stop_ids = list(sp.stop_token_ids)

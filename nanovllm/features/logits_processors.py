@@ -1,12 +1,9 @@
-"""Processors that shape a row's sampling: min_tokens suppression, penalties, top-k/top-p/min-p
-filters, and sampled-token log-probabilities (``processors.RequestProcessor``)."""
+"""Request processors that shape a row's sampling (docs/features.md)."""
 
 from nanovllm.features.processors import RequestProcessor, row_extras
 
 
 class MinTokens(RequestProcessor):
-    """Until ``min_tokens`` tokens are out, the stop ids (and EOS) are masked."""
-
     def __init__(self, min_tokens: int, token_ids: list[int]):
         self.min_tokens, self.token_ids = min_tokens, token_ids
 
@@ -16,16 +13,13 @@ class MinTokens(RequestProcessor):
 
 
 class Penalties(RequestProcessor):
-    """Repetition, presence and frequency penalties over the prompt and output tokens (whose values
-    the host needs: the step is resolved before the next one is scheduled)."""
-
     def __init__(self, sp):
         self.values = (sp.repetition_penalty, sp.presence_penalty, sp.frequency_penalty)
 
     def contribute(self, step, row, seq, offset):
         extra = row_extras(step)
         extra.set("penalties", row, (*self.values, seq.prompt_token_ids, seq.completion_token_ids))
-        extra.sync = True
+        extra.sync = True  # the next step needs this step's token on the host
 
 
 class Filters(RequestProcessor):
@@ -37,8 +31,6 @@ class Filters(RequestProcessor):
 
 
 class Logprobs(RequestProcessor):
-    """The sampled token's log-probability and the ``num`` most likely, with each token."""
-
     def __init__(self, num: int):
         self.num = num
 

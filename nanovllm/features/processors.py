@@ -1,14 +1,9 @@
-"""Per-request processors: what a request needs beyond a temperature and a seed. They are picked
-once, when the request is queued (``attach``); the core and the sampler call them without knowing
-which exist. A plain request gets none: its steps carry only temperatures and draw seeds."""
-
 from dataclasses import dataclass, field
 
 
 @dataclass
 class RowExtras:
-    """A step's sampling settings beyond temperatures and seeds, one entry per row (None: the row
-    has none of that kind; a list is None when no row has any). Plain data: it goes to rank 0."""
+    """Per-row sampling settings; None where no row has any."""
 
     num_rows: int
     suppressed: list | None = None  # token ids masked to -inf
@@ -28,7 +23,6 @@ class RowExtras:
 
 
 def row_extras(step) -> RowExtras:
-    """The step's ``RowExtras``, made by the first processor that contributes."""
     rows = step.sampling
     if rows.extra is None:
         rows.extra = RowExtras(len(rows.temperatures))
@@ -36,17 +30,16 @@ def row_extras(step) -> RowExtras:
 
 
 class RequestProcessor:
-    """One sequence's hooks; each does nothing unless a processor overrides it."""
+    """One sequence's hooks (docs/features.md), no-ops unless overridden."""
 
     def contribute(self, step, row: int, seq, offset: int) -> None:
-        """Add to ``step`` (built for ``seq`` at ``row``; its tokens start at ``offset``)."""
+        pass
 
     def take(self, seq, extra: dict) -> None:
-        """The row's extra outputs of a resolved step (before its token is set)."""
+        pass
 
     def accept(self, seq, token_id: int) -> bool:
-        """The sampled token, just set; True ends the sequence with "stop"."""
-        return False
+        return False  # True ends the sequence with "stop"
 
     def report(self, seq, out, extra: dict | None) -> None:
-        """Add to the ``SeqOutput`` the core reports for ``seq``."""
+        pass

@@ -1,6 +1,3 @@
-"""Prompt log-probabilities (``SamplingParams.prompt_logprobs``): completion 0 of a request scores
-each prompt token given the ones before it (``processors.RequestProcessor``)."""
-
 from dataclasses import dataclass
 
 from nanovllm.features.processors import RequestProcessor
@@ -8,9 +5,8 @@ from nanovllm.features.processors import RequestProcessor
 
 @dataclass
 class PromptScoring:
-    """Prompt tokens a prefill step scores. Row ``rows[j]`` scores ``counts[j]`` consecutive prompt
-    tokens, the first at position ``firsts[j]``: the logits at step token ``indices[i]`` score
-    ``targets[i]``, and give the ``nums[j]`` most likely tokens."""
+    """Row rows[j] scores counts[j] prompt tokens from firsts[j]; the logits at step token
+    indices[i] score targets[i]."""
 
     rows: list[int]
     firsts: list[int]
@@ -25,9 +21,7 @@ class PromptScoring:
 
 
 class PromptLogprobs(RequestProcessor):
-    """Until every prompt token is scored the sequence computes its whole prompt (no prefix-cache
-    hits); each prefill scores the prompt tokens after those it computes that were not scored
-    before (a preempted sequence computes its prompt again). Reported once, when complete."""
+    """Reported once, when every prompt token is scored."""
 
     def __init__(self, seq, num: int):
         self.num = num

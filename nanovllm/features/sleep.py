@@ -1,11 +1,3 @@
-"""Sleep mode: free the engine's device memory between requests, and take it back.
-
-``sleep(engine, level)`` and ``wake_up(engine)`` are the front end's calls; each rank runs
-``sleep_rank`` / ``wake_rank`` through ``collective_rpc``. ``offload`` empties every parameter and
-buffer in place (each keeps its object, only ``.data`` changes): level 1 keeps the weights on the
-host, level 2 drops them (they come back zero-filled); buffers are kept at both levels.
-"""
-
 import logging
 from dataclasses import dataclass
 
@@ -19,8 +11,6 @@ SLEEP_LEVELS = (1, 2)
 
 @dataclass
 class Offloaded:
-    """One emptied tensor, how to rebuild it, and its host values (None: dropped)."""
-
     tensor: torch.Tensor
     shape: torch.Size
     stride: tuple[int, ...]
@@ -29,8 +19,7 @@ class Offloaded:
 
 
 class HostArena:
-    """One pinned host buffer for level 1's weights on a GPU, kept from one sleep to the next
-    (pinning is slow; copying into pinned memory is fast)."""
+    """One pinned host buffer for level 1's weights, reused between sleeps."""
 
     ALIGN = 256  # bytes: every tensor's slice starts aligned for any dtype
 
@@ -38,7 +27,6 @@ class HostArena:
         self.buffer: torch.Tensor | None = None
 
     def copies(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """A host copy of each (device) tensor, in slices of the buffer (grown when too small)."""
         offsets, total = [], 0
         for t in tensors:
             offsets.append(total)
@@ -60,8 +48,7 @@ class HostArena:
 
 @torch.no_grad()
 def offload(model: nn.Module, level: int, arena: HostArena) -> list[Offloaded]:
-    """Empty every parameter and buffer of ``model`` (each shared one once), keeping host copies
-    as the level says (in ``arena`` on a GPU; on the CPU a tensor's storage is its own copy)."""
+    """Empty every parameter and buffer in place; host copies of buffers and (level 1) weights."""
     kept = [(p, level == 1) for p in model.parameters()] + [(b, True) for b in model.buffers()]
     # every host copy first: if host memory runs out, the model is still whole
     to_copy = [t.data for t, keep in kept if keep]
@@ -79,7 +66,6 @@ def offload(model: nn.Module, level: int, arena: HostArena) -> list[Offloaded]:
 
 @torch.no_grad()
 def restore(offloaded: list[Offloaded], device: torch.device) -> None:
-    """Give each emptied tensor its memory back on ``device``, with its host values if any."""
     for entry in offloaded:
         if entry.host is not None and entry.host.device == device:  # the CPU: its own storage again
             data = entry.host
@@ -93,7 +79,6 @@ def restore(offloaded: list[Offloaded], device: torch.device) -> None:
 
 
 def check_level(level) -> int:
-    """``sleep``'s level: 1 (weights kept on the host) or 2 (weights dropped)."""
     if isinstance(level, bool) or not isinstance(level, int):
         raise TypeError(
             f"sleep level must be an int (1 or 2), got {level!r} ({type(level).__name__})"
@@ -106,7 +91,6 @@ def check_level(level) -> int:
 
 
 def log_device_memory(device: torch.device, what: str) -> None:
-    """At debug level: what torch holds on the GPU after ``what``."""
     if device.type == "cuda" and logger.isEnabledFor(logging.DEBUG):
         mib = 2**20
         logger.debug(
@@ -119,7 +103,6 @@ def log_device_memory(device: torch.device, what: str) -> None:
 
 
 def sleep_rank(runner, level: int) -> None:
-    """Free this rank's CUDA graphs, KV cache, step buffers and model tensors. Between steps."""
     runner.sync()
     if getattr(runner, "host_arena", None) is None:
         runner.host_arena = HostArena()
@@ -129,8 +112,7 @@ def sleep_rank(runner, level: int) -> None:
 
 
 def wake_rank(runner) -> None:
-    """Reallocate what ``sleep_rank`` freed (the KV cache with as many blocks as before). Short of
-    memory it raises, and stays asleep."""
+    """Short of memory it raises, and the rank stays asleep."""
     restore(runner.offloaded, runner.device)
     runner.allocate_cache()
     runner.offloaded = None
@@ -138,9 +120,7 @@ def wake_rank(runner) -> None:
 
 
 def sleep(engine, level: int) -> None:
-    """Free the KV cache, the CUDA graphs and the weights on every rank and replica (level 1:
-    weights kept on the host; 2: dropped), and drop the prefix cache. Needs
-    ``enable_sleep_mode=True``, an awake engine and nothing queued (else a RuntimeError)."""
+    """Free device memory on every rank (level 1 keeps the weights on the host; 2 drops them)."""
     if not engine.config.enable_sleep_mode:
         raise RuntimeError("sleep() needs sleep mode: create the LLM with enable_sleep_mode=True")
     level = check_level(level)
@@ -155,7 +135,7 @@ def sleep(engine, level: int) -> None:
 
 
 def wake_up(engine) -> None:
-    """Reallocate what ``sleep`` freed (a no-op while awake)."""
+    """Reallocate what ``sleep`` freed; a no-op while awake."""
     if engine.sleep_level:
         engine.core.collective_rpc(wake_rank)
         engine.sleep_level = 0

@@ -1,7 +1,4 @@
-"""Rank 0's calls to the tensor-parallel workers: ``[method_name, *args]`` pickled into a POSIX
-shared-memory segment (4-byte little-endian length, then the bytes) under a name unique to the
-engine, and one pipe per worker to say "a call is there" and, back, "taken". Tensors never travel
-here (collectives carry them); a step travels as its plain description (``step.Step``)."""
+"""Rank 0's calls to the tensor-parallel workers (docs/parallel.md)."""
 
 import os
 import pickle
@@ -15,20 +12,18 @@ GO, TAKEN = b"g", b"t"
 
 
 def channel_bytes(config) -> int:
-    """Room for the largest step message: every scheduled token and block-table entry at their
-    pickled worst case (5 bytes), plus per-sequence overhead; at least 1 MiB."""
+    # every scheduled token and block-table entry at their pickled worst case (5 bytes)
     max_blocks = -(-config.max_model_len // config.kvcache_block_size)
     worst = config.max_num_batched_tokens * 5 + config.max_num_seqs * (max_blocks * 5 + 512)
     return max(MIN_BYTES, worst + (64 << 10))
 
 
 def channel_name() -> str:
-    """A name unique to this engine: ``nanovllm-<pid of rank 0>-<random>``."""
     return f"nanovllm-{os.getpid()}-{uuid.uuid4().hex[:12]}"
 
 
 def release_channels(pid: int) -> None:
-    """Unlink the channels of rank 0 process ``pid``, which died without doing it (Linux)."""
+    """Unlink the channels a dead rank 0 ``pid`` left behind."""
     prefix = f"nanovllm-{pid}-"
     names = os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []
     for name in names:
@@ -42,7 +37,7 @@ def release_channels(pid: int) -> None:
 
 
 class ControlChannel:
-    """Rank 0 ``create``s the channel and ``write``s; each worker ``attach``es and ``read``s."""
+    """Rank 0 creates it and writes; each worker attaches and reads."""
 
     def __init__(self, shm: SharedMemory, owner: bool):
         self.shm, self.owner = shm, owner
@@ -61,8 +56,7 @@ class ControlChannel:
         return channel
 
     def write(self, method_name: str, *args) -> None:
-        """Send one call to the workers once each has taken the previous one (rank 0 may run a
-        step ahead of them). A dead worker is a RuntimeError naming it, never a hang."""
+        """Send once each worker took the last call; a dead worker raises, never hangs."""
         data = pickle.dumps([method_name, *args])
         n = len(data)
         if n + 4 > self.shm.size:
@@ -95,7 +89,7 @@ class ControlChannel:
             raise RuntimeError(self.failure() or "a tensor-parallel worker is gone") from e
 
     def read(self) -> tuple[str, list]:
-        """The next call (a worker); leaves (SystemExit) when rank 0 is gone."""
+        """The next call; SystemExit when rank 0 is gone."""
         conn = self.conns[0]
         try:
             conn.recv_bytes()

@@ -1,7 +1,4 @@
-"""A one-shot all-reduce for tensor parallelism on one host, launched only inside CUDA graphs:
-each rank writes its tensor into every peer's buffer and sums, in rank order and in float32, as
-the peers' elements arrive (-0.0 marks an element not yet written). ``abort()`` frees every wait
-when a peer died. Design notes: docs/parallel.md."""
+"""One-shot all-reduce, used only inside CUDA graphs (docs/parallel.md)."""
 
 import os
 
@@ -11,9 +8,8 @@ import triton
 import triton.language as tl
 
 BLOCK = 1024  # elements a program sums at a time
-PROGRAMS = (
-    256  # the most programs of a call: few enough to be resident at once on any GPU it runs on
-)
+# the most programs of a call: few enough to be resident at once on any GPU it runs on
+PROGRAMS = 256
 MAX_BYTES = 8 << 20  # the largest tensor it takes; NCCL sums larger ones
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 POLL_ABORT_EVERY = 1 << 14  # spins between two reads of the abort flag
@@ -23,8 +19,7 @@ TL_INT = {torch.int16: tl.int16, torch.int32: tl.int32}
 
 @triton.jit
 def next_epoch(epochs, COUNTERS: tl.constexpr):
-    """This call's epoch (the calls so far, plus one), advancing this program's share of the
-    counters: program ``p`` of ``P`` reads counter ``p`` and stores ``p, p + P, ...``."""
+    """This call's epoch; program p of P reads counter p and stores p, p + P, ..."""
     pid = tl.program_id(0)
     epoch = tl.load(epochs + pid) + 1  # every thread reads the count; one thread stores it
     # no warp may read the count after it moved on (its waits would never end)
@@ -36,8 +31,7 @@ def next_epoch(epochs, COUNTERS: tl.constexpr):
 
 @triton.jit
 def buffer(data_ptrs, r, BITS: tl.constexpr):
-    """Rank r's buffer as integers of ``BITS``, aligned (so that accesses go 16 bytes at a time:
-    the compiler cannot see the alignment of an address it loads)."""
+    # aligned, so that accesses go 16 bytes at a time
     return tl.multiple_of(tl.load(data_ptrs + r).to(tl.pointer_type(BITS)), 16)
 
 
@@ -54,8 +48,7 @@ def push(
     BITS: tl.constexpr,
     SENTINEL: tl.constexpr,
 ):
-    """Store x's elements at ``offs`` into this rank's slot of every other rank's buffer (``half``:
-    the call's half of each; ``BITS``: integers of the dtype's width), -0.0 as +0.0."""
+    """Store x's elements into this rank's slot of every peer's buffer, -0.0 as +0.0."""
     v = tl.load(x_ptr + offs, mask=mask).to(BITS, bitcast=True)
     v = tl.where(v == SENTINEL, tl.zeros_like(v), v)  # the sentinel never leaves a rank
     for r in tl.static_range(WORLD):
@@ -65,9 +58,7 @@ def push(
 
 @triton.jit
 def take(own, r, offs, mask, slot, abort_flag, SENTINEL: tl.constexpr, POLL: tl.constexpr):
-    """Rank r's elements at ``offs`` in this rank's buffer (``own``: the call's half, as integers
-    of the dtype's width), once none is the sentinel (or the abort flag is up); the sentinel goes
-    back in their place."""
+    """Rank r's elements once none is the sentinel (or on abort); puts the sentinel back."""
     ptr = own + r * slot + offs
     bits = tl.load(ptr, mask=mask, other=0, volatile=True)  # past L1, where the peers' writes land
     missing = tl.sum((bits == SENTINEL).to(tl.int32), axis=0)
@@ -96,8 +87,7 @@ def sum_ranks(
     SENTINEL: tl.constexpr,
     POLL: tl.constexpr,
 ):
-    """The sum at ``offs`` over the ranks (this rank's from x, the others' from their slots of
-    ``own``, as ``take`` gives them), in rank order, in float32."""
+    # in rank order, in float32: every rank gets the same bits
     mine = tl.load(x_ptr + offs, mask=mask, other=0.0)
     for r in tl.static_range(WORLD):
         value = mine
@@ -112,9 +102,8 @@ def sum_ranks(
     return acc
 
 
-@triton.jit(
-    do_not_specialize=["rank"]
-)  # (n: a multiple of 16 lets the masked accesses go 16 bytes at a time)
+# n stays specialized: a multiple of 16 lets the masked accesses go 16 bytes at a time
+@triton.jit(do_not_specialize=["rank"])
 def _one_shot_kernel(
     x_ptr,
     n,
@@ -147,8 +136,7 @@ def _one_shot_kernel(
 
 
 def sentinel(dtype: torch.dtype) -> tuple[torch.dtype, int]:
-    """The integer dtype of ``dtype``'s width and the bits of its -0.0 in it: what an element of a
-    buffer slot holds until a peer writes it."""
+    """The integer dtype of ``dtype``'s width and its -0.0 (an unwritten element) in it."""
     bits = torch.finfo(dtype).bits
     return {16: torch.int16, 32: torch.int32}[bits], -(1 << (bits - 1))
 
@@ -163,11 +151,7 @@ def launch(
     slot: int,
     poll: int = POLL_ABORT_EVERY,
 ) -> None:
-    """Sum ``x`` (contiguous, at most ``slot`` elements) in place over the ranks whose buffers (two
-    halves of ``world`` slots of ``slot`` elements of x's dtype, each element the sentinel until
-    written) the int64 ``data_ptrs`` address; ``epochs`` (int64 counters, as many as a call may run
-    programs) counts the calls, and a nonzero int32 ``abort_flag`` (pinned host memory on a GPU)
-    ends the waits, read every ``poll`` spins."""
+    """Sum ``x`` (contiguous, at most ``slot`` elements) in place over the ranks."""
     counters = epochs.numel()
     programs = min(counters, triton.cdiv(x.numel(), BLOCK))
     bits, value = sentinel(x.dtype)
@@ -190,9 +174,7 @@ def launch(
 
 
 class CustomAllReduce:
-    """The one-shot all-reduce of this rank's tensor-parallel group for tensors of ``dtype`` (every
-    rank constructs it together). ``fits(x)`` says whether it takes ``x``; ``__call__(x)`` sums it
-    in place."""
+    """The group's one-shot all-reduce for ``dtype``; every rank constructs it together."""
 
     def __init__(
         self, device: torch.device, rank: int, world: int, group_name: str, dtype: torch.dtype
@@ -201,13 +183,10 @@ class CustomAllReduce:
 
         if dtype not in DTYPES:
             raise ValueError(f"the one-shot all-reduce sums {DTYPES}, not {dtype}")
-        os.environ.setdefault(
-            "TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"
-        )  # nothing here uses multicast
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")  # no multicast here
         self.rank, self.world, self.dtype = rank, world, dtype
-        self.data = symm_mem.empty(
-            2 * world * MAX_BYTES, dtype=torch.uint8, device=device
-        )  # 2 halves x world slots
+        # 2 halves x world slots
+        self.data = symm_mem.empty(2 * world * MAX_BYTES, dtype=torch.uint8, device=device)
         bits, value = sentinel(dtype)
         self.data.view(bits).fill_(value)
         torch.cuda.synchronize(device)
@@ -215,15 +194,11 @@ class CustomAllReduce:
         self.data_ptrs = torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device)
         self._handle = handle
         self.epochs = torch.zeros(PROGRAMS, dtype=torch.int64, device=device)
-        self.abort_flag = torch.zeros(
-            1, dtype=torch.int32, pin_memory=True
-        )  # read by the GPU, written here
+        # read by the GPU, written here
+        self.abort_flag = torch.zeros(1, dtype=torch.int32, pin_memory=True)
         dist.barrier()  # every rank's buffer holds the sentinel before anyone writes into it
-        for n in (
-            1,
-            16,
-            17,
-        ):  # compile and load the kernel's variants now, not while a graph is captured
+        # compile and load the kernel's variants now, not while a graph is captured
+        for n in (1, 16, 17):
             self(torch.zeros(n, dtype=dtype, device=device))
         torch.cuda.synchronize(device)
 
@@ -237,7 +212,6 @@ class CustomAllReduce:
         )
 
     def slot(self, x: torch.Tensor) -> int:
-        """Elements of x's dtype in one rank's slot of a buffer half."""
         return MAX_BYTES // x.element_size()
 
     def __call__(self, x: torch.Tensor) -> None:
@@ -249,6 +223,5 @@ class CustomAllReduce:
         launch(x, self.data_ptrs, self.epochs, self.abort_flag, self.rank, self.world, self.slot(x))
 
     def abort(self) -> None:
-        """Let every wait of a running or queued call give up (its sums are then garbage from here
-        on): a store into host memory, safe from any thread."""
+        """Free every wait (sums are garbage from here on); safe from any thread."""
         self.abort_flag.fill_(1)

@@ -1,7 +1,5 @@
-"""Data parallelism: ``data_parallel_size`` engine cores (replicas) behind the interface of one
-``EngineCore``. A request goes whole to the replica with the fewest outstanding tokens; each step
-sends every replica with work its next call and takes the replies that are ready (at least one).
-A replica that dies ends the engine with a RuntimeError naming it."""
+"""``data_parallel_size`` engine cores (replicas) behind ``EngineCore``'s interface
+(design: docs/parallel.md)."""
 
 import copy
 from dataclasses import dataclass
@@ -40,8 +38,7 @@ def replica_class(backend: str):
 
 
 def start_replicas(config, eos_token_ids: list[int]) -> list:
-    """Start the replicas side by side and wait until each has sized its KV cache; if one fails,
-    the others are stopped and its error raised."""
+    """Start the replicas and wait until each is ready; if one fails, all are stopped."""
     cls = replica_class(config.data_parallel_backend)
     replicas = []
     try:
@@ -57,8 +54,7 @@ def start_replicas(config, eos_token_ids: list[int]) -> list:
 
 
 class DataParallelCore:
-    """Every exchange with the replicas runs ``shielded``: a call is sent and its reply taken
-    whole, so a Ctrl-C never leaves a pipe or a replica out of step."""
+    """Every exchange with the replicas runs ``shielded``, so Ctrl-C never splits one."""
 
     def __init__(self, config, eos_token_ids: list[int]):
         self.replicas = start_replicas(config, eos_token_ids)
@@ -117,9 +113,8 @@ class DataParallelCore:
     # ---- steps -------------------------------------------------------------------------------
 
     def step(self) -> tuple[list[SeqOutput], int]:
-        """Send each idle replica that has work its next call, then take the replies that are
-        ready (waiting for one). Returns their outputs, and the prefill tokens they computed (> 0)
-        or, when none, minus the sequences they decoded."""
+        """Returns the ready replies' outputs, and the prefill tokens (> 0) or, when none,
+        minus the sequences decoded."""
         with shielded():
             for i, replica in enumerate(self.replicas):
                 if not replica.busy and (self.has_work[i] or self.calls[i]):
@@ -134,8 +129,7 @@ class DataParallelCore:
         return outputs, prefill or -decode
 
     def settle(self) -> list[SeqOutput]:
-        """Deliver what is still to be sent (aborts, stops) and take every reply, so that a call
-        ends with nothing in flight; returns the replies' outputs."""
+        """Deliver what is queued and take every reply: nothing is left in flight."""
         outputs = []
         with shielded():
             while True:
@@ -159,7 +153,6 @@ class DataParallelCore:
             self._fail(str(e), e)
 
     def _replies(self) -> list[ReplicaReply]:
-        """The replies held and those that are ready (waiting for one if none is held)."""
         replies, self.held = self.held, []
         if any(r.busy for r in self.replicas):
             for replica in self.wait(self.replicas, 0 if replies else None):
@@ -167,7 +160,6 @@ class DataParallelCore:
         return replies
 
     def _take(self, replica) -> ReplicaReply:
-        """``replica``'s reply to its call, with the counts it brings; a dead replica raises."""
         try:
             reply = replica.result()
         except ReplicaDied as e:
@@ -182,8 +174,7 @@ class DataParallelCore:
     # ---- every replica, between steps ---------------------------------------------------------
 
     def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
-        """``EngineCore.collective_rpc`` on every replica; one entry per replica (its rank 0's
-        result). Every replica gets the call, also when one of them raises."""
+        """One entry per replica; every replica gets the call even when one raises."""
         results = self._control("collective_rpc", method, tuple(args), kwargs)
         return [result[0] for result in results]
 
@@ -191,8 +182,6 @@ class DataParallelCore:
         return all(self._control("reset_prefix_cache"))
 
     def _control(self, method: str, *args) -> list:
-        """``EngineCore.<method>(*args)`` on every replica, once none has a call in flight;
-        returns what each returned. A replica's error is raised once every replica has replied."""
         results, error = [], None
         with shielded():
             self.settle_calls()
@@ -210,7 +199,6 @@ class DataParallelCore:
         return results
 
     def settle_calls(self) -> None:
-        """Take every reply in flight (held for the next step) so that each replica is idle."""
         for replica in self.replicas:
             if replica.busy:
                 self.held.append(self._take(replica))
@@ -227,9 +215,8 @@ class DataParallelCore:
         return not (any(self.has_work) or any(self.calls) or busy or self.held)
 
     def stats(self) -> dict:
-        """The replicas' counts summed (the KV-cache usage over all their blocks), each replica's
-        own under ``replicas``. What the front end queued, aborted or stopped since the last step
-        is delivered first, so the counts include it (as one core's do)."""
+        """The replicas' counts summed, each one's under ``replicas``; what is queued is
+        delivered first, so the counts include it."""
         if self.failure_message is None and any(self.calls):
             with shielded():
                 self.settle_calls()

@@ -1,7 +1,3 @@
-"""Tensor-parallel rank, size and the layers' all-reduce: the process's default group, or a single
-rank without one. Setting the group up and down is ``parallel.group``'s (loaded only with
-tensor parallelism), which registers the one-shot all-reduce here."""
-
 import torch
 import torch.distributed as dist
 
@@ -27,9 +23,7 @@ def all_reduce(x: torch.Tensor) -> None:
 
 
 def custom_all_reduce_for(x: torch.Tensor):
-    """The one-shot all-reduce if it sums ``x`` here: it is enabled, a CUDA graph is being captured
-    (eager work always sums through the process group, see docs/parallel.md) and it takes ``x``;
-    else None."""
+    # only inside graph capture: eager work sums through the process group (docs/parallel.md)
     custom = _custom_all_reduce
     if custom is not None and torch.cuda.is_current_stream_capturing() and custom.fits(x):
         return custom

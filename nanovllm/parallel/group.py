@@ -1,6 +1,4 @@
-"""The tensor-parallel process group of one rank: joining and leaving it, the one-shot all-reduce
-(registered in ``distributed``), device waits that fail on a dead rank, and the abort after one
-died. Only tensor parallelism loads this module."""
+"""One rank's tensor-parallel process group."""
 
 import threading
 import time
@@ -16,7 +14,6 @@ _set_up_before = False  # torch sets symmetric memory up once per process
 
 
 def init_process_group(device: torch.device, rank: int, world_size: int, port: int) -> None:
-    """Join the engine's group at a local port (NCCL on GPUs, gloo on the CPU)."""
     dist.init_process_group(
         "nccl" if device.type == "cuda" else "gloo",
         init_method=f"tcp://127.0.0.1:{port}",
@@ -27,10 +24,7 @@ def init_process_group(device: torch.device, rank: int, world_size: int, port: i
 
 
 def enable_custom_all_reduce(device: torch.device, dtype: torch.dtype) -> bool:
-    """Set up the one-shot all-reduce of ``dtype`` tensors on CUDA ``device`` (every rank calls this
-    together). It is enabled only if every rank can (symmetric memory, direct access to every peer,
-    not set up before in this process); else NCCL sums everything, rank 0 warns why, and this
-    returns False."""
+    """All ranks call this together; False (rank 0 warns why) unless every rank can."""
     global _set_up_before
     world = dist.get_world_size()
     able = torch.tensor(
@@ -70,7 +64,6 @@ def enable_custom_all_reduce(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def has_symmetric_memory() -> bool:
-    """Whether this torch has the symmetric memory the one-shot all-reduce maps its buffers with."""
     try:
         import torch.distributed._symmetric_memory as symm_mem
     except ImportError:
@@ -84,16 +77,14 @@ def _reaches_peers(device: torch.device, world: int) -> bool:
 
 
 def abort_custom_all_reduce() -> None:
-    """Free every wait of the one-shot all-reduce, running or to come (a peer died). Safe from any
-    thread; makes no CUDA call."""
+    """Free every wait of the one-shot all-reduce; safe from any thread (no CUDA call)."""
     custom = distributed._custom_all_reduce
     if custom is not None:
         custom.abort()
 
 
 def leave_group() -> None:
-    """Drop the one-shot all-reduce and leave the default group. The kernel goes even when the
-    group was aborted already: a next engine must not capture it while its peers use NCCL."""
+    # the kernel goes even after an abort: a next engine must not capture it while peers use NCCL
     distributed._custom_all_reduce = None
     if dist.is_initialized():
         try:
@@ -103,8 +94,7 @@ def leave_group() -> None:
 
 
 def wait_device(failure: Callable[[], str | None], event: torch.cuda.Event | None = None) -> None:
-    """Wait for ``event`` (default: the work queued on the current stream) by polling; raises
-    RuntimeError as soon as ``failure()`` names a dead rank."""
+    """Poll ``event`` (default: the stream's work); raise once ``failure()`` names one."""
     if event is None:
         event = torch.cuda.Event()
         event.record()
@@ -115,8 +105,7 @@ def wait_device(failure: Callable[[], str | None], event: torch.cuda.Event | Non
 
 
 def abort_nccl(drop_graphs: Callable[[], None], timeout: float = 30.0) -> bool:
-    """After a rank died: abort NCCL and the one-shot all-reduce so that kernels waiting on it quit,
-    then ``drop_graphs()``. Returns whether the abort finished (gloo needs none)."""
+    """Abort NCCL and the one-shot all-reduce, then ``drop_graphs()``; whether the abort ended."""
     abort_custom_all_reduce()
     if not (dist.is_initialized() and dist.get_backend() == "nccl"):
         return True

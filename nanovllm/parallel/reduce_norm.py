@@ -1,7 +1,5 @@
-"""RMSNorm that first sums a row-parallel layer's partial outputs over the tensor-parallel ranks,
-then adds the residual (``ReduceAddRMSNorm``): one kernel with the one-shot all-reduce inside a
-CUDA graph, else the process group's sum and one Triton add+norm kernel, else (CPU) the sum and
-``add_rms_norm``. The arithmetic is ``add_rms_norm``'s (docs/layers.md)."""
+"""All-reduce, residual add and RMSNorm in one step; ``add_rms_norm``'s arithmetic
+(docs/layers.md)."""
 
 import torch
 import triton
@@ -22,9 +20,7 @@ from nanovllm.parallel.custom_all_reduce import (
 
 @triton.jit
 def _add_rms_norm_row(s, res_ptr, w_ptr, out_ptr, sum_ptr, offs, cols, mask, eps, N: tl.constexpr):
-    """``s``: a row's sum over the ranks (float32 values of the model's dtype), ``offs`` its
-    elements' offsets in the [rows, N] tensors. Stores s + residual (rounded) into ``sum_ptr`` and
-    its RMSNorm times the weight into ``out_ptr``."""
+    """Stores s + residual into ``sum_ptr`` and its RMSNorm times the weight into ``out_ptr``."""
     dtype = out_ptr.dtype.element_ty
     h = (s + tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(dtype)
     tl.store(sum_ptr + offs, h, mask=mask)
@@ -38,7 +34,7 @@ def _add_rms_norm_row(s, res_ptr, w_ptr, out_ptr, sum_ptr, offs, cols, mask, eps
 def _add_rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, eps, N: tl.constexpr, N_PAD: tl.constexpr
 ):
-    """One row of x (already summed over the ranks). grid: (rows,)"""
+    # one row of x, already summed over the ranks. grid: (rows,)
     cols = tl.arange(0, N_PAD)
     mask = cols < N
     offs = tl.program_id(0).to(tl.int64) * N + cols  # (offsets past 2^31 in a large prefill)
@@ -68,8 +64,7 @@ def _one_shot_add_rms_norm_kernel(
     SENTINEL: tl.constexpr,
     POLL: tl.constexpr,
 ):
-    """The one-shot all-reduce of x's rows (program ``p`` of ``P``: rows ``p, p + P, ...``), then
-    each summed row's residual add and norm. grid: (min(rows, COUNTERS),)"""
+    # program p of P sums rows p, p + P, ..., then adds and norms them. grid: (min(rows, COUNTERS),)
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     epoch = next_epoch(epochs, COUNTERS)
@@ -89,8 +84,7 @@ def _one_shot_add_rms_norm_kernel(
 def reduce_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [tokens, hidden]: this rank's partial sums, summed here over the ranks; returns
-    (RMSNorm(sum + residual) * weight, sum + residual), as ``add_rms_norm`` does for a summed x."""
+    """x [tokens, hidden]: this rank's partial sums; returns ``add_rms_norm`` of their sum."""
     if not x.is_cuda:
         distributed.all_reduce(x)
         return add_rms_norm(x, residual, weight, eps)
@@ -135,8 +129,7 @@ def reduce_add_rms_norm(
 
 
 class ReduceAddRMSNorm(RMSNorm):
-    """``RMSNorm`` behind a layer that left its output unsummed (``reduce_results=False``): with a
-    residual, x is this rank's partial sum. Without one (layer 0's input norm) it is plain."""
+    """``RMSNorm`` after a ``reduce_results=False`` layer: with a residual, x is a partial sum."""
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:

@@ -1,7 +1,4 @@
-"""One data-parallel replica's side: an engine core serving the front end's calls, as plain
-messages, one at a time (a process of this host, ``replica_process``, or a Ray actor,
-``replica_ray``). A call carries the requests to add, abort and stop since the last one, and
-whether to step; its reply, what the step gave, whether work is left, and the core's counts."""
+"""A data-parallel replica: an engine core serving plain-message calls."""
 
 from dataclasses import dataclass, field
 
@@ -10,29 +7,24 @@ from nanovllm.sampling_params import SamplingParams
 
 
 class ReplicaDied(RuntimeError):
-    """A replica's process or actor is gone; the message names it."""
+    """A replica's process or actor is gone."""
 
 
 @dataclass
 class ReplicaCall:
-    """What the front end has for a replica: requests to queue (``EngineCore.add_request``'s
-    arguments), requests to abort, ``(seq_id, request_id)`` of sequences a stop string ended, and
-    whether to run a step after them."""
-
+    # EngineCore.add_request's arguments
     adds: list[tuple[int, list[int], SamplingParams, bool]] = field(default_factory=list)
     aborts: list[int] = field(default_factory=list)
-    finishes: list[tuple[int, int]] = field(default_factory=list)
+    finishes: list[tuple[int, int]] = field(default_factory=list)  # (seq_id, request_id)
     step: bool = True
 
     def __bool__(self) -> bool:
-        """Whether it has anything to deliver."""
         return bool(self.adds or self.aborts or self.finishes)
 
 
 @dataclass
 class ReplicaControl:
-    """``EngineCore.<method>(*args)`` (a method of ``CONTROL_METHODS``), sent only while the
-    replica is idle; the reply is what it returns."""
+    """``EngineCore.<method>(*args)``, sent only to an idle replica."""
 
     method: str
     args: tuple = ()
@@ -58,7 +50,6 @@ class ReplicaServer:
         self.core = EngineCore(config, eos_token_ids, Executor(config))
 
     def ready(self) -> tuple[int, dict]:
-        """The replica's KV-cache blocks and its counts, once it has started."""
         return self.core.num_kvcache_blocks, self.core.stats()
 
     def call(self, call: ReplicaCall) -> ReplicaReply:

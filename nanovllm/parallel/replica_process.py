@@ -1,7 +1,4 @@
-"""Data-parallel replicas in processes of this host (``data_parallel_backend="mp"``): each runs a
-``ReplicaServer`` on its own GPUs (replica r sees GPUs r·M … r·M+M−1, M the tensor-parallel size)
-and talks to the front end over a pipe. A replica that dies is seen at once through its process's
-sentinel, and what it left in shared memory is released then."""
+"""Data-parallel replicas in processes of this host (``data_parallel_backend="mp"``)."""
 
 import multiprocessing as mp
 import os
@@ -20,7 +17,6 @@ from nanovllm.parallel.replica import (
 
 
 def _picklable(error: BaseException) -> BaseException:
-    """``error`` if it survives the pipe, else a RuntimeError with its type and message."""
     try:
         pickle.loads(pickle.dumps(error))
         return error
@@ -64,8 +60,7 @@ def _replica_main(conn, config, eos_token_ids: list[int], visible_devices: str |
 
 
 class ProcessReplica:
-    """The front end's handle on one replica process: ``submit`` a call, ``wait`` for any of several
-    replicas, then take the reply with ``result``."""
+    """Handle on one replica process: ``submit`` a call, ``wait``, then take its ``result``."""
 
     def __init__(self, index: int, config, eos_token_ids: list[int], visible_devices: str | None):
         ctx = mp.get_context("spawn")
@@ -84,19 +79,17 @@ class ProcessReplica:
 
     @staticmethod
     def placements(config) -> list[str | None]:
-        """Each replica's CUDA_VISIBLE_DEVICES (its M GPUs), or None for each on the CPU."""
+        # replica r gets GPUs r*M ... r*M+M-1 (M: the tensor-parallel size)
         if config.resolved_device() != "cuda":
             return [None] * config.data_parallel_size
         tp, devices = config.tensor_parallel_size, _gpu_ids()
         return [",".join(devices[i * tp : (i + 1) * tp]) for i in range(config.data_parallel_size)]
 
     def wait_ready(self) -> None:
-        """Wait until the replica has sized its KV cache (its start-up error is raised)."""
         self.busy = True
         self.num_kvcache_blocks, self.stats = self.result()
 
     def failure(self) -> str:
-        """Names the dead replica, and releases the control channel it left behind."""
         self.process.join(1.0)  # its sentinel fires a moment before the exit status can be read
         release_channels(self.process.pid)
         pid, code = self.process.pid, self.process.exitcode
@@ -110,8 +103,7 @@ class ProcessReplica:
         self.busy = True
 
     def result(self) -> ReplicaReply | bool | None:
-        """The reply to the submitted call (waits for it): a ``ReplicaReply``, or what a control
-        returned; the replica's own error is raised as it is, its death as ``ReplicaDied``."""
+        """Waits for the reply; the replica's error is raised as is, its death as ReplicaDied."""
         try:
             reply = self.conn.recv()
         except (EOFError, OSError) as e:
@@ -126,7 +118,7 @@ class ProcessReplica:
     def wait(
         replicas: list["ProcessReplica"], timeout: float | None = None
     ) -> list["ProcessReplica"]:
-        """Block until a busy replica's reply is ready or any replica has died; returns those."""
+        """The replicas whose reply is ready or that died (blocking up to ``timeout``)."""
         handles = {}
         for replica in replicas:
             handles[replica.process.sentinel] = replica
@@ -136,8 +128,6 @@ class ProcessReplica:
         return list(dict.fromkeys(handles[h] for h in ready))
 
     def exit(self, timeout: float = 30.0) -> None:
-        """Ask the replica to leave (its core releases its workers and memory), then wait for it,
-        killing it if it does not end in time."""
         if self.process.is_alive():
             try:
                 if self.busy and self.conn.poll(timeout):
@@ -156,8 +146,6 @@ class ProcessReplica:
 
 
 def _gpu_ids() -> list[str]:
-    """The GPUs this process sees, as CUDA_VISIBLE_DEVICES names them; the replicas need
-    ``data_parallel_size × tensor_parallel_size`` of them."""
     import torch
 
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")

@@ -1,7 +1,4 @@
-"""Data-parallel replicas as Ray actors (``data_parallel_backend="ray"``): each replica's engine
-core runs in an actor holding ``tensor_parallel_size`` GPUs through a placement group of its own,
-on whichever node of the cluster has them (its tensor-parallel workers run beside it on that
-node). ``ray.init()`` connects to a running cluster (``RAY_ADDRESS``) or starts a local one."""
+"""Data-parallel replicas as Ray actors (``data_parallel_backend="ray"``)."""
 
 import ray
 from ray.exceptions import RayActorError
@@ -40,8 +37,7 @@ class RayReplica:
 
     @staticmethod
     def placements(config) -> list[int]:
-        """GPUs of each replica's actor: ``tensor_parallel_size`` when the cluster has GPUs (and
-        ``device`` is not "cpu"), else 0."""
+        """GPUs of each replica's actor: ``tensor_parallel_size``, or 0 on the CPU."""
         if not ray.is_initialized():
             ray.init()
         dp, tp = config.data_parallel_size, config.tensor_parallel_size
@@ -59,7 +55,6 @@ class RayReplica:
         return [num_gpus] * dp
 
     def wait_ready(self) -> None:
-        """Wait until the actor is placed and has sized its KV cache (its error is raised)."""
         if not self.placement_group.wait(PLACEMENT_TIMEOUT):
             raise RuntimeError(
                 f"data-parallel replica {self.index}: the Ray cluster found no room for its "
@@ -73,9 +68,7 @@ class RayReplica:
         self.ref, self.busy = method.remote(call), True
 
     def result(self) -> ReplicaReply | bool | None:
-        """The reply to the submitted call (waits for it): a ``ReplicaReply``, or what a control
-        returned; the replica's own error is raised as it is (Ray's error is an instance of its
-        type), the actor's death as ``ReplicaDied``."""
+        # the replica's own error is raised as an instance of its type
         try:
             return ray.get(self.ref)
         except RayActorError as e:
@@ -85,7 +78,6 @@ class RayReplica:
 
     @staticmethod
     def wait(replicas: list["RayReplica"], timeout: float | None = None) -> list["RayReplica"]:
-        """Block until a busy replica's reply is ready (or its actor has died); returns those."""
         refs = {r.ref: r for r in replicas if r.busy}
         ready, rest = ray.wait(list(refs), num_returns=1, timeout=timeout)
         if rest:
@@ -94,7 +86,6 @@ class RayReplica:
         return [refs[ref] for ref in ready]
 
     def exit(self, timeout: float = 30.0) -> None:
-        """Ask the actor to release its core, then end it and free its placement group."""
         if self.actor is None:
             return
         try:

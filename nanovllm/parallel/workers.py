@@ -1,5 +1,4 @@
-"""The worker processes of tensor parallelism: ranks 1..N-1, each running its ModelRunner on the
-calls rank 0 sends through the control channel."""
+"""Tensor-parallel ranks 1..N-1, each running rank 0's calls on its ModelRunner."""
 
 import os
 import signal
@@ -35,8 +34,8 @@ def _worker_main(config: Config, rank: int, dist_port: int, name: str, conn: Con
 
 
 class WorkerGroup:
-    """Spawns ranks 1..N-1, each with a pipe to rank 0 (``conns``). ``failure()`` names a worker
-    that has exited; a watchdog thread frees the one-shot all-reduce's waits as soon as one does."""
+    """Ranks 1..N-1, each with a pipe to rank 0; a watchdog frees the one-shot all-reduce's waits
+    once one exits."""
 
     def __init__(self, config: Config, dist_port: int, channel_name: str):
         # NCCL's own error handling would tear the process down on the abort that turns a dead
@@ -74,7 +73,6 @@ class WorkerGroup:
         self._watchdog.start()
 
     def failure(self) -> str | None:
-        """Which worker has exited, if any."""
         for rank, p in enumerate(self.processes, 1):
             if p.exitcode is not None:
                 code = p.exitcode
@@ -82,7 +80,7 @@ class WorkerGroup:
         return None
 
     def wait_failure(self, timeout: float) -> str | None:
-        """After a collective failed: wait briefly for a worker's death to become visible."""
+        # after a collective failed: a worker's death takes a moment to become visible
         ready = wait([p.sentinel for p in self.processes], timeout)
         for p in self.processes:
             if p.sentinel in ready:
@@ -95,7 +93,6 @@ class WorkerGroup:
             abort_custom_all_reduce()
 
     def close(self, timeout: float = 30.0) -> None:
-        """Wait for the workers to leave (after an ``exit`` call), killing any that do not."""
         self.closing = True
         for p in self.processes:
             p.join(timeout)

@@ -1,8 +1,4 @@
-"""Ray integrations (the optional extra: ``pip install -e ".[ray]"``). Importing this package
-imports Ray; ``import nanovllm`` never does.
-
-``ProcessorConfig`` and ``build_llm_processor``: batch inference over a Ray Data dataset, with the
-column names of Ray Data's own LLM processors (``ray.data.llm``)."""
+# Ray Data batch inference (docs/parallel.md); importing this package imports Ray
 
 from nanovllm.ray.data import ProcessorConfig, build_llm_processor
 

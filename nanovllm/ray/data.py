@@ -1,7 +1,4 @@
-"""Ray Data batch inference: a dataset's rows through an actor pool of nano-vllm engines.
-Columns in: ``prompt`` or ``messages`` (with ``chat_template_kwargs``), optionally
-``sampling_params``; out: every input column plus ``generated_text``, ``generated_tokens``,
-``num_input_tokens``, ``num_generated_tokens`` and ``finish_reason`` (docs/parallel.md)."""
+"""A Ray Data dataset's rows through an actor pool of engines (docs/parallel.md)."""
 
 import reprlib
 from collections.abc import Callable
@@ -34,8 +31,7 @@ _short.maxstring, _short.maxother, _short.maxlist, _short.maxdict = 60, 60, 8, 1
 
 
 def _plain(value):
-    """A value as plain Python: NumPy arrays and scalars (what Ray hands over for a column that a
-    ``preprocess`` filled with arrays) as lists and Python numbers, inside lists and dicts too."""
+    """NumPy arrays and scalars, also nested in lists and dicts, as plain Python values."""
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -46,13 +42,11 @@ def _plain(value):
 
 
 def _without_nulls(d: dict) -> dict:
-    """Arrow gives every row of a struct column every key any row has (None where it had none)."""
+    # Arrow gives every row of a struct column every key any row has (None where it had none)
     return {k: v for k, v in d.items() if v is not None}
 
 
 def _describe(row: dict) -> str:
-    """A row for an error message: its columns in the dataset's order (so that an id column names
-    it), long values shortened, the None values Arrow filled in left out."""
     return (
         "{"
         + ", ".join(f"{k!r}: {_short.repr(_plain(v))}" for k, v in _without_nulls(row).items())
@@ -61,8 +55,7 @@ def _describe(row: dict) -> str:
 
 
 class _EngineReplica:
-    """One engine of the actor pool: builds its ``LLM`` once, then completes the batches Ray Data
-    sends it, one ``generate`` call per batch. A bad row fails its batch before any is queued."""
+    """One engine of the pool, one ``generate`` per batch; a bad row fails the batch first."""
 
     def __init__(self, model_source: str, engine_kwargs: dict):
         from nanovllm import LLM
@@ -90,8 +83,7 @@ class _EngineReplica:
         return _with_outputs(batch, outputs)
 
     def request(self, row: dict) -> tuple[list[int], SamplingParams]:
-        """One row's prompt token ids and sampling params, every value checked (as ``generate``
-        checks them: the token ids against the vocabulary, the length against the cache)."""
+        """One row's prompt token ids and sampling params, checked as ``generate`` checks them."""
         prompt, messages = row.get("prompt"), row.get("messages")
         if prompt is None and messages is None:
             raise ValueError(
@@ -107,9 +99,7 @@ class _EngineReplica:
         return self.llm.inputs.check(prompt, sampling_params, "'prompt'")
 
     def sampling_params(self, value) -> SamplingParams:
-        """The model folder's recommended settings (``get_default_sampling_params``: what
-        ``generate`` uses without params) with the row's fields over them. None values are left
-        out, so a row that sets no field, or has no ``sampling_params``, gets the defaults."""
+        """The model's default params with the row's non-None fields over them."""
         if value is None:
             return self.defaults
         if not isinstance(value, dict):
@@ -135,7 +125,6 @@ class _EngineReplica:
             raise kind(f"'sampling_params': {e}") from None
 
     def chat_prompt(self, messages, template_kwargs) -> list[int]:
-        """A conversation's token ids through the chat template, as ``LLM.chat`` makes them."""
         if (
             not isinstance(messages, list)
             or not messages
@@ -161,7 +150,7 @@ class _EngineReplica:
 
 
 def _with_outputs(batch: pa.Table, outputs: list[dict]) -> pa.Table:
-    """The batch's own columns, then the output columns (replacing any of those names it had)."""
+    # the batch's own columns, then the output columns (replacing any of those names it had)
     values = {
         "generated_text": [o["text"] for o in outputs],
         "generated_tokens": [o["token_ids"] for o in outputs],
@@ -195,11 +184,8 @@ def build_llm_processor(
     preprocess: Callable[[dict], dict] | None = None,
     postprocess: Callable[[dict], dict] | None = None,
 ) -> Callable[["ray.data.Dataset"], "ray.data.Dataset"]:
-    """A function ``Dataset -> Dataset``: ``preprocess`` on each row (``Dataset.map``), the rows
-    through an actor pool of ``config.concurrency`` engines (``map_batches``, ``config.batch_size``
-    rows per batch), then ``postprocess`` on each row; its rows are what ``postprocess`` returns.
-    Lazy like every Ray Data transform: the engines start when the dataset is consumed, once for
-    each execution."""
+    """``Dataset -> Dataset``: ``preprocess`` per row, the engines' pool per batch, then
+    ``postprocess`` per row; lazy, the engines start when the dataset is consumed."""
     if not isinstance(config, ProcessorConfig):
         raise TypeError(f"config must be a ProcessorConfig, got {type(config).__name__}")
     for name, fn in (("preprocess", preprocess), ("postprocess", postprocess)):

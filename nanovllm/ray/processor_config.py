@@ -1,6 +1,3 @@
-"""``ProcessorConfig``: what ``build_llm_processor`` builds, checked when it is made (no Ray
-needed to build one)."""
-
 import os
 from dataclasses import dataclass, field
 
@@ -24,24 +21,13 @@ def _check_count(name: str, value, low: int = 1) -> None:
 
 @dataclass(frozen=True)
 class ProcessorConfig:
-    """How ``build_llm_processor`` runs the engines; every value is checked here.
+    """How ``build_llm_processor`` runs the engines (docs/parallel.md); checked when made."""
 
-    model_source: the model folder, at this path on every node that runs an engine.
-    engine_kwargs: ``LLM()`` keywords, the same for every engine; an unknown one is a TypeError
-        here (their values are checked by each engine as it starts).
-    concurrency: engines in the actor pool: an int, or ``(min, max)`` for a pool that Ray Data
-        grows and shrinks between those sizes.
-    batch_size: rows per batch sent to an engine (one ``generate`` call each).
-    num_gpus: GPUs each engine's actor asks Ray for. None: when the processor is applied to a
-        dataset, ``tensor_parallel_size`` if the cluster has GPUs, else 0 (an autoscaling cluster
-        with no GPU node up yet counts as CPU-only: set it there).
-    """
-
-    model_source: str
-    engine_kwargs: dict = field(default_factory=dict)
-    concurrency: int | tuple[int, int] = 1
-    batch_size: int = 64
-    num_gpus: float | None = None
+    model_source: str  # the model folder, at this path on every node
+    engine_kwargs: dict = field(default_factory=dict)  # LLM() keywords, the same for every engine
+    concurrency: int | tuple[int, int] = 1  # engines in the pool, or (min, max) to autoscale
+    batch_size: int = 64  # rows per generate call
+    num_gpus: float | None = None  # per engine; None: tensor_parallel_size if the cluster has GPUs
 
     def __post_init__(self) -> None:
         source = self.model_source
@@ -99,9 +85,8 @@ class ProcessorConfig:
                 "ProcessorConfig.engine_kwargs['tensor_parallel_size'] must be an int >= 1, "
                 f"got {tp!r}"
             )
-        object.__setattr__(
-            self, "engine_kwargs", dict(kwargs)
-        )  # its own copy: the caller's later changes stay out
+        # its own copy: the caller's later changes stay out
+        object.__setattr__(self, "engine_kwargs", dict(kwargs))
 
     def _check_num_gpus(self) -> None:
         gpus = self.num_gpus
@@ -117,9 +102,8 @@ class ProcessorConfig:
                 f"ProcessorConfig.num_gpus must be a finite number >= 0 or None, got {gpus!r}"
             )
         tp = self.tensor_parallel_size
-        if (
-            tp > 1 and 0 < gpus < tp
-        ):  # one engine may share a GPU (a fraction); tensor-parallel ranks need one each
+        # one engine may share a GPU (a fraction); tensor-parallel ranks need one each
+        if tp > 1 and 0 < gpus < tp:
             raise ValueError(
                 f"ProcessorConfig.num_gpus must be 0 (engines on the CPU) or at least "
                 f"tensor_parallel_size={tp}, got {gpus}"
@@ -130,8 +114,6 @@ class ProcessorConfig:
         return self.engine_kwargs.get("tensor_parallel_size", 1)
 
     def resolved_num_gpus(self, cluster_gpus: float) -> float:
-        """GPUs per engine: ``num_gpus`` when set, else ``tensor_parallel_size`` when the cluster
-        has GPUs (``cluster_gpus > 0``), else 0."""
         if self.num_gpus is not None:
             return self.num_gpus
         return self.tensor_parallel_size if cluster_gpus > 0 else 0

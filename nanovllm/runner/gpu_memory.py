@@ -1,6 +1,3 @@
-"""How much GPU memory the KV cache may take: the device's share (``gpu_memory_utilization``) less
-what any process holds, a warm-up's activation peak and the CUDA-graph pool."""
-
 import gc
 
 import torch
@@ -11,7 +8,6 @@ GPU_HEADROOM = 0.01  # GPU memory share kept for what sizing cannot see (fragmen
 
 
 def warmup_step(config) -> Step:
-    """A prefill of the largest batch, without a cache: the activation peak."""
     max_tokens = config.max_num_batched_tokens
     seq_len = min(config.max_model_len, max_tokens)
     num_seqs = max(1, min(max_tokens // seq_len, config.max_num_seqs))
@@ -20,8 +16,7 @@ def warmup_step(config) -> Step:
 
 
 def activation_peak(runner) -> int:
-    """Run the warm-up prefill (and on rank 0 the sampler's heaviest path over the largest decode
-    batch); returns the peak bytes reserved above what stays."""
+    """Peak bytes reserved above what stays during the warm-up."""
     gc.collect()  # what an earlier engine left behind must not count as in use
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -39,8 +34,6 @@ def activation_peak(runner) -> int:
 
 
 def graph_pool_bytes(runner) -> int:
-    """Bytes of the CUDA-graph pool: the largest decode graph's, captured over a one-block cache
-    and released (this also loads the decode kernels)."""
     cache = runner.bind_kv_cache(1)
     runner.sync()
     before = torch.cuda.memory_reserved()

@@ -1,6 +1,4 @@
-"""The executor of tensor parallelism: rank 0's ModelRunner in this process, the other ranks in
-worker processes that take each call through the control channel. A worker that dies turns into a
-clear error, after which the executor is released and refuses further work."""
+"""Tensor parallelism: rank 0 here, the other ranks in workers (docs/parallel.md)."""
 
 import socket
 import traceback
@@ -45,7 +43,6 @@ class MultiprocExecutor:
         self.num_kvcache_blocks = self.runner.num_kvcache_blocks
 
     def run(self, step: Step):
-        """Launch ``step`` on every rank; rank 0's sampled tokens on their way to the host."""
 
         def launch():
             if self.channel is not None:
@@ -55,9 +52,7 @@ class MultiprocExecutor:
         return self._guarded(launch)
 
     def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
-        """``ModelRunner.rpc(method, args, kwargs)`` on every rank, between steps; returns
-        ``[rank 0's result]``. Arguments travel pickled through the control channel, save
-        ``RankZeroOnly`` ones."""
+        """``[rank 0's result]``; ``RankZeroOnly`` arguments stay on rank 0."""
         kwargs = kwargs or {}
 
         def call():
@@ -70,12 +65,10 @@ class MultiprocExecutor:
         return [self._guarded(call)]
 
     def result(self, output) -> tuple[list[int], list | None]:
-        """A launched step's token ids and per-row extra outputs, once the device has them."""
         return self._guarded(output.result)
 
     def _guarded(self, fn):
-        """``fn()``, every rank taking part whole (Ctrl-C waits for its end); a dead worker turns
-        into a clear error (the executor then released)."""
+        """``fn()`` under ``shielded()``; a dead worker is a RuntimeError, and ends the executor."""
         if self.failure_message:
             raise RuntimeError(self.failure_message)
         if self.workers and (failure := self.workers.failure()):
@@ -96,8 +89,7 @@ class MultiprocExecutor:
         raise RuntimeError(self.failure_message) from cause
 
     def exit(self) -> None:
-        """Every rank leaves its loop and the process group; workers and shared memory are
-        released (idempotent)."""
+        """Release every rank, the workers and the shared memory (idempotent)."""
         healthy = self.failure_message is None and not (self.workers and self.workers.failure())
         if self.workers:
             self.workers.closing = True

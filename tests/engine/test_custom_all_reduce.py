@@ -1,11 +1,11 @@
-"""The one-shot all-reduce kernel (nanovllm/parallel/custom_all_reduce.py) under the Triton interpreter,
-as one rank of a group whose peers are simulated: their inputs stand in their slots of this rank's
-buffer, in the half that the call's epoch selects; every other element holds the sentinel (-0.0's
-bits). The kernel must write its input (-0.0 as +0.0) into its slot of every other rank's buffer,
-sum its own input and the peers' slots in rank order (every rank the same float32 sum) over the
-blocks each program loops over, put the sentinel back where it read, leave its own slot alone,
-count the calls, alternate halves, and give up a wait when the abort flag is set. The real
-exchange between GPUs runs in tests/gpu/test_gpu_tensor_parallel.py."""
+"""The one-shot all-reduce kernel (nanovllm/parallel/custom_all_reduce.py) under the Triton
+interpreter, as one rank of a group whose peers are simulated: their inputs stand in their slots of
+this rank's buffer, in the half that the call's epoch selects; every other element holds the
+sentinel (-0.0's bits). The kernel must write its input (-0.0 as +0.0) into its slot of every other
+rank's buffer, sum its own input and the peers' slots in rank order (every rank the same float32
+sum) over the blocks each program loops over, put the sentinel back where it read, leave its own
+slot alone, count the calls, alternate halves, and give up a wait when the abort flag is set. The
+real exchange between GPUs runs in tests/gpu/test_gpu_tensor_parallel.py."""
 
 import json
 

@@ -30,7 +30,18 @@ CPU = dict(
 
 
 def shm_entries() -> set[str]:
-    return set(os.listdir("/dev/shm"))
+    """/dev/shm's entries, less the control channels of engines in other processes still running
+    (another test run on this host); a dead process's leftovers count."""
+    ours = {os.getpid()} | {c.pid for c in multiprocessing.active_children()}
+
+    def foreign(name: str) -> bool:
+        parts = name.split("-")
+        if len(parts) != 3 or parts[0] != "nanovllm" or not parts[1].isdigit():
+            return False
+        pid = int(parts[1])
+        return pid not in ours and os.path.exists(f"/proc/{pid}")
+
+    return {name for name in os.listdir("/dev/shm") if not foreign(name)}
 
 
 def children() -> set:

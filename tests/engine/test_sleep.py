@@ -101,8 +101,8 @@ def warm(llm: LLM, want) -> list[list[int]]:
 
 
 def assert_asleep(llm: LLM, level: int) -> None:
-    """Rank 0 holds no KV cache, no step buffers, no graphs, and no parameter storage; the model calls
-    are refused and queue nothing. Its buffers (rotary cos/sin) are kept on the host."""
+    """Rank 0 holds no KV cache, no step buffers, no graphs, and no parameter storage; the model
+    calls are refused and queue nothing. Its buffers (rotary cos/sin) are kept on the host."""
     runner = llm.core.executor.runner
     assert llm.is_sleeping()
     assert (runner.kv_cache, runner.graphs, runner.sampled, runner.decode_buffer) == (
@@ -161,8 +161,9 @@ def test_sleep_and_wake_up_keep_the_outputs(qwen3):
 
 
 def test_bad_values_and_states(qwen3):
-    """Sleep mode off, bad levels, a request queued or a stream being read, sleeping twice: errors that
-    change nothing; ``wake_up`` while awake does nothing. The engine keeps serving throughout."""
+    """Sleep mode off, bad levels, a request queued or a stream being read, sleeping twice: errors
+    that change nothing; ``wake_up`` while awake does nothing. The engine keeps serving
+    throughout."""
     path, want = qwen3
     with pytest.raises(TypeError, match=r"Config\.enable_sleep_mode must be a bool, got 'yes'"):
         LLM(path, **(CPU | {"enable_sleep_mode": "yes"}))
@@ -240,7 +241,8 @@ def sleep_both_levels(llm: LLM, path: str, want) -> None:
 
 
 def test_tensor_parallel_ranks_sleep_too(qwen3):
-    """Two ranks (gloo): each frees and restores its shard, the worker told through the control channel."""
+    """Two ranks (gloo): each frees and restores its shard, the worker told through the control
+    channel."""
     path, want = qwen3
     with LLM(path, tensor_parallel_size=2, **CPU) as llm:
         sleep_both_levels(llm, path, want)

@@ -30,7 +30,18 @@ def make_llm(path: str, tp: int, **kwargs) -> LLM:
 
 
 def shm_entries() -> set[str]:
-    return set(os.listdir("/dev/shm"))
+    """/dev/shm's entries, less the control channels of engines in other processes still running
+    (another test run on this host); a dead process's leftovers count."""
+    ours = {os.getpid()} | {c.pid for c in multiprocessing.active_children()}
+
+    def foreign(name: str) -> bool:
+        parts = name.split("-")
+        if len(parts) != 3 or parts[0] != "nanovllm" or not parts[1].isdigit():
+            return False
+        pid = int(parts[1])
+        return pid not in ours and os.path.exists(f"/proc/{pid}")
+
+    return {name for name in os.listdir("/dev/shm") if not foreign(name)}
 
 
 def check_against_reference(outputs, prompts, path, hf_ref, what):
@@ -98,12 +109,19 @@ def test_worker_killed_while_waiting_for_a_step(ckpt_tied):
     time.sleep(0.5)  # the idle worker waits on its event
     os.kill(worker.pid, signal.SIGKILL)
     worker.join()
-    signal_it = threading.Thread(
-        target=llm.core.executor.channel.write, args=("exit",), daemon=True
-    )
+    errors = []
+
+    def signal_dead_worker():
+        try:
+            llm.core.executor.channel.write("exit")
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    signal_it = threading.Thread(target=signal_dead_worker, daemon=True)
     signal_it.start()
     signal_it.join(10)
     assert not signal_it.is_alive(), "signalling the dead worker blocked"
+    assert len(errors) == 1 and "worker rank 1" in errors[0], errors
     with pytest.raises(
         RuntimeError, match=r"worker rank 1 \(pid \d+\) exited with code -9; the engine has stopped"
     ):

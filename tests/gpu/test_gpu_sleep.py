@@ -66,8 +66,8 @@ def memory() -> dict[str, int]:
 
 def show(what: str, m: dict[str, int]) -> None:
     print(
-        f"{what:>22}: allocated {m['allocated'] / MIB:9.1f} MiB, reserved {m['reserved'] / MIB:9.1f} MiB, "
-        f"device free {m['free'] / MIB:9.1f} MiB"
+        f"{what:>22}: allocated {m['allocated'] / MIB:9.1f} MiB, "
+        f"reserved {m['reserved'] / MIB:9.1f} MiB, device free {m['free'] / MIB:9.1f} MiB"
     )
 
 
@@ -85,7 +85,8 @@ def test_sleep_frees_the_device_and_wake_up_restores_the_outputs(checkpoint, tp)
         weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
         awake = memory()
         print(
-            f"\ntp={tp}: KV cache {cache_bytes / MIB:.1f} MiB, weights {weight_bytes / MIB:.1f} MiB on rank 0"
+            f"\ntp={tp}: KV cache {cache_bytes / MIB:.1f} MiB, "
+            f"weights {weight_bytes / MIB:.1f} MiB on rank 0"
         )
         show("awake", awake)
         for level in (1, 2):

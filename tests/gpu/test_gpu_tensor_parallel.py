@@ -5,7 +5,8 @@ the dtype, on every rank alike; in each dtype, over sizes that end inside a bloc
 sentinel after the calls, calls inside a CUDA graph replayed with new inputs, many small calls
 with the ranks arriving at different times, and an abort that frees a call whose peer never comes.
 Then tensor parallelism in the engine, with NCCL and with the one-shot kernel, the decode graphs'
-sharded draw, a worker killed mid-call included (test_gpu.py's checkpoint, prompts and torch reference)."""
+sharded draw, a worker killed mid-call included (test_gpu.py's checkpoint, prompts and torch
+reference)."""
 
 import faulthandler
 import json
@@ -21,11 +22,15 @@ import warnings
 from pathlib import Path
 
 import pytest
+import test_gpu
 import torch
 import torch.multiprocessing as mp
-from test_gpu import SMALL_BATCH, assert_agree, hf_model, make_prompts, model_dir, reference, run  # noqa: F401 (fixtures)
+from test_gpu import SMALL_BATCH, assert_agree, make_prompts, run
 
 from nanovllm import LLM, SamplingParams
+
+# test_gpu's module-scoped fixtures, found here by these names
+model_dir, reference, hf_model = test_gpu.model_dir, test_gpu.reference, test_gpu.hf_model
 
 pytestmark = [
     pytest.mark.gpu,

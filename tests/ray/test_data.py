@@ -68,7 +68,8 @@ def greedy(max_tokens: int, **kwargs) -> dict:
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory) -> str:
     """A tiny random Qwen3 with the whole Qwen3 vocabulary (any text tokenizes, chat templates
-    work); its generation_config.json recommends Qwen3's sampling settings and DEFAULT_MAX_TOKENS."""
+    work); its generation_config.json recommends Qwen3's sampling settings and
+    DEFAULT_MAX_TOKENS."""
     path = make_random_checkpoint(
         str(tmp_path_factory.mktemp("qwen3-ray")), dtype=torch.float32, seed=3, std=0.3
     )
@@ -181,7 +182,8 @@ def test_rows_equal_generate_and_chat(cluster, replica, model_path):
         "the stop conditions must end their rows"
     )
     # One block: Arrow gives a column one type, and Ray Data cannot batch together blocks whose
-    # ``prompt`` is text in one and token ids in the other; within one block it holds Python objects.
+    # ``prompt`` is text in one and token ids in the other; within one block it holds Python
+    # objects.
     ds = ray.data.from_items(rows, override_num_blocks=1)
     processor = build_llm_processor(ProcessorConfig(model_path, ENGINE, batch_size=3))
     got = sorted(processor(ds).take_all(), key=lambda r: r["id"])
@@ -189,7 +191,8 @@ def test_rows_equal_generate_and_chat(cluster, replica, model_path):
     for row, out in zip(rows, got):
         if row["id"] in want:
             assert outputs_of(out) == want[row["id"]], f"row {row['id']}"
-        # the input's columns are kept exactly (a struct column gives every row every key: None where unset)
+        # the input's columns are kept exactly (a struct column gives every row every key: None
+        # where unset)
         assert out["prompt"] == row.get("prompt") and out["messages"] == row.get("messages"), (
             f"row {row['id']}"
         )
@@ -547,7 +550,8 @@ def test_config_values():
     engine_kwargs["device"] = "cpu"  # the config holds its own copy
     assert config.model_source == "/models/qwen3"
     assert (config.engine_kwargs, config.concurrency) == ({"tensor_parallel_size": 2}, (1, 3))
-    # num_gpus None: tensor_parallel_size on a cluster with GPUs, 0 on a CPU-only one; a set value as it is
+    # num_gpus None: tensor_parallel_size on a cluster with GPUs, 0 on a CPU-only one; a set
+    # value as it is
     assert (config.resolved_num_gpus(8), config.resolved_num_gpus(0)) == (2, 0)
     assert ProcessorConfig("/m", num_gpus=0.5).resolved_num_gpus(8) == 0.5
     assert ProcessorConfig("/m", {"tensor_parallel_size": 2}, num_gpus=0).resolved_num_gpus(8) == 0

@@ -1,7 +1,4 @@
-"""Structured outputs through xgrammar (imported only here, and only when a request uses them): a
-spec's grammar; the engine's compiler, which compiles each distinct spec once for the model's
-vocabulary; and one matcher per sequence, which fills the row of a token bitmask with the tokens
-that may come next and takes each sampled token."""
+"""Structured outputs through xgrammar, imported only when a request uses them."""
 
 import json
 import re
@@ -10,10 +7,8 @@ from collections import OrderedDict
 import numpy as np
 import xgrammar as xgr
 
-COMPACT_SEPARATORS = (
-    ",",
-    ":",
-)  # disable_any_whitespace: JSON as json.dumps(..., separators=(",", ":"))
+# disable_any_whitespace: JSON as json.dumps(..., separators=(",", ":"))
+COMPACT_SEPARATORS = (",", ":")
 CACHE_SIZE = 256  # compiled grammars kept, least recently used dropped first
 _WHAT = {
     "json": "JSON schema",
@@ -25,8 +20,7 @@ _WHAT = {
 
 
 def build_grammar(params) -> xgr.Grammar:
-    """The grammar of a ``StructuredOutputsParams`` (no tokenizer needed): a ValueError naming the
-    field when xgrammar rejects the spec."""
+    """A spec's grammar (no tokenizer needed); ValueError naming the field if it is bad."""
     kind, spec, compact = params.key
     json_style = {
         "any_whitespace": not compact,
@@ -55,16 +49,13 @@ def build_grammar(params) -> xgr.Grammar:
 
 
 def _reason(error: Exception) -> str:
-    """xgrammar's message without its time stamp and source location."""
+    # xgrammar's message without its time stamp and source location
     lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
     return re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", lines[0] if lines else type(error).__name__)
 
 
 class SequenceGrammar:
-    """One sequence's matcher (``Sequence.grammar``): which tokens may come next, and the tokens it
-    has taken. It is terminated once it has taken a stop token at the grammar's end (or a token
-    the grammar does not allow, which a masked draw never gives); the scheduler then ends the
-    sequence with "stop"."""
+    """One sequence's matcher; terminated after a stop token at the grammar's end."""
 
     def __init__(self, compiled: xgr.CompiledGrammar, bitmask_width: int):
         self.matcher = xgr.GrammarMatcher(compiled)
@@ -72,8 +63,7 @@ class SequenceGrammar:
         self.rejected = False
 
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
-        """Row ``row`` of ``bitmask`` ([rows, bitmask_width] int32): bit ``t % 32`` of word
-        ``t // 32`` is set when token ``t`` may come next."""
+        # bit t % 32 of word t // 32 is set when token t may come next
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
     def accept(self, token_id: int) -> None:
@@ -86,12 +76,11 @@ class SequenceGrammar:
 
 
 class GrammarCompiler:
-    """Compiles each distinct spec (``StructuredOutputsParams.key``) once for the engine's
-    vocabulary and hands out a fresh matcher per sequence. The model's vocabulary may be larger
-    than the tokenizer's (a padded LM head: those ids are never allowed) or, in small test models,
-    smaller (the sampler masks only the logits there are)."""
+    """Compiles each distinct spec once (LRU cache); a fresh matcher per sequence."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
+        # a padded LM head's extra ids are never allowed; a smaller vocabulary (tiny test
+        # models) has the sampler mask only the logits there are
         size = max(vocab_size, len(tokenizer))
         self.info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=size, stop_token_ids=stop_token_ids

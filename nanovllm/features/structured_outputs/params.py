@@ -1,5 +1,4 @@
-"""What a request's completion must match: a JSON schema, a regex, one of some strings, an EBNF
-grammar, or any JSON object (pure Python; xgrammar is imported only to check a spec's syntax)."""
+"""What a request's completion must match (docs/features.md)."""
 
 import json
 from dataclasses import dataclass, field
@@ -9,26 +8,14 @@ KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 @dataclass(frozen=True)
 class StructuredOutputsParams:
-    """Exactly one of ``json``, ``regex``, ``choice``, ``grammar``, ``json_object`` (vLLM's names).
+    """Exactly one of json, regex, choice, grammar, json_object; checked when made."""
 
-    json: a JSON schema (a dict, or its JSON text); the completion is a JSON value valid for it.
-    regex: the completion fully matches this regular expression.
-    choice: the completion is one of these (non-empty) strings.
-    grammar: an EBNF grammar in xgrammar's (GBNF) syntax, starting at the rule ``root``.
-    json_object: True: the completion is any JSON object.
-    disable_any_whitespace: JSON (``json``, ``json_object``) without free whitespace: compact, with
-        ``,`` and ``:`` as separators.
-
-    A spec is checked when it is made (its syntax through xgrammar, which needs no tokenizer): a bad
-    one is a ValueError or TypeError naming the field. Frozen: a checked spec stays checked.
-    """
-
-    json: dict | str | None = None
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-    json_object: bool | None = None
-    disable_any_whitespace: bool = False
+    json: dict | str | None = None  # a JSON schema, or its JSON text
+    regex: str | None = None  # matched in full
+    choice: list[str] | None = None  # non-empty strings
+    grammar: str | None = None  # EBNF (GBNF) from the rule ``root``
+    json_object: bool | None = None  # True: any JSON object
+    disable_any_whitespace: bool = False  # compact JSON, "," and ":" as separators
     _key: tuple = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -45,28 +32,25 @@ class StructuredOutputsParams:
                 f"StructuredOutputsParams.disable_any_whitespace must be a bool, "
                 f"got {self.disable_any_whitespace!r}"
             )
-        object.__setattr__(
-            self, "_key", (kind, _spec_text(kind, getattr(self, kind)), self.disable_any_whitespace)
-        )
-        from nanovllm.features.structured_outputs.grammar import (
-            build_grammar,
-        )  # xgrammar: only for structured outputs
+        key = (kind, _spec_text(kind, getattr(self, kind)), self.disable_any_whitespace)
+        object.__setattr__(self, "_key", key)
+        # xgrammar: only for structured outputs
+        from nanovllm.features.structured_outputs.grammar import build_grammar
 
         build_grammar(self)
 
     @property
     def kind(self) -> str:
-        """Which of the five is given."""
         return self._key[0]
 
     @property
     def spec(self) -> str:
-        """The given value as text: the schema as canonical JSON, the choices as a JSON list."""
+        """The value as text: the schema as canonical JSON, the choices as a JSON list."""
         return self._key[1]
 
     @property
     def key(self) -> tuple:
-        """What identifies the compiled grammar: equal keys compile to the same grammar."""
+        """Equal keys compile to the same grammar."""
         return self._key
 
 

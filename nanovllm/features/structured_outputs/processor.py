@@ -1,5 +1,4 @@
-"""A sequence's grammar as a request processor: its token mask in each step that samples, the
-sampled tokens to its matcher, and "stop" once the matcher has terminated."""
+"""A sequence's grammar as a request processor."""
 
 from nanovllm.features.processors import RequestProcessor, row_extras
 
@@ -27,8 +26,7 @@ class GrammarProcessor(RequestProcessor):
 
 
 def grammar_processor(core, params) -> GrammarProcessor:
-    """A processor with a fresh matcher of ``params``, compiled by the core's grammar compiler
-    (made on first use, from the core's tokenizer or the model folder's)."""
+    """A fresh matcher of ``params``; the core's compiler is made on first use."""
     compiler = core.shared.get("grammars")
     if compiler is None:
         from nanovllm.features.structured_outputs.grammar import GrammarCompiler
