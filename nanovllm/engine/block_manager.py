@@ -24,15 +24,13 @@ class Block:
 
 class BlockManager:
     """A fixed pool of KV blocks. A freed block keeps its hash and tokens at the back of the free
-    queue (a later request with the same prefix takes it back) until handed out for new content.
-    Invariants: a used block's ``ref_count`` is the number of block tables holding it, and free +
-    used = all blocks."""
+    queue (the same prefix may take it back) until handed out for new content. Invariants: a used
+    block's ``ref_count`` is the number of block tables holding it; free + used = all blocks."""
 
     def __init__(self, num_blocks: int, block_size: int):
         if num_blocks < 1 or block_size < 1:
-            raise ValueError(
-                f"need num_blocks >= 1 and block_size >= 1, got {num_blocks} and {block_size}"
-            )
+            msg = f"got {num_blocks} and {block_size}"
+            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, {msg}")
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.hash_to_block_id: dict[int, int] = {}
@@ -63,17 +61,12 @@ class BlockManager:
         self.used_block_ids.add(block_id)
         return block_id
 
-    def _release_block(self, block_id: int) -> None:
-        self.used_block_ids.remove(block_id)
-        self.free_block_ids[block_id] = None
-
     def cached_prefix(self, seq: Sequence) -> list[int]:
-        """Block ids of the longest cached prefix of ``seq`` (never its last block: a prefill
-        computes a token)."""
+        """Block ids of the longest cached prefix of ``seq``, never its last block (a prefill
+        computes at least one token, the one that samples)."""
         if not seq.uses_prefix_cache:
             return []
-        hits = []
-        h = -1
+        hits, h = [], -1
         for i in range(seq.num_blocks - 1):
             token_ids = seq.block(i)
             h = self.compute_hash(token_ids, h)
@@ -122,7 +115,8 @@ class BlockManager:
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
-                self._release_block(block_id)
+                self.used_block_ids.remove(block_id)
+                self.free_block_ids[block_id] = None
         seq.num_cached_tokens = 0
         seq.block_table.clear()
 
@@ -131,12 +125,11 @@ class BlockManager:
         return self.num_free_blocks >= (seq.num_blocks > len(seq.block_table))
 
     def may_append(self, seq: Sequence) -> None:
-        """Before a decode step: add the block the newest token's KV will be written to."""
-        if len(seq.block_table) < seq.num_blocks:
+        if len(seq.block_table) < seq.num_blocks:  # the newest token's KV starts a block
             seq.block_table.append(self._take_free_block())
 
     def hash_blocks(self, seq: Sequence) -> None:
-        """Hash and register every block of ``seq`` its computed, known tokens fill."""
+        """Hash and register each block that computed, known tokens fill (once it is full)."""
         num_full = min(seq.num_cached_tokens, seq.num_known_tokens) // self.block_size
         start = num_full
         while start > 0 and self.blocks[seq.block_table[start - 1]].hash == -1:

@@ -1,5 +1,5 @@
-"""The front end's input side: prompts of every form (text, token ids, conversations) and their
-sampling params, checked and turned into token ids and params snapshots, all or nothing per call."""
+"""The front end's input side: prompts (text, token ids) and their sampling params, checked and
+turned into token ids and params snapshots, all or nothing per call."""
 
 from numbers import Integral
 
@@ -18,15 +18,13 @@ def as_prompt_list(prompts) -> list:
         return [prompts]
     if getattr(prompts, "ndim", None) == 2 or isinstance(prompts, (list, tuple)):
         return list(prompts)
-    raise TypeError(
-        "prompts must be a str, a sequence of token ids, or a list of them, "
-        f"got {type(prompts).__name__}"
-    )
+    msg = "a str, a sequence of token ids, or a list of them"
+    raise TypeError(f"prompts must be {msg}, got {type(prompts).__name__}")
 
 
 def prompt_token_ids(prompt, tokenizer, vocab_size: int, where: str) -> list[int]:
-    """The token ids of one prompt (text, or a 1-D sequence of ints), each checked against the
-    model's vocabulary; ``where`` names the prompt in errors."""
+    """The token ids of one prompt (text, or a 1-D sequence of ints), checked against the
+    vocabulary; ``where`` names the prompt in errors."""
     if isinstance(prompt, str):
         try:
             token_ids = tokenizer.encode(prompt)
@@ -44,10 +42,10 @@ def prompt_token_ids(prompt, tokenizer, vocab_size: int, where: str) -> list[int
         if set(map(type, token_ids)) - {int}:  # plain ints take this one pass
             token_ids = [_token_id(t, i, where) for i, t in enumerate(token_ids)]
     else:
-        shape = f" with shape {tuple(prompt.shape)}" if hasattr(prompt, "shape") else ""
+        got = type(prompt).__name__
+        got += f" with shape {tuple(prompt.shape)}" if hasattr(prompt, "shape") else ""
         raise TypeError(
-            f"{where}: a prompt must be a str or a 1-D sequence of token ids, "
-            f"got {type(prompt).__name__}{shape}"
+            f"{where}: a prompt must be a str or a 1-D sequence of token ids, got {got}"
         )
     if not token_ids:
         raise ValueError(f"{where}: the prompt is empty")
@@ -65,9 +63,8 @@ def _token_id(t, i: int, where: str) -> int:
 
 def _snapshot(sp, where: str) -> SamplingParams:
     if not isinstance(sp, SamplingParams):
-        raise TypeError(
-            f"{where}: sampling_params must be a SamplingParams, got {type(sp).__name__}"
-        )
+        got = type(sp).__name__
+        raise TypeError(f"{where}: sampling_params must be a SamplingParams, got {got}")
     return sp.snapshot()
 
 
@@ -81,23 +78,20 @@ class InputProcessor:
         self.num_kvcache_blocks = num_kvcache_blocks
 
     def check(self, prompt, sp: SamplingParams, where: str) -> tuple[list[int], SamplingParams]:
-        """One request's prompt token ids and its params' snapshot, checked against the model
-        and the cache; ``where`` names it in errors."""
+        """One request's token ids and params snapshot, checked against the model and cache."""
         return self._check(prompt, _snapshot(sp, where), where)
 
     def _check(self, prompt, sp: SamplingParams, where: str) -> tuple[list[int], SamplingParams]:
         token_ids = prompt_token_ids(prompt, self.tokenizer, self.vocab_size, where)
         if sp.n > self.max_num_seqs:
-            raise ValueError(
-                f"{where}: SamplingParams.n is {sp.n}, more completions than the engine runs at "
-                f"once (max_num_seqs={self.max_num_seqs})"
+            msg = (
+                f"more completions than the engine runs at once (max_num_seqs={self.max_num_seqs})"
             )
+            raise ValueError(f"{where}: SamplingParams.n is {sp.n}, {msg}")
         for t in sp.stop_token_ids:
             if t >= self.vocab_size:
-                raise ValueError(
-                    f"{where}: stop_token_ids holds {t}, outside the vocabulary "
-                    f"[0, {self.vocab_size})"
-                )
+                msg = f"outside the vocabulary [0, {self.vocab_size})"
+                raise ValueError(f"{where}: stop_token_ids holds {t}, {msg}")
         max_len = self.max_model_len
         if len(token_ids) >= max_len:
             raise ValueError(
@@ -124,10 +118,8 @@ class InputProcessor:
         if not isinstance(sampling_params, (list, tuple)):
             sampling_params = [sampling_params] * len(prompts)
         elif len(sampling_params) != len(prompts):
-            raise ValueError(
-                f"sampling_params has {len(sampling_params)} entries but there are "
-                f"{len(prompts)} prompts"
-            )
+            msg = f"{len(sampling_params)} entries but there are {len(prompts)} prompts"
+            raise ValueError(f"sampling_params has {msg}")
         snapshots, checked = {}, []
         for i, (prompt, sp) in enumerate(zip(prompts, sampling_params)):
             if id(sp) not in snapshots:  # one snapshot per params object of the call
@@ -136,42 +128,6 @@ class InputProcessor:
         return checked
 
     def chat_prompts(self, messages, chat_template_kwargs: dict | None) -> list[list[int]]:
-        """Conversations (one, or a list; each a non-empty list of ``{"role", "content"}`` dicts)
-        through the tokenizer's chat template, with the assistant's turn opened."""
-        if isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], dict):
-            messages = [messages]
-        if not isinstance(messages, (list, tuple)):
-            raise TypeError(
-                "messages must be a conversation or a list of conversations, "
-                f"got {type(messages).__name__}"
-            )
-        kwargs = chat_template_kwargs
-        if kwargs is not None and not isinstance(kwargs, dict):
-            raise TypeError(
-                f"chat_template_kwargs must be a dict or None, got {type(kwargs).__name__}"
-            )
-        prompts = []
-        for i, conversation in enumerate(messages):
-            if not isinstance(conversation, (list, tuple)) or not conversation:
-                raise TypeError(
-                    f"messages[{i}]: a conversation must be a non-empty list of message dicts, "
-                    f"got {conversation!r}"
-                )
-            for j, m in enumerate(conversation):
-                if not (
-                    isinstance(m, dict)
-                    and all(isinstance(m.get(k), str) for k in ("role", "content"))
-                ):
-                    raise TypeError(
-                        f"messages[{i}][{j}]: a message must be a dict with str 'role' and "
-                        f"'content', got {m!r}"
-                    )
-            encoded = self.tokenizer.apply_chat_template(
-                list(conversation),
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=True,
-                **(kwargs or {}),
-            )
-            prompts.append(list(encoded["input_ids"]))
-        return prompts
+        from nanovllm.engine.chat import chat_prompts
+
+        return chat_prompts(self.tokenizer, messages, chat_template_kwargs)

@@ -1,6 +1,5 @@
 """A step's model inputs (token ids, positions, the attention context), built on the host by every
-rank. Decode inputs go into one buffer of fixed layout that the CUDA graphs read in place, sent
-with one copy."""
+rank. Decode inputs go into one buffer of fixed layout, sent with one copy, read by the graphs."""
 
 from collections.abc import Callable
 
@@ -12,11 +11,9 @@ from nanovllm.utils.context import Context
 
 ToDevice = Callable[[list | np.ndarray, torch.dtype], torch.Tensor]  # host data to the device
 TORCH_DTYPES = {np.int64: torch.int64, np.int32: torch.int32, np.float32: torch.float32}
-NUM_STAGING = 2  # pinned host copies of the decode inputs, used in turn
 
 
 def write_block_tables(out: np.ndarray, tables: list[list[int]]) -> np.ndarray:
-    """Write ``tables`` into the first rows of ``out`` [rows, width], left-aligned."""
     lens = np.fromiter(map(len, tables), np.int64, len(tables))
     ids = np.fromiter((b for t in tables for b in t), np.int32, int(lens.sum()))
     out[: len(tables)][np.arange(out.shape[1]) < lens[:, None]] = ids
@@ -24,7 +21,6 @@ def write_block_tables(out: np.ndarray, tables: list[list[int]]) -> np.ndarray:
 
 
 def block_table_array(tables: list[list[int]]) -> np.ndarray:
-    """Block tables as one [rows, width] int32 array, padded with -1."""
     out = np.full((len(tables), max(map(len, tables))), -1, dtype=np.int32)
     return write_block_tables(out, tables)
 
@@ -38,7 +34,6 @@ def slot_mapping(tables: np.ndarray, rows, positions: np.ndarray, block_size: in
 
 
 def prefill_inputs(step: Step, block_size: int, to_device: ToDevice) -> tuple:
-    """Input ids, positions and context of the ``num_new`` tokens after each ``num_computed``."""
     n = step.num_seqs
     starts = np.array(step.num_computed, dtype=np.int64)
     lens = np.array(step.num_new, dtype=np.int64)
@@ -62,9 +57,8 @@ def prefill_inputs(step: Step, block_size: int, to_device: ToDevice) -> tuple:
     return to_device(input_ids, torch.int64), to_device(positions, torch.int64), context
 
 
-# A decode step's inputs, one row per sequence: (name, element type, a padding row's value). Block
-# tables, [rows, max_blocks] int32, come last. prev_rows: the row of the previous step's sampled ids
-# that holds the input token, or -1.
+# A decode step's inputs, one row per sequence: (name, element type, a padding row's value), then
+# the block tables [rows, max_blocks] int32. prev_rows: the previous step's row holding the input.
 DECODE_FIELDS = (
     ("input_ids", np.int64, 0),
     ("prev_rows", np.int64, -1),
@@ -89,7 +83,6 @@ class DecodeLayout:
         self.nbytes = offset + max_rows * max_blocks * 4
 
     def used_bytes(self, rows: int) -> int:
-        """The prefix of the buffer a step of ``rows`` (padded) rows fills."""
         return self.offsets["block_tables"] + rows * self.max_blocks * 4
 
     def fields(self, buffer, view) -> dict:
@@ -124,8 +117,8 @@ def fill_decode(fields: dict[str, np.ndarray], step: Step, rows: int, block_size
 
 
 def decode_inputs(v: dict[str, torch.Tensor], sampled: torch.Tensor, rows: int) -> tuple:
-    """Input ids, positions and context of the first ``rows`` rows of the device fields ``v``;
-    an input token from the previous step's ``sampled`` ids where ``prev_rows`` names one."""
+    """The inputs of the first ``rows`` rows of the device fields ``v``; an input token from
+    the previous step's ``sampled`` where ``prev_rows`` names one."""
     prev = v["prev_rows"][:rows]
     input_ids = torch.where(prev >= 0, sampled[prev.clamp(min=0)], v["input_ids"][:rows])
     context = Context(
@@ -146,13 +139,10 @@ class DecodeBuffer:
         self.fields = self.layout.fields(self.buffer, lambda p, dtype: p.view(TORCH_DTYPES[dtype]))
         for name, _, pad in DECODE_FIELDS:  # all padding: a graph captured over it writes no slot
             self.fields[name].fill_(pad)
-        if device.type == "cpu":
-            self.staging = [self.buffer]
-        else:
+        self.staging = [self.buffer]  # the CPU: the buffer itself; a GPU: two pinned, in turn
+        if device.type != "cpu":
             size, u8 = self.layout.nbytes, torch.uint8
-            self.staging = [
-                torch.zeros(size, dtype=u8, pin_memory=True) for _ in range(NUM_STAGING)
-            ]
+            self.staging = [torch.zeros(size, dtype=u8, pin_memory=True) for _ in range(2)]
         self.staged = [self.layout.fields(s.numpy(), lambda p, t: p.view(t)) for s in self.staging]
         self.copied: list[torch.cuda.Event | None] = [None] * len(self.staging)
         self.turn = 0

@@ -1,5 +1,5 @@
-"""Named phases of the engine's work, for measuring tools (docs/frontend.md lists them): the
-engine wraps each in ``phase(name)``, a shared no-op unless a tool installed a hook."""
+"""Named phases of the engine's work for measuring tools (docs/frontend.md): ``phase(name)`` is a
+shared no-op unless a tool installed a hook."""
 
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -16,7 +16,7 @@ def phase(name: str) -> AbstractContextManager:
 
 @contextmanager
 def phase_hook(hook: Callable[[str], AbstractContextManager]) -> Iterator[None]:
-    """Install ``hook`` (a phase name -> a context manager) in this process for the block."""
+    """Install ``hook`` (phase name -> context manager) in this process for the block."""
     global _hook
     previous, _hook = _hook, hook
     try:
