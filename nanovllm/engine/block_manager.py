@@ -24,8 +24,8 @@ class Block:
 
 class BlockManager:
     """A fixed pool of KV blocks. A freed block keeps its hash and tokens at the back of the free
-    queue (the same prefix may take it back) until handed out for new content. Invariants: a used
-    block's ``ref_count`` is the number of block tables holding it; free + used = all blocks."""
+    queue until handed out anew. Invariants: a used block's ``ref_count`` is the number of block
+    tables holding it; free + used = all blocks."""
 
     def __init__(self, num_blocks: int, block_size: int):
         if num_blocks < 1 or block_size < 1:
@@ -40,8 +40,7 @@ class BlockManager:
 
     @staticmethod
     def compute_hash(token_ids: list[int], prefix: int = -1) -> int:
-        """xxh64 of the previous block's hash (8 bytes LE; none for the first block) and the token
-        ids as int64 LE: it stands for the whole prefix ending with this block."""
+        """xxh64 of the previous block's hash and the token ids: it stands for the whole prefix."""
         h = xxhash.xxh64()
         if prefix != -1:
             h.update(prefix.to_bytes(8, "little"))
@@ -77,8 +76,7 @@ class BlockManager:
         return hits
 
     def reset_prefix_cache(self) -> None:
-        """No block cached so far is a hit from now on. Free blocks lose their hash; held blocks
-        keep theirs (their sequence's next block chains from it) but leave the map."""
+        """No block cached so far is a hit from now on (held blocks keep their hash to chain)."""
         self.hash_to_block_id.clear()
         for block_id in self.free_block_ids:
             self.blocks[block_id].update(-1, [])
@@ -91,7 +89,6 @@ class BlockManager:
         return needed <= self.num_free_blocks
 
     def allocate(self, seq: Sequence, hits: list[int] | None = None) -> None:
-        """Give ``seq`` a block table for all its tokens, reusing its cached prefix ``hits``."""
         assert not seq.block_table, f"sequence {seq.seq_id} already holds blocks"
         hits = self.cached_prefix(seq) if hits is None else hits
         for block_id in hits:
@@ -110,7 +107,7 @@ class BlockManager:
             seq.num_prefix_hit_tokens = seq.num_cached_tokens
 
     def deallocate(self, seq: Sequence) -> None:
-        """Drop ``seq``'s references, newest block first; blocks nobody holds become free."""
+        """Drop ``seq``'s references, newest block first (evicted last)."""
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             block.ref_count -= 1
@@ -121,7 +118,6 @@ class BlockManager:
         seq.block_table.clear()
 
     def can_append(self, seq: Sequence) -> bool:
-        """Whether ``seq``'s next decode step has a slot (a new block if its newest token needs)."""
         return self.num_free_blocks >= (seq.num_blocks > len(seq.block_table))
 
     def may_append(self, seq: Sequence) -> None:
@@ -129,7 +125,7 @@ class BlockManager:
             seq.block_table.append(self._take_free_block())
 
     def hash_blocks(self, seq: Sequence) -> None:
-        """Hash and register each block that computed, known tokens fill (once it is full)."""
+        """A block is hashed once computed, known tokens fill it."""
         num_full = min(seq.num_cached_tokens, seq.num_known_tokens) // self.block_size
         start = num_full
         while start > 0 and self.blocks[seq.block_table[start - 1]].hash == -1:

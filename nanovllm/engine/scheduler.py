@@ -7,8 +7,8 @@ from nanovllm.engine.sequence import Sequence, SequenceStatus
 
 
 class Scheduler:
-    """``waiting``: sequences whose prompt is not fully computed (only the head may hold blocks,
-    part-way through a chunked prefill); ``running``: sequences in decode. Both FIFO."""
+    """``waiting``: prompts not fully computed (only the head may hold blocks, in a chunked
+    prefill); ``running``: sequences in decode. Both FIFO."""
 
     def __init__(
         self,
@@ -90,7 +90,6 @@ class Scheduler:
         return seq.num_completion_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len
 
     def preempt(self, seq: Sequence, count: bool = True) -> None:
-        """Free ``seq``'s blocks; back to the head of ``waiting``, to be computed again."""
         seq.status = SequenceStatus.WAITING
         seq.num_scheduled_tokens = 0
         self.block_manager.deallocate(seq)
@@ -98,14 +97,12 @@ class Scheduler:
         self.num_preemptions += count
 
     def unschedule(self, seqs: list[Sequence]) -> None:
-        """A step failed: its sequences go back to the head of ``waiting``, in order."""
         for seq in reversed(seqs):
             if not seq.is_finished:
                 (self.running if seq.status == SequenceStatus.RUNNING else self.waiting).remove(seq)
                 self.preempt(seq, count=False)
 
     def finish(self, seq: Sequence, finish_reason: str, stop_reason: int | None = None) -> None:
-        """End ``seq`` and free its blocks; its tokens in flight are dropped."""
         if seq.is_finished:
             return
         queue = self.running if seq.status == SequenceStatus.RUNNING else self.waiting

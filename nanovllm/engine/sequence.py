@@ -86,7 +86,6 @@ class Sequence:
         return self.token_ids[i * self.block_size : (i + 1) * self.block_size]
 
     def append_placeholder(self, row: int) -> None:
-        """A token sampled in row ``row`` of a step in flight (its value: ``set_token``)."""
         self.token_ids.append(PLACEHOLDER)
         self.last_token = PLACEHOLDER
         self.num_tokens += 1
@@ -94,7 +93,6 @@ class Sequence:
         self.pending_row = row
 
     def set_token(self, position: int, token_id: int) -> None:
-        """The value of the oldest pending placeholder, at ``position``."""
         if position != self.num_known_tokens:
             msg = f"set out of order (next is {self.num_known_tokens})"
             raise ValueError(f"sequence {self.seq_id}: token {position} {msg}")
@@ -105,7 +103,7 @@ class Sequence:
             self.pending_row = -1
 
     def discard_pending(self) -> None:
-        """Drop the placeholders (tokens past the end of a finished sequence)."""
+        """Drop the placeholders (tokens past the end)."""
         if self.num_pending:
             del self.token_ids[self.num_known_tokens :]
             self.num_tokens -= self.num_pending

@@ -11,8 +11,7 @@ _MASK64 = (1 << 64) - 1
 
 
 def draw_seed(seed: int, step: int) -> int:
-    """The 32-bit seed of a seeded request's ``step``-th draw (splitmix64): independent of the
-    batch around it."""
+    """The seed of a seeded request's ``step``-th draw (splitmix64), whatever the batch."""
     x = (seed * 0x9E3779B97F4A7C15 + (step + 1) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
@@ -21,8 +20,7 @@ def draw_seed(seed: int, step: int) -> int:
 
 @dataclass
 class SamplingRows:
-    """Each row's temperature (0: greedy) and draw seed. ``extra`` (rank 0 only): what request
-    processors add; a step without it is plain (a decode graph draws it)."""
+    """Rows' temperature (0: greedy) and seed; ``extra`` (rank 0): request processors' part."""
 
     temperatures: list[float]
     seeds: list[int]

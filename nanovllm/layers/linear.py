@@ -44,8 +44,7 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
 
     def shard(self, param: nn.Parameter, *shard_id) -> tuple[int, int, int]:
-        """(offset in ``param``, offset in the checkpoint tensor, size) along ``tp_dim`` of this
-        rank's part of a checkpoint tensor (part ``shard_id`` of a fused layer)."""
+        """(offset in ``param``, offset in the checkpoint tensor, size) of this rank's part."""
         size = param.size(self.tp_dim)
         return 0, self.tp_rank * size, size
 

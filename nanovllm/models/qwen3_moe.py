@@ -1,6 +1,5 @@
-"""Qwen3-MoE (e.g. Qwen3-30B-A3B): Qwen3's attention, and in most layers a sparse MoE block in
-place of the dense MLP. A layer is sparse unless it is listed in ``mlp_only_layers``, when the
-model has experts and its 1-based index is a multiple of ``decoder_sparse_step``."""
+"""Qwen3-MoE (e.g. Qwen3-30B-A3B): Qwen3's attention; a sparse MoE block in place of the MLP in
+each layer not in ``mlp_only_layers`` whose 1-based index divides by ``decoder_sparse_step``."""
 
 from torch import nn
 
@@ -32,5 +31,5 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
 
     @staticmethod
     def map_checkpoint_name(name: str) -> tuple[str, tuple] | None:
-        """Per-expert checkpoint tensors go to the fused expert parameters (see ``load_model``)."""
+        """Per-expert checkpoint tensors go to the fused expert parameters."""
         return map_expert_tensor(name)

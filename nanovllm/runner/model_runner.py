@@ -14,7 +14,6 @@ from nanovllm.layers.attention import Attention, get_attention_backend, resolve_
 from nanovllm.models.llama import head_dim
 from nanovllm.models.registry import build_model
 from nanovllm.runner import kv_cache
-from nanovllm.runner.cuda_graphs import DecodeGraphs
 from nanovllm.runner.step_inputs import DecodeBuffer, decode_inputs, prefill_inputs
 from nanovllm.runner.step_output import StepOutput
 from nanovllm.sampling.sampler import Sampler, make_sampling_batch
@@ -108,7 +107,9 @@ class ModelRunner:
         shape = (num_blocks, self.num_kv_heads, self.head_dim)
         return kv_cache.bind_kv_cache(self.model, self.config, *shape, self.dtype, self.device)
 
-    def capture_graphs(self, largest_only: bool = False) -> DecodeGraphs:
+    def capture_graphs(self, largest_only: bool = False):
+        from nanovllm.runner.cuda_graphs import DecodeGraphs  # a GPU's only
+
         return DecodeGraphs(self, largest_only)
 
     def allocate_cache(self, buffers: bool = True) -> None:

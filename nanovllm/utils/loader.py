@@ -13,8 +13,7 @@ from torch import nn
 
 @dataclass(frozen=True)
 class WeightEntry:
-    """One checkpoint tensor's way in: ``params[target].weight_loader(param, tensor, *args)``;
-    plain data (it travels to tensor-parallel workers)."""
+    """One checkpoint tensor's way in: ``params[target].weight_loader(param, tensor, *args)``."""
 
     index: int  # its position in the plan
     name: str  # the checkpoint (Hugging Face) name
@@ -36,8 +35,7 @@ def packed_target(name: str, packed: dict) -> tuple[str, tuple]:
 
 
 def checkpoint_shape(model: nn.Module, target: str, args: tuple) -> tuple[int, ...]:
-    """The full shape of the checkpoint tensor that loads into ``target`` with ``args``: the
-    parameter's or its module's ``checkpoint_shape(param, *args)``, else the parameter's shape."""
+    """The full shape of the checkpoint tensor that loads into ``target`` (``args``)."""
     param = model.get_parameter(target)
     module = model.get_submodule(target.rpartition(".")[0])
     shape = getattr(param, "checkpoint_shape", None) or getattr(module, "checkpoint_shape", None)
@@ -124,8 +122,7 @@ def load_model(model: nn.Module, path: str, hf_config=None) -> None:
 
 
 @contextmanager
-def _open(file: str):
-    """``safe_open`` whose errors name the file (safetensors' own do not)."""
+def _open(file: str):  # safe_open, its errors naming the file
     try:
         handle = safe_open(file, "pt", "cpu")
     except OSError:
