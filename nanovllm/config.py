@@ -1,4 +1,4 @@
-"""Engine configuration: what the user set, checked once, and the values derived from it."""
+"""Engine configuration: what the user set, checked once, and what is derived from it."""
 
 import os
 from dataclasses import dataclass, field, fields
@@ -130,7 +130,6 @@ class Config:
             raise ValueError(f"Config.quantization {msg}")
 
     def _check_parallel(self, device: str) -> None:
-        """The model splits over the ranks; local replicas have ``dp × tp`` GPUs."""
         tp, dp = self.tensor_parallel_size, self.data_parallel_size
         for name in TP_SPLIT_KEYS:
             if (value := getattr(self.hf_config, name)) % tp:
@@ -147,7 +146,6 @@ class Config:
                 raise ValueError(f"Config.{need} {msg}")
 
     def _check_kv_cache_fits(self, device: str) -> None:
-        """A fixed ``num_kvcache_blocks`` fits one GPU (a rank's share), or the machine's memory."""
         import torch
 
         from nanovllm.models.llama import head_dim
@@ -187,7 +185,7 @@ class Config:
         return self.device
 
     def resolved_dtype(self, device: str):
-        """The run dtype: the checkpoint's on GPU, float32 on CPU, unless ``dtype`` forces one."""
+        """The checkpoint's on a GPU, float32 on the CPU, unless ``dtype`` says."""
         import torch
 
         if self.dtype != "auto":
@@ -201,8 +199,7 @@ class Config:
 
 
 def check_model_config(path: str) -> None:
-    """Every size the model reads is an int >= 1 (or under its transformers alias), heads a
-    multiple of KV heads and, without ``head_dim``, hidden_size of heads; else a ValueError."""
+    """Every size the model reads is an int >= 1; KV heads divide heads, heads hidden_size."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     from nanovllm.utils.model_folder import read_json

@@ -1,5 +1,4 @@
-"""Per-request sampling settings, vLLM's names and meaning (pure Python). A bad value is a
-TypeError or ValueError naming the field, the value and what is allowed."""
+"""Per-request sampling settings, with vLLM's names and meaning (pure Python)."""
 
 import copy
 from dataclasses import dataclass, fields, replace
@@ -115,8 +114,8 @@ def _id_list(ids) -> list[int]:
 
 @dataclass
 class SamplingParams:
-    """How one request is sampled and when it stops (docs/frontend.md). Every assignment is
-    checked like the constructor; a queued request owns a ``snapshot()``."""
+    """How one request is sampled and when it stops. Every assignment is checked like the
+    constructor (a bad value: an error naming the field, the value and what is allowed)."""
 
     temperature: float = 1.0
     max_tokens: int = 64
@@ -154,7 +153,7 @@ class SamplingParams:
         raise AttributeError(f"SamplingParams fields cannot be deleted (tried {name!r})")
 
     def snapshot(self) -> "SamplingParams":
-        """A checked, independent copy (``stop`` and ``stop_token_ids`` as tuples)."""
+        """What a queued request reads: a checked copy, ``stop``/``stop_token_ids`` as tuples."""
         values = _checked(copy.deepcopy({f: self.__dict__[f] for f in _FIELDS}))
         values["stop"] = tuple(values["stop"])
         values["stop_token_ids"] = tuple(values["stop_token_ids"])
@@ -176,7 +175,6 @@ class SamplingParams:
         return not self.is_greedy and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)
 
     def for_completion(self, index: int) -> "SamplingParams":
-        """Completion ``index`` of ``n``: ``n=1``, ``seed + index`` when seeded."""
         return replace(self, n=1, seed=None if self.seed is None else self.seed + index)
 
 

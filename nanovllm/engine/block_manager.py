@@ -23,9 +23,8 @@ class Block:
 
 
 class BlockManager:
-    """A fixed pool of KV blocks. A freed block keeps its hash and tokens at the back of the free
-    queue until handed out anew. Invariants: a used block's ``ref_count`` is the number of block
-    tables holding it; free + used = all blocks."""
+    """A fixed pool of KV blocks; a freed block keeps its hash until handed out anew. Invariant:
+    a used block's ``ref_count`` is the number of block tables holding it."""
 
     def __init__(self, num_blocks: int, block_size: int):
         if num_blocks < 1 or block_size < 1:
@@ -40,7 +39,7 @@ class BlockManager:
 
     @staticmethod
     def compute_hash(token_ids: list[int], prefix: int = -1) -> int:
-        """xxh64 of the previous block's hash and the token ids: it stands for the whole prefix."""
+        """Chained over the previous block's hash: it stands for the whole prefix."""
         h = xxhash.xxh64()
         if prefix != -1:
             h.update(prefix.to_bytes(8, "little"))
@@ -61,8 +60,7 @@ class BlockManager:
         return block_id
 
     def cached_prefix(self, seq: Sequence) -> list[int]:
-        """Block ids of the longest cached prefix of ``seq``, never its last block (a prefill
-        computes at least one token, the one that samples)."""
+        """The longest cached prefix's blocks, never the last block: a prefill computes a token."""
         if not seq.uses_prefix_cache:
             return []
         hits, h = [], -1
@@ -76,14 +74,12 @@ class BlockManager:
         return hits
 
     def reset_prefix_cache(self) -> None:
-        """No block cached so far is a hit from now on (held blocks keep their hash to chain)."""
         self.hash_to_block_id.clear()
         for block_id in self.free_block_ids:
             self.blocks[block_id].update(-1, [])
 
     def can_allocate(self, seq: Sequence, hits: list[int] | None = None) -> bool:
-        """Whether the free queue holds every block ``seq`` needs beyond its cached prefix ``hits``
-        (a hit on a freed block also comes out of it)."""
+        """Whether the free queue holds every block ``seq`` needs beyond its cached ``hits``."""
         hits = self.cached_prefix(seq) if hits is None else hits
         needed = seq.num_blocks - sum(self.blocks[b].ref_count > 0 for b in hits)
         return needed <= self.num_free_blocks
@@ -107,7 +103,6 @@ class BlockManager:
             seq.num_prefix_hit_tokens = seq.num_cached_tokens
 
     def deallocate(self, seq: Sequence) -> None:
-        """Drop ``seq``'s references, newest block first (evicted last)."""
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             block.ref_count -= 1

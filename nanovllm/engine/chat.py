@@ -2,8 +2,7 @@
 
 
 def chat_prompts(tokenizer, messages, chat_template_kwargs: dict | None) -> list[list[int]]:
-    """Conversations (one, or a list; each a non-empty list of ``{"role", "content"}`` dicts)
-    through the chat template, with the assistant's turn opened."""
+    """Conversations (one, or a list) through the chat template, the assistant's turn opened."""
     if isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], dict):
         messages = [messages]
     if not isinstance(messages, (list, tuple)):

@@ -1,5 +1,4 @@
-"""The engine core: scheduler and executor, on token ids only. With async scheduling the host
-launches step N+1 while the device computes step N, then takes N's tokens (docs/engine.md)."""
+"""The engine core: scheduler and executor on token ids; async scheduling (docs/engine.md)."""
 
 from dataclasses import dataclass
 from random import Random
@@ -61,8 +60,6 @@ class EngineCore:
     # ---- requests ----------------------------------------------------------------------------
 
     def add_request(self, request_id, token_ids, sampling_params, report_every_step=False) -> None:
-        """Queue a request's ``n`` completions as sequences ``request_id + i``, reporting every
-        step or only when finished."""
         bs = self.config.kvcache_block_size
         seqs = request_sequences(request_id, token_ids, sampling_params, bs)
         if not is_plain(sampling_params):
@@ -105,8 +102,8 @@ class EngineCore:
     # ---- the step pipeline -------------------------------------------------------------------
 
     def step(self) -> tuple[list[SeqOutput], int]:
-        """Launch a step, then resolve the one before it (async) or this one. Returns what the
-        sequences gained, and the prefill tokens (> 0) or minus the decoded sequences (< 0)."""
+        """Launch a step, then resolve the one before it (async) or this one: the outputs, and the
+        prefill tokens (> 0) or minus the decoded sequences (< 0)."""
         outputs = []
         if self._launched is not None and self._launched.needs_sync:
             outputs += self._resolve()
@@ -175,7 +172,6 @@ class EngineCore:
         return self._launched is not None and not all(s.is_finished for s in self._launched.seqs)
 
     def settle(self) -> list[SeqOutput]:
-        """Resolve a launched step that computed only past its sequences' ends."""
         if self._launched is not None and not self._owes_results():
             return self._resolve()
         return []

@@ -2,9 +2,6 @@
 
 
 class IncrementalDetokenizer:
-    """``text``: all decoded so far; ``stopped_text``: the final text, once a stop string is
-    found."""
-
     def __init__(self, tokenizer, sampling_params):
         sp = sampling_params
         self.tokenizer = tokenizer
@@ -25,8 +22,7 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add_tokens(self, token_ids: list[int], check_stop=True, hide_last=False) -> str | None:
-        """The stop string that ends the completion, if the new text holds one (and
-        ``check_stop``); ``hide_last``: the last token stays out of the text."""
+        """The stop string in the new text, if any; ``hide_last``: the last token is not text."""
         self.token_ids += token_ids
         self.num_text_tokens = len(self.token_ids) - hide_last
         text_ids = self.token_ids[: self.num_text_tokens]
@@ -57,8 +53,6 @@ class IncrementalDetokenizer:
         return self._decode(self.token_ids[: self.num_text_tokens])
 
     def take_increment(self, finished: bool) -> tuple[list[int], str]:
-        """The tokens and text not handed out yet (while running, not the last ``hold_back``
-        characters)."""
         self.sent_final = finished
         ids = self.token_ids[self.sent_tokens :]
         self.sent_tokens = len(self.token_ids)
@@ -72,9 +66,7 @@ class IncrementalDetokenizer:
 
 
 def increments(request) -> list[tuple[int, dict]]:
-    """A stream's new output of each completion: ``(index, dict)`` with ``token_ids``, ``text``,
-    ``logprobs``, ``prompt_logprobs`` (completion 0's first increment), ``finished``, and once
-    finished ``finish_reason`` and ``stop_reason``."""
+    """A stream's new output of each completion, ``(index, dict)``."""
     out = []
     for i, c in enumerate(request.completions):
         d = c.detokenizer

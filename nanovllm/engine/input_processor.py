@@ -1,5 +1,4 @@
-"""The front end's input side: prompts (text, token ids) and their sampling params, checked and
-turned into token ids and params snapshots, all or nothing per call."""
+"""The front end's input side: prompts and their params checked, all or nothing per call."""
 
 from numbers import Integral
 
@@ -13,7 +12,6 @@ def _is_token_sequence(x) -> bool:
 
 
 def as_prompt_list(prompts) -> list:
-    """A single string or token sequence becomes a list of one; a 2-D array, one per row."""
     if isinstance(prompts, str) or _is_token_sequence(prompts):
         return [prompts]
     if getattr(prompts, "ndim", None) == 2 or isinstance(prompts, (list, tuple)):
@@ -23,8 +21,7 @@ def as_prompt_list(prompts) -> list:
 
 
 def prompt_token_ids(prompt, tokenizer, vocab_size: int, where: str) -> list[int]:
-    """The token ids of one prompt (text, or a 1-D sequence of ints), checked against the
-    vocabulary; ``where`` names the prompt in errors."""
+    """One prompt's token ids, checked against the vocabulary (``where`` names it in errors)."""
     if isinstance(prompt, str):
         try:
             token_ids = tokenizer.encode(prompt)
@@ -78,7 +75,6 @@ class InputProcessor:
         self.num_kvcache_blocks = num_kvcache_blocks
 
     def check(self, prompt, sp: SamplingParams, where: str) -> tuple[list[int], SamplingParams]:
-        """One request's token ids and params snapshot, checked against the model and cache."""
         return self._check(prompt, _snapshot(sp, where), where)
 
     def _check(self, prompt, sp: SamplingParams, where: str) -> tuple[list[int], SamplingParams]:
@@ -110,8 +106,7 @@ class InputProcessor:
     def check_all(
         self, prompts, sampling_params, default
     ) -> list[tuple[list[int], SamplingParams]]:
-        """Every prompt of a call with its params (one for all, one per prompt, or None for
-        ``default()``), checked before any is queued."""
+        """Every prompt of a call with its params, checked before any is queued."""
         prompts = as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = default()

@@ -1,5 +1,4 @@
-"""The front end: prompts in (``InputProcessor``), the engine core on token ids, outputs out
-(``OutputProcessor``)."""
+"""The front end: inputs, the engine core, outputs (docs/frontend.md)."""
 
 import atexit
 from collections.abc import Iterator
@@ -84,7 +83,6 @@ class LLMEngine:
             raise RuntimeError(ASLEEP)
 
     def check_idle(self, what: str) -> None:
-        """A RuntimeError naming ``what`` unless nothing is queued or in flight."""
         self._process(self.core.settle())
         if not self.core.is_finished():
             s = self.core.stats()
@@ -114,7 +112,7 @@ class LLMEngine:
         return self._queue(*self.inputs.check(prompt, sampling_params, "prompt"))
 
     def abort_request(self, request_id: int) -> bool:
-        """End a queued request; its completions are not reported. False when none is queued."""
+        """False when no such request is queued."""
         if self._exited or not self.core.abort_request(request_id):
             return False
         self.outputs.abort(request_id)
@@ -123,8 +121,8 @@ class LLMEngine:
         return True
 
     def step(self) -> tuple[list[tuple[int, list[int]]], int]:
-        """``(seq_id, completion_token_ids)`` of ``add_request``'s finished sequences, and the
-        prefill tokens (> 0) or minus the decoded sequences (< 0; 0: none launched)."""
+        """``add_request``'s finished ``(seq_id, token_ids)``, and the prefill tokens (> 0) or minus
+        the decoded sequences (< 0)."""
         _, num_tokens = self._step()
         outputs, self._unclaimed = self._unclaimed, []
         return outputs, num_tokens
@@ -154,7 +152,6 @@ class LLMEngine:
         return self._exited or (self.core.is_finished() and not self._unclaimed)
 
     def get_stats(self) -> dict:
-        """Counts now (``n`` per request), cumulative tokens, the last call's tokens/s."""
         if self._final_stats is not None:
             return dict(self._final_stats)
         rates = {f"{kind}_throughput": value for kind, value in self.last_throughput.items()}
@@ -163,8 +160,7 @@ class LLMEngine:
     # ---- every rank, weights, sleep, the prefix cache ----------------------------------------
 
     def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
-        """``method`` (a ModelRunner method name, or a function taking the runner first) on every
-        rank of every replica; returns each replica's rank-0 result."""
+        """``method`` on every rank of every replica; each replica's rank-0 result."""
         self._check_running(asleep_ok=True)
         return self.core.collective_rpc(method, args, kwargs)
 
@@ -199,8 +195,7 @@ class LLMEngine:
     # ---- offline calls -----------------------------------------------------------------------
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[dict]:
-        """One dict per prompt (text or token ids, or a list of them), in input order;
-        ``sampling_params``: one for all, one per prompt, or None for the defaults."""
+        """One result dict per prompt, in input order."""
         self._check_running()
         requests = self.inputs.check_all(prompts, sampling_params, self.get_default_sampling_params)
         if not requests:
@@ -226,8 +221,7 @@ class LLMEngine:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def stream(self, prompts, sampling_params=None) -> Iterator[dict]:
-        """Per-step increments (``index``: the prompt's, ``completion``: among ``n``, and
-        ``detokenizer.increments``' keys); checked now, queued on iteration, closing aborts."""
+        """Per-step increments; prompts checked now, queued on iteration; closing aborts them."""
         self._check_running()
         requests = self.inputs.check_all(prompts, sampling_params, self.get_default_sampling_params)
         return self._stream(requests)
@@ -242,8 +236,7 @@ class LLMEngine:
                         yield {"index": index, "completion": completion, **inc}
 
     def _run(self, requests: list, stream: bool = False) -> Iterator[tuple[list[int], list[int]]]:
-        """Queue ``requests``, step until all finish, yielding (their ids, those just finished)
-        after each step; left early (an error, or closed), it aborts the rest."""
+        """Queue ``requests``, step until all finish; left early, it aborts the rest."""
         self._check_running()
         request_ids = [self._queue(token_ids, sp, stream) for token_ids, sp in requests]
         self._owned.update(request_ids)

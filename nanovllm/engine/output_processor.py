@@ -1,5 +1,4 @@
-"""The front end's output side: each request's completions as the core reports their tokens
-(text, stop strings, log-probabilities), and the result dicts."""
+"""The front end's output side: completions as the core reports tokens; the result dicts."""
 
 from dataclasses import dataclass, field
 
@@ -21,7 +20,7 @@ class Completion:
 
     @property
     def num_text_tokens(self) -> int:
-        """All but a final EOS or stop token id: in ``token_ids``, not in the text (as vLLM)."""
+        """A final EOS or stop token id is in ``token_ids`` but not in the text (as in vLLM)."""
         stopped_by_id = self.finish_reason == "stop" and not isinstance(self.stop_reason, str)
         return len(self.token_ids) - (stopped_by_id and not self.params.include_stop_str_in_output)
 
@@ -44,8 +43,7 @@ class OutputProcessor:
         self.requests: dict[int, RequestState] = {}
 
     def add_request(self, request_id: int, prompt_token_ids, sp: SamplingParams, stream) -> bool:
-        """Start the request's output state; whether the core must report its tokens every step
-        (a stream, stop strings or log-probabilities), not only when a completion finishes."""
+        """Whether the core must report the request's tokens every step."""
         text_each_step = stream or bool(sp.stop)
         completions = [Completion(sp) for _ in range(sp.n)]
         for c in completions:
@@ -59,8 +57,7 @@ class OutputProcessor:
         return text_each_step or sp.logprobs is not None
 
     def process(self, outputs: list[SeqOutput]) -> tuple[list, list]:
-        """Take a step's outputs. Returns the ``(request_id, seq_id)`` of the completions that
-        finished, and of those a stop string ended while the core still runs them."""
+        """``(request_id, seq_id)`` of finished completions, and of those a stop string ended."""
         finished, stopped = [], []
         for out in outputs:
             request = self.requests.get(out.request_id)
@@ -89,8 +86,7 @@ class OutputProcessor:
 
     @staticmethod
     def _stop_string(c: Completion, out: SeqOutput) -> bool:
-        """Feed the detokenizer; True when a stop string ends the completion (also one that ended
-        by length meanwhile). Stop strings count after ``min_tokens``."""
+        """Whether a stop string ends the completion (counted after ``min_tokens``)."""
         check = c.finish_reason in (None, "length") and len(c.token_ids) > c.params.min_tokens
         hide_last = c.num_text_tokens < len(c.token_ids)
         stop = c.detokenizer.add_tokens(out.new_token_ids, check, hide_last)

@@ -1,5 +1,4 @@
-"""One completion as the scheduler sees it: its token ids, where its KV lives, how far it has been
-computed."""
+"""One completion as the scheduler sees it."""
 
 from enum import Enum, auto
 from itertools import count
@@ -16,10 +15,8 @@ class SequenceStatus(Enum):
 
 
 class Sequence:
-    """Invariant: the KV of ``token_ids[:num_cached_tokens]`` is in the blocks of ``block_table``;
-    a step computes the next ``num_scheduled_tokens``. The last ``num_pending`` tokens are
-    placeholders sampled by a step in flight (the newest in its row ``pending_row``); a finished
-    sequence has none."""
+    """Invariant: the KV of ``token_ids[:num_cached_tokens]`` is in ``block_table``'s blocks; the
+    last ``num_pending`` tokens are placeholders of steps in flight (none once finished)."""
 
     _ids = count()
 
@@ -119,8 +116,7 @@ class Sequence:
 def request_sequences(
     request_id: int, prompt_token_ids: list[int], sampling_params: SamplingParams, block_size: int
 ) -> list[Sequence]:
-    """A request's ``n`` completions as sequences ``request_id + i``. Completion 0 is computed
-    first; the others are admitted once its prompt is in the cache, to share its full blocks."""
+    """Completions ``request_id + i``; the others wait for completion 0's prompt blocks."""
     sp = sampling_params
     seqs = []
     for i in range(sp.n):

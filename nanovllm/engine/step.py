@@ -1,5 +1,4 @@
-"""The plain description of one step the engine core hands the executor: lists of ints and small
-dataclasses that pickle compactly to the workers (no ``Sequence`` crosses)."""
+"""The plain description of one step sent to every rank (no ``Sequence`` crosses)."""
 
 from dataclasses import dataclass, replace
 from itertools import chain
@@ -11,7 +10,6 @@ _MASK64 = (1 << 64) - 1
 
 
 def draw_seed(seed: int, step: int) -> int:
-    """The seed of a seeded request's ``step``-th draw (splitmix64), whatever the batch."""
     x = (seed * 0x9E3779B97F4A7C15 + (step + 1) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
@@ -33,9 +31,8 @@ class SamplingRows:
 
 @dataclass
 class Step:
-    """One forward pass. Sequence ``i`` has ``num_computed[i]`` tokens cached and computes
-    ``num_new[i]`` more (``token_ids``, all in order); a token the host does not know yet is -1,
-    in row ``prev_rows[i]`` of the previous step's sampled ids."""
+    """Sequence ``i`` has ``num_computed[i]`` tokens cached and computes ``num_new[i]`` more; an
+    unknown token is -1, in row ``prev_rows[i]`` of the previous step's samples."""
 
     is_prefill: bool
     token_ids: list[int]

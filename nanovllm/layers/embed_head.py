@@ -8,8 +8,7 @@ from nanovllm.utils.context import get_context
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Each rank holds a slice of the vocabulary; ids outside it embed to zero, one all-reduce
-    sums the slices."""
+    """A vocabulary slice per rank; other ids embed to zero, an all-reduce sums the slices."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__()
@@ -39,8 +38,8 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Logits of each sequence's last position; with several ranks gathered on rank 0 (None
-    elsewhere) unless ``gather=False`` (a decode graph's draw takes this rank's slice)."""
+    """Logits of each sequence's last position, gathered on rank 0 (None elsewhere) unless
+    ``gather=False``."""
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None, gather: bool = True):
         # out: where this rank's logits go (not gathered)
@@ -51,7 +50,6 @@ class ParallelLMHead(VocabParallelEmbedding):
         return self.gather(logits) if gather else logits
 
     def gather(self, logits: torch.Tensor) -> torch.Tensor | None:
-        """Every rank's logits slice, in vocabulary order, on rank 0 (every rank calls this)."""
         if self.tp_size == 1:
             return logits
         parts = None

@@ -1,5 +1,4 @@
-"""Tensor-parallel linear layers. A layer's weights and GEMM belong to its ``quant_method``
-(``LinearMethod`` here; FP8 in ``quantization/fp8_method.py``); docs/layers.md."""
+"""Tensor-parallel linear layers; weights and GEMM belong to the layer's ``quant_method``."""
 
 import torch
 import torch.nn.functional as F
@@ -61,8 +60,8 @@ class LinearBase(nn.Module):
         self.copy_shard(param, loaded, shard_id)
 
     def copy_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple, block=1):
-        """Copy this rank's part of ``loaded`` into ``param``, which holds one value per ``block``
-        weight values along ``tp_dim`` (a part's size rounds up)."""
+        """This rank's part of ``loaded`` into ``param``, one value per ``block`` weights along
+        ``tp_dim``."""
         if self._replicated(param):
             param.data.copy_(loaded)
             return
@@ -91,7 +90,7 @@ class ColumnParallelLinear(LinearBase):
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
-    """Column-parallel projections fused in one weight (gate and up), loaded by index."""
+    """Column-parallel gate and up in one weight, loaded by index."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias=False, quant_method=None):
         self.output_sizes = output_sizes
@@ -103,8 +102,6 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """Fused q/k/v projection of ``heads`` and ``kv_heads`` (all ranks'); each holds its share."""
-
     def __init__(self, hidden_size, head_dim, heads, kv_heads, bias=False, quant_method=None):
         tp_size = get_tp_size()
         self.head_dim = head_dim
@@ -120,8 +117,7 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(LinearBase):
-    """Splits the input features; one all-reduce sums the parts, then the bias is added.
-    ``reduce_results=False`` (no bias) leaves the sum to the norm behind it."""
+    """``reduce_results=False`` (no bias): the norm behind it sums the ranks' parts."""
 
     def __init__(self, input_size, output_size, bias=False, quant_method=None, reduce_results=True):
         tp_size = get_tp_size()

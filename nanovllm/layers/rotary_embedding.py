@@ -31,15 +31,14 @@ def apply_qk_norm_rotary_emb(
     eps: float,
     cos_sin_cache: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-head RMSNorm of q and k (Qwen3), then RoPE, compiled as one function."""
+    """Per-head RMSNorm of q and k (Qwen3), then RoPE."""
     q = rms_norm.__wrapped__(q, q_weight, eps)
     k = rms_norm.__wrapped__(k, k_weight, eps)
     return apply_rotary_emb.__wrapped__(positions, q, k, cos_sin_cache)
 
 
 def rope_parameters(config) -> tuple[float, dict]:
-    """(theta, scaling: {} or Llama 3's) from ``rope_parameters`` or ``rope_theta`` and
-    ``rope_scaling``; another scaling type is a ValueError."""
+    """(theta, {} or Llama 3's scaling); another scaling type is a ValueError."""
     params = dict(getattr(config, "rope_parameters", None) or {})
     params.update(getattr(config, "rope_scaling", None) or {})
     rope_type = params.get("rope_type", params.get("type", "default"))
@@ -62,8 +61,7 @@ def rope_parameters(config) -> tuple[float, dict]:
 def llama3_inv_freq(
     inv_freq, factor, low_freq_factor, high_freq_factor, original_max_position_embeddings
 ) -> torch.Tensor:
-    """Llama 3's scaling: short wavelengths keep their frequency, long ones are divided by
-    ``factor``, those in between blended linearly."""
+    """Short wavelengths kept, long ones divided by ``factor``, those between blended."""
     wavelen = 2 * math.pi / inv_freq
     ratio = original_max_position_embeddings / wavelen  # the context holds this many wavelengths
     smooth = ((ratio - low_freq_factor) / (high_freq_factor - low_freq_factor)).clamp(0.0, 1.0)
@@ -71,8 +69,6 @@ def llama3_inv_freq(
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin of every position up to ``max_position``; ``scaling``: ``rope_parameters``'."""
-
     def __init__(self, head_dim: int, max_position: int, base: float, scaling: dict | None = None):
         super().__init__()
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))

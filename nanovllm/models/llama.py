@@ -1,5 +1,4 @@
-"""The dense decoder of the Llama family; Qwen2 and Qwen3 are the same decoder with other attention
-options. ``quant_config`` (None: plain) picks the layers' quantization."""
+"""The Llama-family decoder; Qwen2 and Qwen3 change its attention options."""
 
 import torch
 from torch import nn
@@ -17,8 +16,6 @@ __all__ = ["LlamaForCausalLM", "head_dim"]
 
 
 def make_norm(config, quant_config, quantize: bool, reduces_input: bool) -> nn.Module:
-    """The RMSNorm in front of a layer: quantizing for an FP8 linear, summing the row-parallel
-    output before it (``reduces_input``), or plain."""
     if quantize:
         return quant_config.norm(config.hidden_size, config.rms_norm_eps, reduces_input)
     if reduces_input:
@@ -29,8 +26,6 @@ def make_norm(config, quant_config, quantize: bool, reduces_input: bool) -> nn.M
 
 
 class DecoderAttention(nn.Module):
-    """Self-attention with RoPE; ``qk_norm``: per-head RMSNorm of q and k first (Qwen3)."""
-
     def __init__(self, config, qkv_bias, o_bias, qk_norm: bool, quant_config, reduce_results):
         super().__init__()
         tp_size = get_tp_size()
@@ -57,8 +52,6 @@ class DecoderAttention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)), gate and up as one column-parallel GEMM."""
-
     def __init__(
         self, hidden, inter, hidden_act, bias=False, quant_config=None, reduce_results=True
     ):
@@ -76,8 +69,6 @@ class GatedMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """``reduces_input``: the attention and MLP leave their sums to the norms."""
-
     def __init__(self, config, self_attn: nn.Module, mlp: nn.Module, quant_config, reduces_input):
         super().__init__()
         self.self_attn = self_attn

@@ -1,4 +1,4 @@
-"""Qwen3 dense models: the Llama decoder with a per-head RMSNorm of q and k before RoPE."""
+"""Qwen3: per-head RMSNorm of q and k before RoPE."""
 
 from nanovllm.models.llama import LlamaForCausalLM
 

@@ -1,5 +1,4 @@
-"""Qwen3-MoE (e.g. Qwen3-30B-A3B): Qwen3's attention; a sparse MoE block in place of the MLP in
-each layer not in ``mlp_only_layers`` whose 1-based index divides by ``decoder_sparse_step``."""
+"""Qwen3-MoE: a sparse MoE block in place of the MLP in most layers."""
 
 from torch import nn
 
@@ -31,5 +30,4 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
 
     @staticmethod
     def map_checkpoint_name(name: str) -> tuple[str, tuple] | None:
-        """Per-expert checkpoint tensors go to the fused expert parameters."""
         return map_expert_tensor(name)

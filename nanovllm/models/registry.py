@@ -1,5 +1,4 @@
-"""Which model class runs a checkpoint (``config.json``'s ``architectures``), and which
-quantization configuration builds its layers."""
+"""Which model class runs a checkpoint, and which quantization builds its layers."""
 
 import importlib
 
@@ -34,8 +33,6 @@ def model_class(hf_config) -> type:
 
 
 def build_model(hf_config, quantization: str | None = None):
-    """The model of ``hf_config``'s architecture for ``quantization``, on the default device and
-    dtype."""
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be None or 'fp8', got {quantization!r}")
     quant_config = _load(QUANTIZATIONS[quantization])() if quantization else None

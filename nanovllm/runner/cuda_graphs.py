@@ -1,5 +1,4 @@
-"""Decode steps as CUDA graphs, one per batch size, over the decode buffer's device fields, ending
-with the LM head and the draw of every row into ``sampled`` (docs/runner.md)."""
+"""Decode steps as CUDA graphs, one per batch size, ending with the LM head and the draw."""
 
 import torch
 
@@ -14,8 +13,7 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """Graphs for ``graph_batch_sizes(min(max_num_seqs, 512))``, captured largest first in one
-    memory pool (``largest_only``: just the largest)."""
+    """Captured largest first in one memory pool (``largest_only``: just the largest)."""
 
     @torch.inference_mode()
     def __init__(self, runner, largest_only: bool = False):
@@ -60,6 +58,5 @@ class DecodeGraphs:
         return next((b for b in self.batch_sizes if b >= n), None)
 
     def replay(self, n: int, batch: int) -> torch.Tensor:
-        """Run the graph: this rank's logits [n, its vocabulary share]; rows drawn into sampled."""
         self.graphs[batch].replay()
         return self.out[:n]

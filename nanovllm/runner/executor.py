@@ -1,5 +1,4 @@
-"""Runs each step on every tensor-parallel rank: rank 0's ModelRunner alone here, the worker
-processes too in ``MultiprocExecutor`` (tensor_parallel_size > 1)."""
+"""Runs each step on every rank: here rank 0's ModelRunner alone (tensor_parallel_size 1)."""
 
 from nanovllm.config import Config
 from nanovllm.engine.step import Step
@@ -27,7 +26,6 @@ class Executor:
         return output.result()
 
     def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
-        """``ModelRunner.rpc`` on every rank, between steps; ``[rank 0's result]``."""
         own = tuple(a.value if isinstance(a, RankZeroOnly) else a for a in args)
         return [self.runner.rpc(method, own, kwargs)]
 

@@ -11,7 +11,6 @@ CPU_KV_CACHE_SHARE = 0.25  # on CPU, num_kvcache_blocks=-1 takes this share of a
 
 
 def block_bytes(config, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """Bytes of one block over all layers, K and V (an FP8 cache: e4m3 and a scale per row)."""
     row_bytes = head_dim * dtype.itemsize
     if is_fp8_kv_cache(config.kv_cache_dtype):
         from nanovllm.layers.attention.fp8_kv import FP8_DTYPE, KV_SCALE_DTYPE
@@ -23,7 +22,7 @@ def block_bytes(config, num_kv_heads: int, head_dim: int, dtype: torch.dtype) ->
 
 def bind_kv_cache(model, config, num_blocks, num_kv_heads, head_dim, dtype, device) -> torch.Tensor:
     """The one place that knows the cache layout: [2, layers, blocks, block_size, kv_heads,
-    head_dim]; each layer gets its K and V views (and an FP8 cache's scales). Returns the cache."""
+    head_dim]; each layer gets its K and V views."""
     shape = (2, config.hf_config.num_hidden_layers, num_blocks, config.kvcache_block_size)
     shape += (num_kv_heads,)
     scales = None
@@ -41,7 +40,7 @@ def bind_kv_cache(model, config, num_blocks, num_kv_heads, head_dim, dtype, devi
 
 
 def num_blocks(runner) -> int:
-    """How many blocks the cache gets (all ranks take the minimum; -1: as many as fit)."""
+    """How many blocks fit (-1) or were asked for; all ranks take the minimum."""
     config = runner.config
     count = config.num_kvcache_blocks
     one_block = block_bytes(config, runner.num_kv_heads, runner.head_dim, runner.dtype)

@@ -1,5 +1,4 @@
-"""One tensor-parallel rank: ``run(step) -> StepOutput``, composed of the model, the KV cache, the
-step inputs, the CUDA graphs and, on rank 0, the sampler (docs/runner.md)."""
+"""One tensor-parallel rank: ``run(step) -> StepOutput`` (docs/runner.md)."""
 
 from collections.abc import Callable
 from functools import partial
@@ -30,7 +29,7 @@ class RankZeroOnly:
 
 
 def check_parallel() -> None:
-    """The layers take their shard from the process's default group: there must be none yet."""
+    """The layers shard over the process's default group: there must be none yet."""
     if dist.is_initialized():
         raise RuntimeError(
             "a torch.distributed process group is already initialised in this process (another "
@@ -134,8 +133,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, step: Step) -> StepOutput | None:
-        """Launch one step; rank 0 returns its output. Every rank keeps the tokens in ``sampled``:
-        a decode graph draws them there (``drawn``), or rank 0 samples and broadcasts them."""
+        """Launch one step; rank 0 returns its output. Every rank keeps the tokens in ``sampled``
+        (a decode graph draws them there, or rank 0 samples and broadcasts them)."""
         n = step.num_seqs
         with phase("inputs"):
             graph_batch = None  # the batch size of the decode graph that runs the step
@@ -189,7 +188,6 @@ class ModelRunner:
             return StepOutput(out.token_ids, self.sync, extra)
 
     def _tensor(self, data: list | np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        """Host data on this rank's device (through pinned memory on a GPU)."""
         if self.device.type == "cpu":
             return torch.tensor(data, dtype=dtype)
         if isinstance(data, np.ndarray):  # torch pins no tensor NumPy owns: copy into a pinned one
@@ -224,8 +222,7 @@ class ModelRunner:
         self.release()
 
     def release(self, failed: bool = False) -> None:
-        """Free this rank's resources. After a failure, NCCL is aborted first (no device work may
-        wait on a dead rank) and nothing talks to the other ranks."""
+        """Free this rank's resources; after a failure, NCCL is aborted first."""
         if self.owns_group:
             from nanovllm.parallel.group import abort_nccl, leave_group
 

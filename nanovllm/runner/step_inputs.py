@@ -1,5 +1,4 @@
-"""A step's model inputs (token ids, positions, the attention context), built on the host by every
-rank. Decode inputs go into one buffer of fixed layout, sent with one copy, read by the graphs."""
+"""A step's model inputs (token ids, positions, the attention context), built on the host."""
 
 from collections.abc import Callable
 
@@ -71,7 +70,7 @@ DECODE_FIELDS = (
 
 
 class DecodeLayout:
-    """Byte offsets of ``DECODE_FIELDS`` and the block tables for up to ``max_rows`` rows."""
+    """Byte offsets of ``DECODE_FIELDS`` and the block tables for ``max_rows`` rows."""
 
     def __init__(self, max_rows: int, max_blocks: int):
         self.max_rows, self.max_blocks = max_rows, max_blocks
@@ -86,7 +85,6 @@ class DecodeLayout:
         return self.offsets["block_tables"] + rows * self.max_blocks * 4
 
     def fields(self, buffer, view) -> dict:
-        """Each field over ``buffer`` (uint8, NumPy or torch; ``view(part, dtype)`` casts)."""
         out = {}
         for name, dtype, _ in DECODE_FIELDS:
             start = self.offsets[name]
@@ -117,8 +115,7 @@ def fill_decode(fields: dict[str, np.ndarray], step: Step, rows: int, block_size
 
 
 def decode_inputs(v: dict[str, torch.Tensor], sampled: torch.Tensor, rows: int) -> tuple:
-    """The inputs of the first ``rows`` rows of the device fields ``v``; an input token from
-    the previous step's ``sampled`` where ``prev_rows`` names one."""
+    """The first ``rows`` rows; an input token from ``sampled`` where ``prev_rows`` names one."""
     prev = v["prev_rows"][:rows]
     input_ids = torch.where(prev >= 0, sampled[prev.clamp(min=0)], v["input_ids"][:rows])
     context = Context(
@@ -131,7 +128,8 @@ def decode_inputs(v: dict[str, torch.Tensor], sampled: torch.Tensor, rows: int) 
 
 
 class DecodeBuffer:
-    """The decode inputs' device buffer and its host copies (the CPU: the buffer itself)."""
+    """Decode inputs in one buffer of fixed layout, filled in a host copy and sent with one copy;
+    the CUDA graphs read the device buffer in place."""
 
     def __init__(self, max_rows: int, max_blocks: int, device: torch.device):
         self.layout = DecodeLayout(max_rows, max_blocks)
@@ -148,8 +146,7 @@ class DecodeBuffer:
         self.turn = 0
 
     def send(self, step: Step, rows: int, block_size: int) -> dict[str, torch.Tensor]:
-        """Fill the next host copy (once its last copy is done) with ``step`` padded to ``rows``
-        and queue its copy to the device; returns the device fields."""
+        """Fill the next host copy with ``step`` (``rows``, padded) and queue its copy."""
         k = self.turn = (self.turn + 1) % len(self.staging)
         if self.copied[k] is not None:
             self.copied[k].synchronize()

@@ -1,4 +1,4 @@
-"""A launched step's output on rank 0: its token ids, copied to the host without blocking."""
+"""A launched step's token ids on rank 0, copied to the host without blocking."""
 
 from collections.abc import Callable
 

@@ -4,8 +4,7 @@ import torch
 
 
 def compile_on_gpu(fn):
-    """``fn`` through ``torch.compile`` when its first argument is a CUDA tensor, else eager. ``fn``
-    must be a plain function of tensors, so one compiled graph serves every layer."""
+    """``fn`` compiled for CUDA tensors, eager on the CPU (one graph serves every layer)."""
     compiled = None
 
     @functools.wraps(fn)

@@ -8,9 +8,8 @@ import torch
 
 @dataclass
 class Context:
-    """Prefill: cumulative new / total token counts per sequence (``cu_seqlens_q/k``), their maxima,
-    ``block_tables`` when a sequence has a cached prefix. Decode: ``context_lens`` (the new token
-    included), ``block_tables``. Both: ``slot_mapping``, each new token's slot (-1: skip)."""
+    """Prefill: ``cu_seqlens_q/k`` and maxima, ``block_tables`` with a cached prefix. Decode:
+    ``context_lens``, ``block_tables``. Both: ``slot_mapping`` (-1: skip)."""
 
     is_prefill: bool = False
     cu_seqlens_q: torch.Tensor | None = None
@@ -31,7 +30,6 @@ def get_context() -> Context:
 
 @contextmanager
 def step_context(context: Context):
-    """Make ``context`` current for one forward pass; always reset afterwards."""
     global _CONTEXT
     _CONTEXT = context
     try:

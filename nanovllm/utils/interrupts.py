@@ -7,8 +7,7 @@ from contextlib import contextmanager
 
 @contextmanager
 def deferred_interrupt():
-    """Hold back SIGINT until the block ends, then raise KeyboardInterrupt; a second Ctrl-C
-    interrupts at once. Only in the main thread, with Python's own handler installed."""
+    """SIGINT waits for the block's end (a second one interrupts at once); main thread only."""
     main = threading.current_thread() is threading.main_thread()
     if not main or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
         yield

@@ -1,5 +1,4 @@
-"""Load a safetensors checkpoint into a model: every tensor is planned (``plan_weights``) and
-checked before any is written through its parameter's ``weight_loader`` (``copy_weight``)."""
+"""Load a safetensors checkpoint: every tensor planned and checked before any is written."""
 
 import os
 from contextlib import contextmanager
@@ -35,7 +34,6 @@ def packed_target(name: str, packed: dict) -> tuple[str, tuple]:
 
 
 def checkpoint_shape(model: nn.Module, target: str, args: tuple) -> tuple[int, ...]:
-    """The full shape of the checkpoint tensor that loads into ``target`` (``args``)."""
     param = model.get_parameter(target)
     module = model.get_submodule(target.rpartition(".")[0])
     shape = getattr(param, "checkpoint_shape", None) or getattr(module, "checkpoint_shape", None)
@@ -45,8 +43,8 @@ def checkpoint_shape(model: nn.Module, target: str, args: tuple) -> tuple[int, .
 def plan_weights(
     model: nn.Module, shapes: list[tuple[str, tuple[int, ...]]], where: str = ""
 ) -> list[WeightEntry]:
-    """Where each ``(checkpoint name, shape)`` goes; a name the model lacks, or a shape other than
-    the model built from config.json takes, is a ValueError naming the tensor and ``where``."""
+    """Where each ``(checkpoint name, shape)`` goes; an unknown name or a shape config.json
+    does not imply is a ValueError."""
     packed = getattr(model, "packed_modules_mapping", {})
     map_name = getattr(model, "map_checkpoint_name", lambda name: None)
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -67,7 +65,6 @@ def plan_weights(
 
 
 def copy_weight(param: nn.Parameter, entry: WeightEntry, tensor: torch.Tensor, where="") -> None:
-    """Copy this rank's shard of ``tensor`` into ``param`` in place (CUDA graphs stay valid)."""
     loader = getattr(param, "weight_loader", default_weight_loader)
     try:
         loader(param, tensor, *entry.args)
@@ -84,9 +81,8 @@ def _missing(path: str, names: list[str]) -> None:
 
 
 def load_model(model: nn.Module, path: str, hf_config=None) -> None:
-    """Copy every tensor of ``path/*.safetensors`` into ``model``. Before any weight loads, an
-    unreadable file, an unknown tensor, a wrong shape or a parameter no tensor fills is a
-    ValueError naming the file and tensor; modules' ``missing()`` is checked after loading."""
+    """Copy ``path/*.safetensors`` into ``model``; a bad file, tensor or shape, or a parameter
+    no tensor fills, is a ValueError before any weight loads."""
     files = sorted(glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ValueError(f"no *.safetensors files in model folder {path!r}")
@@ -134,8 +130,7 @@ def _open(file: str):  # safe_open, its errors naming the file
 
 
 def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
-    """``load_format="dummy"``: norm weights 1, biases 0, the rest N(0, std) from one seed (every
-    rank draws the same); a float8 weight drawn in float32 and quantized with its scales."""
+    """``load_format="dummy"``: norms 1, biases 0, the rest N(0, std), the same on every rank."""
     generators = {}
     params = dict(model.named_parameters())
     for name, param in params.items():

@@ -1,5 +1,4 @@
-"""A model folder's files other than the weights, checked at start-up: a broken one is a
-ValueError naming the file, the key and the value."""
+"""A model folder's tokenizer and JSON files, checked at start-up (a ValueError names the file)."""
 
 import json
 import os
@@ -29,7 +28,6 @@ def read_json(path: str) -> dict:
 
 
 def load_tokenizer(model_dir: str):
-    """The folder's tokenizer; a ValueError when it has none, fails to load, or encodes to none."""
     present = [name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(model_dir, name))]
     if not present:
         msg = f"has no tokenizer: none of {', '.join(TOKENIZER_FILES)} is there"
@@ -49,7 +47,6 @@ def load_tokenizer(model_dir: str):
 
 
 def read_generation_config(model_dir: str) -> dict:
-    """``generation_config.json`` ({} when absent), its defaults valid SamplingParams."""
     path = os.path.join(model_dir, "generation_config.json")
     if not os.path.isfile(path):
         return {}
@@ -67,7 +64,6 @@ def read_generation_config(model_dir: str) -> dict:
 
 
 def sampling_defaults(generation_config: dict) -> dict:
-    """The SamplingParams keywords ``generation_config`` sets (null values left out)."""
     fields = GENERATION_CONFIG_FIELDS.items()
     return {
         name: generation_config[k] for k, name in fields if generation_config.get(k) is not None

@@ -1,5 +1,4 @@
-"""Attention: the backend interface (``interface``), the selector, the layer models use, and the
-backends (``reference``: torch; ``triton_backend``; ``flash``). No triton or flash-attn import."""
+"""Attention: the backend interface, the selector, the layer, and the backends below them."""
 
 from nanovllm.layers.attention.interface import AttentionBackend, is_fp8_kv_cache
 from nanovllm.layers.attention.layer import Attention

@@ -20,9 +20,8 @@ def is_fp8_kv_cache(kv_cache_dtype: str) -> bool:
 
 
 class AttentionBackend:
-    """q [tokens, heads, head_dim], k/v [tokens, kv_heads, head_dim] -> q's shape; ``k_scale`` /
-    ``v_scale``: an FP8 cache's scales, else None. ``fuses_rope``: on a GPU the K/V store is
-    ``kv_store.rope_and_store``'s. ``quantizes_output``: decode takes ``quantize=True``."""
+    """q [tokens, heads, head_dim], k/v [tokens, kv_heads, head_dim] -> q's shape;
+    ``k_scale``/``v_scale``: an FP8 cache's scales, else None."""
 
     name = "base"
     fuses_rope = True
@@ -34,7 +33,6 @@ class AttentionBackend:
     def prefill(
         self, q, k, v, k_cache, v_cache, context: Context, scale: float, k_scale=None, v_scale=None
     ) -> torch.Tensor:
-        """Causal attention over ``k``/``v``, or with ``block_tables`` the (stored) cache."""
         raise NotImplementedError
 
     def decode(

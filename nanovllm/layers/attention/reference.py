@@ -1,4 +1,4 @@
-"""Plain torch attention: the CPU path, and the reference the GPU backends are tested against."""
+"""Plain torch attention: the CPU path, and the reference for the GPU backends."""
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +29,6 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -
 def gather_dequantized(
     cache: torch.Tensor, scale: torch.Tensor | None, block_table: torch.Tensor, num_tokens: int
 ) -> torch.Tensor:
-    """``gather_kv``, dequantized when the cache is FP8 (``scale`` given)."""
     rows = gather_kv(cache, block_table, num_tokens)
     if scale is None:
         return rows
@@ -37,8 +36,7 @@ def gather_dequantized(
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention in float32 of one sequence's last ``len(q)`` positions over its ``len(k)``
-    keys. q: [num_q, num_heads, head_dim], k/v: [num_k, num_kv_heads, head_dim]."""
+    """Causal attention in float32 of the last ``len(q)`` positions over ``len(k)`` keys."""
     num_q, num_heads, _ = q.shape
     num_k, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads

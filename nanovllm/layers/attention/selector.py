@@ -1,5 +1,4 @@
-"""The one place that picks an attention backend: ``resolve_backend_name`` decides which one runs,
-``get_attention_backend`` creates it, importing its heavy dependency only then."""
+"""The one place that picks an attention backend and creates it (importing it only then)."""
 
 import torch
 
@@ -16,8 +15,8 @@ def resolve_backend_name(
     kv_cache_dtype: str = "auto",
     weight_quantization: str | None = None,
 ) -> str:
-    """The backend that runs, or a ValueError for one that cannot. "auto": torch on the CPU; on a
-    GPU flash-attn where it can run (2-byte dtype, no FP8, block size % 256 == 0), else Triton."""
+    """The backend that runs, or a ValueError. "auto": torch on the CPU; on a GPU flash-attn
+    where it can run (2-byte dtype, no FP8, block size % 256 == 0), else Triton."""
     fp8 = is_fp8_kv_cache(kv_cache_dtype)
     if name == "flash-attn" and fp8:
         raise ValueError(
