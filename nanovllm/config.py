@@ -1,5 +1,4 @@
-"""Engine configuration: what the user set, checked once, and the values derived from it
-(``hf_config``, ``weight_quantization``, ``resolved_attention_backend``), computed once here."""
+"""Engine configuration: what the user set, checked once, and what is derived from it."""
 
 import os
 from dataclasses import dataclass, field, fields
@@ -23,21 +22,16 @@ INTS = {  # name: (lowest, highest)
 }
 BOOLS = ("enforce_eager", "async_scheduling", "enable_sleep_mode", "disable_custom_all_reduce")
 # config.json keys every supported model reads, and those only some architectures read
-MODEL_CONFIG_KEYS = (
-    "hidden_size",
-    "intermediate_size",
-    "num_attention_heads",
-    "num_hidden_layers",
-    "vocab_size",
-)
-ARCHITECTURE_CONFIG_KEYS = {
-    "Qwen3MoeForCausalLM": ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
-}
+MODEL_CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers")
+MODEL_CONFIG_KEYS += ("vocab_size",)
+MOE_CONFIG_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
+ARCHITECTURE_CONFIG_KEYS = {"Qwen3MoeForCausalLM": MOE_CONFIG_KEYS}
+TP_SPLIT_KEYS = ("num_attention_heads", "num_key_value_heads", "vocab_size", "intermediate_size")
 
 
 @dataclass
 class Config:
-    """Every keyword of ``LLM(model, **kwargs)``; an unknown keyword is a TypeError."""
+    """Every keyword of ``LLM(model, **kwargs)``."""
 
     model: str
     max_num_batched_tokens: int = 16384
@@ -66,16 +60,13 @@ class Config:
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, (str, os.PathLike)):
-            raise TypeError(
-                f"Config.model must be a path to a local model folder, got {self.model!r}"
-            )
+            msg = "a path to a local model folder"
+            raise TypeError(f"Config.model must be {msg}, got {self.model!r}")
         self.model = os.fspath(self.model)
         config_file = os.path.join(self.model, "config.json")
         if not os.path.isfile(config_file):
-            raise ValueError(
-                "Config.model must be a local folder holding config.json and *.safetensors, "
-                f"got {self.model!r}"
-            )
+            msg = "a local folder holding config.json and *.safetensors"
+            raise ValueError(f"Config.model must be {msg}, got {self.model!r}")
         self._check_fields()
         from transformers import AutoConfig
 
@@ -101,13 +92,9 @@ class Config:
         from nanovllm.layers.attention.selector import resolve_backend_name
 
         # a backend that cannot run this dtype, KV-cache dtype or block size fails here
+        args = (device, self.kvcache_block_size, self.resolved_dtype(device), self.kv_cache_dtype)
         self.resolved_attention_backend = resolve_backend_name(
-            self.attention_backend,
-            device,
-            self.kvcache_block_size,
-            self.resolved_dtype(device),
-            self.kv_cache_dtype,
-            self.weight_quantization,
+            self.attention_backend, *args, self.weight_quantization
         )
         if self.num_kvcache_blocks > 0:
             self._check_kv_cache_fits(device)
@@ -116,20 +103,16 @@ class Config:
         for name, (low, high) in INTS.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(
-                    f"Config.{name} must be an int, got {value!r} ({type(value).__name__})"
-                )
+                msg = f"{value!r} ({type(value).__name__})"
+                raise TypeError(f"Config.{name} must be an int, got {msg}")
             if value < low or (high is not None and value > high):
                 allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
                 raise ValueError(f"Config.{name} must be {allowed}, got {value}")
-        if self.kvcache_block_size & (self.kvcache_block_size - 1):
-            raise ValueError(
-                f"Config.kvcache_block_size must be a power of two, got {self.kvcache_block_size}"
-            )
+        if (bs := self.kvcache_block_size) & (bs - 1):
+            raise ValueError(f"Config.kvcache_block_size must be a power of two, got {bs}")
         if self.num_kvcache_blocks == 0:
-            raise ValueError(
-                "Config.num_kvcache_blocks must be -1 (size from free memory) or >= 1, got 0"
-            )
+            msg = "-1 (size from free memory) or >= 1, got 0"
+            raise ValueError(f"Config.num_kvcache_blocks must be {msg}")
         u = self.gpu_memory_utilization
         if isinstance(u, bool) or not isinstance(u, (int, float)):
             raise TypeError(f"Config.gpu_memory_utilization must be a number, got {u!r}")
@@ -139,31 +122,19 @@ class Config:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Config.{name} must be a bool, got {getattr(self, name)!r}")
         for name, choices in CHOICES.items():
-            if getattr(self, name) not in choices:
+            if (value := getattr(self, name)) not in choices:
                 allowed = ", ".join(map(repr, choices))
-                raise ValueError(
-                    f"Config.{name} must be one of {allowed}, got {getattr(self, name)!r}"
-                )
+                raise ValueError(f"Config.{name} must be one of {allowed}, got {value!r}")
         if self.quantization not in (None, "fp8"):
-            raise ValueError(
-                f"Config.quantization must be None or 'fp8', got {self.quantization!r}"
-            )
+            msg = f"must be None or 'fp8', got {self.quantization!r}"
+            raise ValueError(f"Config.quantization {msg}")
 
     def _check_parallel(self, device: str) -> None:
-        """The model must split over the tensor-parallel ranks, and this host's replicas
-        (``data_parallel_backend="mp"``) need ``data_parallel_size × tensor_parallel_size`` GPUs."""
         tp, dp = self.tensor_parallel_size, self.data_parallel_size
-        for name in (
-            "num_attention_heads",
-            "num_key_value_heads",
-            "vocab_size",
-            "intermediate_size",
-        ):
-            value = getattr(self.hf_config, name)
-            if value % tp:
-                raise ValueError(
-                    f"Config.tensor_parallel_size={tp} must divide the model's {name} ({value})"
-                )
+        for name in TP_SPLIT_KEYS:
+            if (value := getattr(self.hf_config, name)) % tp:
+                msg = f"must divide the model's {name} ({value})"
+                raise ValueError(f"Config.tensor_parallel_size={tp} {msg}")
         if device == "cuda" and self.data_parallel_backend == "mp":
             import torch
 
@@ -171,13 +142,10 @@ class Config:
             if tp * dp > visible:
                 need = f"tensor_parallel_size={tp}"
                 need = need if dp == 1 else f"data_parallel_size={dp} × {need}"
-                raise ValueError(
-                    f"Config.{need} needs {tp * dp} GPUs, but only {visible} GPU(s) are visible"
-                )
+                msg = f"needs {tp * dp} GPUs, but only {visible} GPU(s) are visible"
+                raise ValueError(f"Config.{need} {msg}")
 
     def _check_kv_cache_fits(self, device: str) -> None:
-        """A fixed ``num_kvcache_blocks`` must fit in one GPU's memory (each rank's share of the KV
-        heads), or on the CPU in the machine's memory (every rank's share together)."""
         import torch
 
         from nanovllm.models.llama import head_dim
@@ -206,36 +174,32 @@ class Config:
         return [f.name for f in fields(cls) if f.init]
 
     def resolved_device(self) -> str:
-        """The one place that picks the device: "cuda" when asked for or available, else "cpu"."""
+        """The one place that picks the device."""
         import torch
 
         if self.device == "auto":
             return "cuda" if torch.cuda.is_available() else "cpu"
         if self.device == "cuda" and not torch.cuda.is_available():
-            raise ValueError(
-                "Config.device is 'cuda' but no CUDA GPU is available; use 'cpu' or 'auto'"
-            )
+            msg = "Config.device is 'cuda' but no CUDA GPU is available; use 'cpu' or 'auto'"
+            raise ValueError(msg)
         return self.device
 
     def resolved_dtype(self, device: str):
-        """The run dtype: the checkpoint's on GPU, float32 on CPU, unless ``dtype`` forces one."""
+        """The checkpoint's on a GPU, float32 on the CPU, unless ``dtype`` says."""
         import torch
 
         if self.dtype != "auto":
             return getattr(torch, self.dtype)
         if device == "cpu":
             return torch.float32
-        dtype = getattr(self.hf_config, "dtype", None) or getattr(
-            self.hf_config, "torch_dtype", None
-        )
+        hf = self.hf_config
+        dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None)
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         return dtype if dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.bfloat16
 
 
 def check_model_config(path: str) -> None:
-    """``config.json`` gives every size the model reads as an int >= 1 (a key may be spelled as its
-    transformers alias), with heads a multiple of KV heads and, without ``head_dim``, hidden_size a
-    multiple of heads; else a ValueError naming the file, the key and the value."""
+    """Every size the model reads is an int >= 1; KV heads divide heads, heads hidden_size."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     from nanovllm.utils.model_folder import read_json
@@ -258,12 +222,8 @@ def check_model_config(path: str) -> None:
     heads = values["num_attention_heads"]
     kv_heads = values.get("num_key_value_heads", heads)
     if heads % kv_heads:
-        raise ValueError(
-            f"{path}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads "
-            f"({kv_heads})"
-        )
-    if "head_dim" not in values and values["hidden_size"] % heads:
-        raise ValueError(
-            f"{path}: hidden_size ({values['hidden_size']}) must be a multiple of "
-            f"num_attention_heads ({heads}) when head_dim is not given"
-        )
+        msg = f"must be a multiple of num_key_value_heads ({kv_heads})"
+        raise ValueError(f"{path}: num_attention_heads ({heads}) {msg}")
+    if "head_dim" not in values and (hidden := values["hidden_size"]) % heads:
+        msg = f"must be a multiple of num_attention_heads ({heads}) when head_dim is not given"
+        raise ValueError(f"{path}: hidden_size ({hidden}) {msg}")

@@ -1,5 +1,4 @@
-"""Per-request sampling settings, with vLLM's names, defaults and meaning (pure Python). A bad value
-is a TypeError or ValueError naming the field, the value and what is allowed."""
+"""Per-request sampling settings, with vLLM's names and meaning (pure Python)."""
 
 import copy
 from dataclasses import dataclass, fields, replace
@@ -22,8 +21,7 @@ def _is_int(x) -> bool:
 
 
 def _checked(values: dict) -> dict:
-    """Every field checked and normalised (numbers as float, ``stop`` and ``stop_token_ids`` as
-    lists, ``top_k=-1`` as 0): the one check, run by the constructor and by every assignment."""
+    """Every field checked and normalised (floats, lists, ``top_k=-1`` as 0): the one check."""
     v = dict(values)
     inf = float("inf")
     _number(v, "temperature", lambda t: 0 <= t < inf, "a finite number >= 0 (0 = greedy)")
@@ -33,16 +31,13 @@ def _checked(values: dict) -> dict:
     _int(v, "top_k", -1, " (0 or -1 = off)")
     _number(v, "min_p", lambda p: 0 <= p <= 1, "in [0, 1] (0 = off)")
     _int(v, "min_tokens", 0)
-    if v["min_tokens"] > v["max_tokens"]:
-        raise ValueError(
-            f"SamplingParams.min_tokens must be <= max_tokens, got min_tokens={v['min_tokens']} "
-            f"and max_tokens={v['max_tokens']}"
-        )
+    if (low := v["min_tokens"]) > (high := v["max_tokens"]):
+        msg = f"got min_tokens={low} and max_tokens={high}"
+        raise ValueError(f"SamplingParams.min_tokens must be <= max_tokens, {msg}")
     _number(v, "repetition_penalty", lambda r: 0 < r < inf, "a finite number > 0 (1 = off)")
     for name in ("presence_penalty", "frequency_penalty"):
         _number(v, name, lambda x: -2 <= x <= 2, "in [-2, 2] (0 = off)")
-    if v["seed"] is not None and not _is_int(v["seed"]):
-        seed = v["seed"]
+    if (seed := v["seed"]) is not None and not _is_int(seed):
         raise TypeError(f"SamplingParams.seed must be an int or None, got {seed!r} ({_type(seed)})")
     for name in ("logprobs", "prompt_logprobs"):
         if v[name] is not None:
@@ -75,9 +70,8 @@ def _number(v: dict, name: str, ok, allowed: str) -> None:
 def _int(v: dict, name: str, low: int, extra: str = "") -> None:
     value = v[name]
     if not _is_int(value):
-        raise TypeError(
-            f"SamplingParams.{name} must be an int{extra}, got {value!r} ({_type(value)})"
-        )
+        msg = f"got {value!r} ({_type(value)})"
+        raise TypeError(f"SamplingParams.{name} must be an int{extra}, {msg}")
     if value < low:
         raise ValueError(f"SamplingParams.{name} must be >= {low}{extra}, got {value}")
 
@@ -87,14 +81,13 @@ def _check_structured_outputs(v: dict) -> None:
 
     so = v["structured_outputs"]
     if not isinstance(so, StructuredOutputsParams):
-        raise TypeError(
-            "SamplingParams.structured_outputs must be a StructuredOutputsParams or None, "
-            f"got {so!r}"
-        )
+        msg = f"must be a StructuredOutputsParams or None, got {so!r}"
+        raise TypeError(f"SamplingParams.structured_outputs {msg}")
     if v["min_tokens"]:
+        msg = "(the grammar decides where the completion ends)"
         raise ValueError(
-            "SamplingParams.min_tokens must be 0 with structured_outputs (the grammar decides "
-            f"where the completion ends), got min_tokens={v['min_tokens']}"
+            f"SamplingParams.min_tokens must be 0 with structured_outputs {msg}, "
+            f"got min_tokens={v['min_tokens']}"
         )
 
 
@@ -121,8 +114,8 @@ def _id_list(ids) -> list[int]:
 
 @dataclass
 class SamplingParams:
-    """How one request is sampled and when it stops (vLLM's fields; docs/frontend.md lists them).
-    Every assignment is checked like the constructor; a queued request owns a ``snapshot()``."""
+    """How one request is sampled and when it stops. Every assignment is checked like the
+    constructor (a bad value: an error naming the field, the value and what is allowed)."""
 
     temperature: float = 1.0
     max_tokens: int = 64
@@ -148,11 +141,9 @@ class SamplingParams:
         self.__dict__.update(_checked({name: self.__dict__[name] for name in _FIELDS}))
 
     def __setattr__(self, name: str, value) -> None:
-        """Checked like the constructor: a bad value raises and the old one stays."""
-        if name not in _FIELDS:
-            raise AttributeError(
-                f"SamplingParams has no field {name!r}; fields: {', '.join(_FIELDS)}"
-            )
+        if name not in _FIELDS:  # a bad value raises (below) and the old one stays
+            msg = f"SamplingParams has no field {name!r}; fields: {', '.join(_FIELDS)}"
+            raise AttributeError(msg)
         if name not in self.__dict__:  # the dataclass __init__ sets each field once
             object.__setattr__(self, name, value)
             return
@@ -162,24 +153,18 @@ class SamplingParams:
         raise AttributeError(f"SamplingParams fields cannot be deleted (tried {name!r})")
 
     def snapshot(self) -> "SamplingParams":
-        """A checked, independent copy (``stop`` and ``stop_token_ids`` as tuples): what a queued
-        request reads, whatever later happens to this object (also in-place edits of its lists)."""
+        """What a queued request reads: a checked copy, ``stop``/``stop_token_ids`` as tuples."""
         values = _checked(copy.deepcopy({f: self.__dict__[f] for f in _FIELDS}))
-        values["stop"], values["stop_token_ids"] = (
-            tuple(values["stop"]),
-            tuple(values["stop_token_ids"]),
-        )
+        values["stop"] = tuple(values["stop"])
+        values["stop_token_ids"] = tuple(values["stop_token_ids"])
         snap = object.__new__(SamplingParams)
         snap.__dict__.update(values)
         return snap
 
     @property
     def has_penalties(self) -> bool:
-        return (
-            self.repetition_penalty != 1.0
-            or self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-        )
+        penalties = (self.repetition_penalty, self.presence_penalty, self.frequency_penalty)
+        return penalties != (1.0, 0.0, 0.0)
 
     @property
     def is_greedy(self) -> bool:
@@ -187,11 +172,9 @@ class SamplingParams:
 
     @property
     def has_filters(self) -> bool:
-        """top-k, top-p or min-p restrict the tokens a non-greedy draw may return."""
         return not self.is_greedy and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)
 
     def for_completion(self, index: int) -> "SamplingParams":
-        """Completion ``index`` of ``n``: one completion, with ``seed + index`` when seeded."""
         return replace(self, n=1, seed=None if self.seed is None else self.seed + index)
 
 

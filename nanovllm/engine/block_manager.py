@@ -23,16 +23,13 @@ class Block:
 
 
 class BlockManager:
-    """A fixed pool of KV blocks. A freed block keeps its hash and tokens at the back of the free
-    queue (a later request with the same prefix takes it back) until handed out for new content.
-    Invariants: a used block's ``ref_count`` is the number of block tables holding it, and free +
-    used = all blocks."""
+    """A fixed pool of KV blocks; a freed block keeps its hash until handed out anew. Invariant:
+    a used block's ``ref_count`` is the number of block tables holding it."""
 
     def __init__(self, num_blocks: int, block_size: int):
         if num_blocks < 1 or block_size < 1:
-            raise ValueError(
-                f"need num_blocks >= 1 and block_size >= 1, got {num_blocks} and {block_size}"
-            )
+            msg = f"got {num_blocks} and {block_size}"
+            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, {msg}")
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.hash_to_block_id: dict[int, int] = {}
@@ -42,8 +39,7 @@ class BlockManager:
 
     @staticmethod
     def compute_hash(token_ids: list[int], prefix: int = -1) -> int:
-        """xxh64 of the previous block's hash (8 bytes LE; none for the first block) and the token
-        ids as int64 LE: it stands for the whole prefix ending with this block."""
+        """Chained over the previous block's hash: it stands for the whole prefix."""
         h = xxhash.xxh64()
         if prefix != -1:
             h.update(prefix.to_bytes(8, "little"))
@@ -63,17 +59,11 @@ class BlockManager:
         self.used_block_ids.add(block_id)
         return block_id
 
-    def _release_block(self, block_id: int) -> None:
-        self.used_block_ids.remove(block_id)
-        self.free_block_ids[block_id] = None
-
     def cached_prefix(self, seq: Sequence) -> list[int]:
-        """Block ids of the longest cached prefix of ``seq`` (never its last block: a prefill
-        computes a token)."""
+        """The longest cached prefix's blocks, never the last block: a prefill computes a token."""
         if not seq.uses_prefix_cache:
             return []
-        hits = []
-        h = -1
+        hits, h = [], -1
         for i in range(seq.num_blocks - 1):
             token_ids = seq.block(i)
             h = self.compute_hash(token_ids, h)
@@ -84,21 +74,17 @@ class BlockManager:
         return hits
 
     def reset_prefix_cache(self) -> None:
-        """No block cached so far is a hit from now on. Free blocks lose their hash; held blocks
-        keep theirs (their sequence's next block chains from it) but leave the map."""
         self.hash_to_block_id.clear()
         for block_id in self.free_block_ids:
             self.blocks[block_id].update(-1, [])
 
     def can_allocate(self, seq: Sequence, hits: list[int] | None = None) -> bool:
-        """Whether the free queue holds every block ``seq`` needs beyond its cached prefix ``hits``
-        (a hit on a freed block also comes out of it)."""
+        """Whether the free queue holds every block ``seq`` needs beyond its cached ``hits``."""
         hits = self.cached_prefix(seq) if hits is None else hits
         needed = seq.num_blocks - sum(self.blocks[b].ref_count > 0 for b in hits)
         return needed <= self.num_free_blocks
 
     def allocate(self, seq: Sequence, hits: list[int] | None = None) -> None:
-        """Give ``seq`` a block table for all its tokens, reusing its cached prefix ``hits``."""
         assert not seq.block_table, f"sequence {seq.seq_id} already holds blocks"
         hits = self.cached_prefix(seq) if hits is None else hits
         for block_id in hits:
@@ -117,26 +103,24 @@ class BlockManager:
             seq.num_prefix_hit_tokens = seq.num_cached_tokens
 
     def deallocate(self, seq: Sequence) -> None:
-        """Drop ``seq``'s references, newest block first; blocks nobody holds become free."""
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
-                self._release_block(block_id)
+                self.used_block_ids.remove(block_id)
+                self.free_block_ids[block_id] = None
         seq.num_cached_tokens = 0
         seq.block_table.clear()
 
     def can_append(self, seq: Sequence) -> bool:
-        """Whether ``seq``'s next decode step has a slot (a new block if its newest token needs)."""
         return self.num_free_blocks >= (seq.num_blocks > len(seq.block_table))
 
     def may_append(self, seq: Sequence) -> None:
-        """Before a decode step: add the block the newest token's KV will be written to."""
-        if len(seq.block_table) < seq.num_blocks:
+        if len(seq.block_table) < seq.num_blocks:  # the newest token's KV starts a block
             seq.block_table.append(self._take_free_block())
 
     def hash_blocks(self, seq: Sequence) -> None:
-        """Hash and register every block of ``seq`` its computed, known tokens fill."""
+        """A block is hashed once computed, known tokens fill it."""
         num_full = min(seq.num_cached_tokens, seq.num_known_tokens) // self.block_size
         start = num_full
         while start > 0 and self.blocks[seq.block_table[start - 1]].hash == -1:

@@ -1,5 +1,4 @@
-"""The engine core: scheduler, step pipeline and executor, on token ids only. With async
-scheduling the host launches step N+1 while the device computes step N, then takes N's tokens."""
+"""The engine core: scheduler and executor on token ids; async scheduling (docs/engine.md)."""
 
 from dataclasses import dataclass
 from random import Random
@@ -13,8 +12,6 @@ from nanovllm.utils.profiling import phase
 
 @dataclass
 class SeqOutput:
-    """What one sequence gained in a step; once finished, why."""
-
     seq_id: int
     request_id: int
     new_token_ids: list[int]
@@ -34,14 +31,12 @@ class LaunchedStep:
 
 
 def is_plain(sp: SamplingParams) -> bool:
-    """Whether a request needs no request processor (``features.processors``)."""
     extras = (sp.logprobs, sp.prompt_logprobs, sp.structured_outputs)
     return not (sp.min_tokens or sp.has_penalties or sp.has_filters) and extras == (None,) * 3
 
 
 class EngineCore:
     def __init__(self, config, eos_token_ids: list[int], executor, tokenizer=None):
-        """``executor``: ``runner.executor.Executor``; ``tokenizer``: the front end's, or None."""
         self.config = config
         self.tokenizer = tokenizer
         self.executor = executor
@@ -64,17 +59,9 @@ class EngineCore:
 
     # ---- requests ----------------------------------------------------------------------------
 
-    def add_request(
-        self,
-        request_id: int,
-        prompt_token_ids: list[int],
-        sampling_params: SamplingParams,
-        report_every_step: bool = False,
-    ) -> None:
-        """Queue a request's ``n`` completions as sequences ``request_id + i``; with
-        ``report_every_step`` they report every step, not only when they finish."""
+    def add_request(self, request_id, token_ids, sampling_params, report_every_step=False) -> None:
         bs = self.config.kvcache_block_size
-        seqs = request_sequences(request_id, prompt_token_ids, sampling_params, bs)
+        seqs = request_sequences(request_id, token_ids, sampling_params, bs)
         if not is_plain(sampling_params):
             from nanovllm.features.attach import attach_processors
 
@@ -86,7 +73,7 @@ class EngineCore:
             self.scheduler.add(seq)
 
     def abort_request(self, request_id: int) -> bool:
-        """End a request's sequences, freeing their blocks; False when no such request is queued."""
+        """End a request's sequences; False when none is queued."""
         seqs = self.requests.pop(request_id, None)
         if seqs is None:
             return False
@@ -97,7 +84,7 @@ class EngineCore:
         return True
 
     def finish_sequence(self, seq_id: int, request_id: int) -> None:
-        """End a sequence the front end has found finished (a stop string in its text)."""
+        """End a sequence the front end found finished (a stop string)."""
         seqs = self.requests.get(request_id)
         if seqs is None:
             return
@@ -115,8 +102,8 @@ class EngineCore:
     # ---- the step pipeline -------------------------------------------------------------------
 
     def step(self) -> tuple[list[SeqOutput], int]:
-        """Launch a step, then resolve the one before it (async) or this one. Returns what the
-        sequences gained, and the prefill tokens (> 0) or minus the decoded sequences (< 0)."""
+        """Launch a step, then resolve the one before it (async) or this one: the outputs, and the
+        prefill tokens (> 0) or minus the decoded sequences (< 0)."""
         outputs = []
         if self._launched is not None and self._launched.needs_sync:
             outputs += self._resolve()
@@ -149,7 +136,6 @@ class EngineCore:
         return outputs, num_tokens
 
     def _resolve(self) -> list[SeqOutput]:
-        """Take the launched step's tokens into its sequences; report what they gained."""
         launched, self._launched = self._launched, None
         seqs, positions = launched.seqs, launched.positions
         with phase("wait"):
@@ -186,7 +172,6 @@ class EngineCore:
         return self._launched is not None and not all(s.is_finished for s in self._launched.seqs)
 
     def settle(self) -> list[SeqOutput]:
-        """Resolve a launched step that only computed tokens past its sequences' ends."""
         if self._launched is not None and not self._owes_results():
             return self._resolve()
         return []
@@ -195,11 +180,9 @@ class EngineCore:
         return self.scheduler.is_finished() and not self._owes_results()
 
     def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
-        """``Executor.collective_rpc``: ``method`` on every rank; ``[rank 0's result]``."""
         return self.executor.collective_rpc(method, args, kwargs)
 
     def reset_prefix_cache(self) -> bool:
-        """No block cached so far is a prefix-cache hit from now on."""
         self.scheduler.block_manager.reset_prefix_cache()
         return True
 

@@ -1,12 +1,7 @@
-"""A completion's text token by token, for stop strings and streams (pure Python; any Hugging
-Face tokenizer). Loaded only by a request that needs it."""
+"""A completion's text token by token, for stop strings and streams (docs/frontend.md)."""
 
 
 class IncrementalDetokenizer:
-    """Decodes each new token in a small window of the tokens before it, so that a character split
-    over several tokens appears once, whole; finds stop strings across token boundaries. ``text``:
-    all decoded so far; ``stopped_text``: the final text, once a stop string is found."""
-
     def __init__(self, tokenizer, sampling_params):
         sp = sampling_params
         self.tokenizer = tokenizer
@@ -27,8 +22,7 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add_tokens(self, token_ids: list[int], check_stop=True, hide_last=False) -> str | None:
-        """Take new tokens; returns the stop string that ends the completion, if one appears in
-        the new text (and ``check_stop``). ``hide_last``: the last token stays out of the text."""
+        """The stop string in the new text, if any; ``hide_last``: the last token is not text."""
         self.token_ids += token_ids
         self.num_text_tokens = len(self.token_ids) - hide_last
         text_ids = self.token_ids[: self.num_text_tokens]
@@ -59,8 +53,6 @@ class IncrementalDetokenizer:
         return self._decode(self.token_ids[: self.num_text_tokens])
 
     def take_increment(self, finished: bool) -> tuple[list[int], str]:
-        """The tokens and text not handed out yet: while running, all but the last ``hold_back``
-        characters; when finished, up to the end of ``final_text()``."""
         self.sent_final = finished
         ids = self.token_ids[self.sent_tokens :]
         self.sent_tokens = len(self.token_ids)
@@ -74,11 +66,7 @@ class IncrementalDetokenizer:
 
 
 def increments(request) -> list[tuple[int, dict]]:
-    """A stream's new output of each completion of ``request`` (an ``OutputProcessor`` state):
-    ``(completion index, dict)`` with ``token_ids`` and ``text`` new since the last increment
-    (text never ends inside a character or a possible stop string), ``logprobs``,
-    ``prompt_logprobs`` (completion 0's first increment; else None), ``finished``, and once
-    finished ``finish_reason`` and ``stop_reason``."""
+    """A stream's new output of each completion, ``(index, dict)``."""
     out = []
     for i, c in enumerate(request.completions):
         d = c.detokenizer

@@ -1,5 +1,4 @@
-"""The front end's input side: prompts of every form (text, token ids, conversations) and their
-sampling params, checked and turned into token ids and params snapshots, all or nothing per call."""
+"""The front end's input side: prompts and their params checked, all or nothing per call."""
 
 from numbers import Integral
 
@@ -13,20 +12,16 @@ def _is_token_sequence(x) -> bool:
 
 
 def as_prompt_list(prompts) -> list:
-    """A single string or token sequence becomes a list of one; a 2-D array, one per row."""
     if isinstance(prompts, str) or _is_token_sequence(prompts):
         return [prompts]
     if getattr(prompts, "ndim", None) == 2 or isinstance(prompts, (list, tuple)):
         return list(prompts)
-    raise TypeError(
-        "prompts must be a str, a sequence of token ids, or a list of them, "
-        f"got {type(prompts).__name__}"
-    )
+    msg = "a str, a sequence of token ids, or a list of them"
+    raise TypeError(f"prompts must be {msg}, got {type(prompts).__name__}")
 
 
 def prompt_token_ids(prompt, tokenizer, vocab_size: int, where: str) -> list[int]:
-    """The token ids of one prompt (text, or a 1-D sequence of ints), each checked against the
-    model's vocabulary; ``where`` names the prompt in errors."""
+    """One prompt's token ids, checked against the vocabulary (``where`` names it in errors)."""
     if isinstance(prompt, str):
         try:
             token_ids = tokenizer.encode(prompt)
@@ -44,10 +39,10 @@ def prompt_token_ids(prompt, tokenizer, vocab_size: int, where: str) -> list[int
         if set(map(type, token_ids)) - {int}:  # plain ints take this one pass
             token_ids = [_token_id(t, i, where) for i, t in enumerate(token_ids)]
     else:
-        shape = f" with shape {tuple(prompt.shape)}" if hasattr(prompt, "shape") else ""
+        got = type(prompt).__name__
+        got += f" with shape {tuple(prompt.shape)}" if hasattr(prompt, "shape") else ""
         raise TypeError(
-            f"{where}: a prompt must be a str or a 1-D sequence of token ids, "
-            f"got {type(prompt).__name__}{shape}"
+            f"{where}: a prompt must be a str or a 1-D sequence of token ids, got {got}"
         )
     if not token_ids:
         raise ValueError(f"{where}: the prompt is empty")
@@ -65,9 +60,8 @@ def _token_id(t, i: int, where: str) -> int:
 
 def _snapshot(sp, where: str) -> SamplingParams:
     if not isinstance(sp, SamplingParams):
-        raise TypeError(
-            f"{where}: sampling_params must be a SamplingParams, got {type(sp).__name__}"
-        )
+        got = type(sp).__name__
+        raise TypeError(f"{where}: sampling_params must be a SamplingParams, got {got}")
     return sp.snapshot()
 
 
@@ -81,23 +75,19 @@ class InputProcessor:
         self.num_kvcache_blocks = num_kvcache_blocks
 
     def check(self, prompt, sp: SamplingParams, where: str) -> tuple[list[int], SamplingParams]:
-        """One request's prompt token ids and its params' snapshot, checked against the model
-        and the cache; ``where`` names it in errors."""
         return self._check(prompt, _snapshot(sp, where), where)
 
     def _check(self, prompt, sp: SamplingParams, where: str) -> tuple[list[int], SamplingParams]:
         token_ids = prompt_token_ids(prompt, self.tokenizer, self.vocab_size, where)
         if sp.n > self.max_num_seqs:
-            raise ValueError(
-                f"{where}: SamplingParams.n is {sp.n}, more completions than the engine runs at "
-                f"once (max_num_seqs={self.max_num_seqs})"
+            msg = (
+                f"more completions than the engine runs at once (max_num_seqs={self.max_num_seqs})"
             )
+            raise ValueError(f"{where}: SamplingParams.n is {sp.n}, {msg}")
         for t in sp.stop_token_ids:
             if t >= self.vocab_size:
-                raise ValueError(
-                    f"{where}: stop_token_ids holds {t}, outside the vocabulary "
-                    f"[0, {self.vocab_size})"
-                )
+                msg = f"outside the vocabulary [0, {self.vocab_size})"
+                raise ValueError(f"{where}: stop_token_ids holds {t}, {msg}")
         max_len = self.max_model_len
         if len(token_ids) >= max_len:
             raise ValueError(
@@ -116,18 +106,15 @@ class InputProcessor:
     def check_all(
         self, prompts, sampling_params, default
     ) -> list[tuple[list[int], SamplingParams]]:
-        """Every prompt of a call with its params (one for all, one per prompt, or None for
-        ``default()``), checked before any is queued."""
+        """Every prompt of a call with its params, checked before any is queued."""
         prompts = as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = default()
         if not isinstance(sampling_params, (list, tuple)):
             sampling_params = [sampling_params] * len(prompts)
         elif len(sampling_params) != len(prompts):
-            raise ValueError(
-                f"sampling_params has {len(sampling_params)} entries but there are "
-                f"{len(prompts)} prompts"
-            )
+            msg = f"{len(sampling_params)} entries but there are {len(prompts)} prompts"
+            raise ValueError(f"sampling_params has {msg}")
         snapshots, checked = {}, []
         for i, (prompt, sp) in enumerate(zip(prompts, sampling_params)):
             if id(sp) not in snapshots:  # one snapshot per params object of the call
@@ -136,42 +123,6 @@ class InputProcessor:
         return checked
 
     def chat_prompts(self, messages, chat_template_kwargs: dict | None) -> list[list[int]]:
-        """Conversations (one, or a list; each a non-empty list of ``{"role", "content"}`` dicts)
-        through the tokenizer's chat template, with the assistant's turn opened."""
-        if isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], dict):
-            messages = [messages]
-        if not isinstance(messages, (list, tuple)):
-            raise TypeError(
-                "messages must be a conversation or a list of conversations, "
-                f"got {type(messages).__name__}"
-            )
-        kwargs = chat_template_kwargs
-        if kwargs is not None and not isinstance(kwargs, dict):
-            raise TypeError(
-                f"chat_template_kwargs must be a dict or None, got {type(kwargs).__name__}"
-            )
-        prompts = []
-        for i, conversation in enumerate(messages):
-            if not isinstance(conversation, (list, tuple)) or not conversation:
-                raise TypeError(
-                    f"messages[{i}]: a conversation must be a non-empty list of message dicts, "
-                    f"got {conversation!r}"
-                )
-            for j, m in enumerate(conversation):
-                if not (
-                    isinstance(m, dict)
-                    and all(isinstance(m.get(k), str) for k in ("role", "content"))
-                ):
-                    raise TypeError(
-                        f"messages[{i}][{j}]: a message must be a dict with str 'role' and "
-                        f"'content', got {m!r}"
-                    )
-            encoded = self.tokenizer.apply_chat_template(
-                list(conversation),
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=True,
-                **(kwargs or {}),
-            )
-            prompts.append(list(encoded["input_ids"]))
-        return prompts
+        from nanovllm.engine.chat import chat_prompts
+
+        return chat_prompts(self.tokenizer, messages, chat_template_kwargs)

@@ -1,5 +1,4 @@
-"""The front end: prompts in (``InputProcessor``), outputs out (``OutputProcessor``), and between
-them the engine core, which runs on token ids only (``EngineCore``)."""
+"""The front end: inputs, the engine core, outputs (docs/frontend.md)."""
 
 import atexit
 from collections.abc import Iterator
@@ -23,27 +22,18 @@ ASLEEP = "the engine is asleep; call wake_up()"
 EXITED = "this LLM has exited (exit() or the end of its with block); create a new LLM to continue"
 
 
-def _as_list(x) -> list:
-    return [] if x is None else list(x) if isinstance(x, (list, tuple)) else [x]
-
-
 class LLMEngine:
     def __init__(self, model: str, **kwargs):
         accepted = [name for name in Config.field_names() if name != "model"]
-        for key in kwargs:
-            if key not in accepted:
-                raise TypeError(
-                    f"LLM() got an unexpected keyword argument {key!r}; "
-                    f"accepted: {', '.join(accepted)}"
-                )
+        if unknown := [key for key in kwargs if key not in accepted]:
+            msg = f"unexpected keyword argument {unknown[0]!r}; accepted: {', '.join(accepted)}"
+            raise TypeError(f"LLM() got an {msg}")
         self.config = config = Config(model, **kwargs)
         self.tokenizer = load_tokenizer(config.model)  # before any process starts
         self.generation_config = read_generation_config(config.model)
-        eos = {
-            self.tokenizer.eos_token_id,
-            *_as_list(getattr(config.hf_config, "eos_token_id", None)),
-            *_as_list(self.generation_config.get("eos_token_id")),
-        }
+        found = (self.tokenizer.eos_token_id, getattr(config.hf_config, "eos_token_id", None))
+        found += (self.generation_config.get("eos_token_id"),)
+        eos = {e for x in found for e in (x if isinstance(x, (list, tuple)) else [x])}
         self.eos_token_ids = sorted(e for e in eos if e is not None)
         self._exited = True  # until the core has started
         if config.data_parallel_size > 1 or config.data_parallel_backend == "ray":
@@ -65,8 +55,7 @@ class LLMEngine:
         self.last_throughput = {"prefill": 0.0, "decode": 0.0}  # of the last generate call
 
     def exit(self) -> None:
-        """Release worker processes, shared memory and the process group (idempotent). Queued
-        requests are dropped: afterwards ``is_finished()`` is True and nothing counts as running."""
+        """Release processes, shared memory and the process group (idempotent); drop the queue."""
         if self._exited:
             return
         self._exited = True
@@ -94,25 +83,22 @@ class LLMEngine:
             raise RuntimeError(ASLEEP)
 
     def check_idle(self, what: str) -> None:
-        """Let a step that computes only past its sequences' ends finish; then a RuntimeError
-        naming ``what`` unless nothing is queued or in flight."""
         self._process(self.core.settle())
         if not self.core.is_finished():
-            stats = self.core.stats()
+            s = self.core.stats()
             raise RuntimeError(
                 f"{what} needs an idle engine, but sequences are queued (running "
-                f"{stats['num_requests_running']}, waiting {stats['num_requests_waiting']}): let "
-                "them finish (generate, or step() until is_finished()) or abort them first"
+                f"{s['num_requests_running']}, waiting {s['num_requests_waiting']}): let them "
+                "finish (generate, or step() until is_finished()) or abort them first"
             )
 
     # ---- requests and steps ------------------------------------------------------------------
 
-    def get_default_sampling_params(self) -> SamplingParams:
-        """``SamplingParams()`` with the model folder's ``generation_config.json`` over it."""
+    def get_default_sampling_params(self) -> SamplingParams:  # with generation_config.json's
         return SamplingParams(**sampling_defaults(self.generation_config))
 
     def _queue(self, token_ids: list[int], sp: SamplingParams, stream: bool = False) -> int:
-        """Queue a checked request (``sp``: its snapshot); completion i is ``request_id + i``."""
+        """Queue a checked request; completion i is ``request_id + i``."""
         request_id = next(self._request_ids)
         for _ in range(sp.n - 1):
             next(self._request_ids)
@@ -121,13 +107,12 @@ class LLMEngine:
         return request_id
 
     def add_request(self, prompt, sampling_params: SamplingParams) -> int:
-        """Queue one request; returns its id, the sequence id ``step`` reports (completion ``i``
-        of ``n`` as ``request_id + i``)."""
+        """Queue one request; returns its id (``step`` reports completion ``i`` as id + i)."""
         self._check_running()
         return self._queue(*self.inputs.check(prompt, sampling_params, "prompt"))
 
     def abort_request(self, request_id: int) -> bool:
-        """End a queued request; its completions are not reported. False when none is queued."""
+        """False when no such request is queued."""
         if self._exited or not self.core.abort_request(request_id):
             return False
         self.outputs.abort(request_id)
@@ -136,9 +121,8 @@ class LLMEngine:
         return True
 
     def step(self) -> tuple[list[tuple[int, list[int]]], int]:
-        """Run one step. Returns ``(seq_id, completion_token_ids)`` of ``add_request``'s sequences
-        that finished, and the prefill tokens computed (> 0) or minus the sequences decoded (< 0;
-        0: none launched). Ctrl-C during a step takes effect when it is complete."""
+        """``add_request``'s finished ``(seq_id, token_ids)``, and the prefill tokens (> 0) or minus
+        the decoded sequences (< 0)."""
         _, num_tokens = self._step()
         outputs, self._unclaimed = self._unclaimed, []
         return outputs, num_tokens
@@ -168,34 +152,27 @@ class LLMEngine:
         return self._exited or (self.core.is_finished() and not self._unclaimed)
 
     def get_stats(self) -> dict:
-        """Counts now (a request with ``n`` completions counts ``n``), cumulative token counts,
-        and the last generate/chat/stream call's prefill and decode tokens/s."""
         if self._final_stats is not None:
             return dict(self._final_stats)
-        t = self.last_throughput
-        return {
-            **self.core.stats(),
-            "prefill_throughput": t["prefill"],
-            "decode_throughput": t["decode"],
-        }
+        rates = {f"{kind}_throughput": value for kind, value in self.last_throughput.items()}
+        return {**self.core.stats(), **rates}
 
     # ---- every rank, weights, sleep, the prefix cache ----------------------------------------
 
     def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
-        """Call ``method`` (a ModelRunner method name, or a top-level function called with the
-        runner first) on every rank of every replica; returns each replica's rank-0 result."""
+        """``method`` on every rank of every replica; each replica's rank-0 result."""
         self._check_running(asleep_ok=True)
         return self.core.collective_rpc(method, args, kwargs)
 
     def update_weights(self, weights) -> None:
-        """Load ``(name, tensor)`` pairs into the model in place (features/weight_update.py)."""
+        """Load ``(name, tensor)`` pairs into the model in place."""
         from nanovllm.features.weight_update import update_weights
 
         self._check_running()
         update_weights(self, weights)
 
     def sleep(self, level: int = 1) -> None:
-        """Free the engine's device memory (features/sleep.py); level 1 keeps weights on host."""
+        """Free device memory; level 1 keeps the weights on the host."""
         from nanovllm.features.sleep import sleep
 
         self._check_running(asleep_ok=True)
@@ -211,7 +188,6 @@ class LLMEngine:
         return self.sleep_level != 0
 
     def reset_prefix_cache(self) -> bool:
-        """Forget the prefix cache on every replica (running requests keep their blocks)."""
         self._check_running(asleep_ok=True)
         self._process(self.core.settle())  # with replicas: no call in flight
         return self.core.reset_prefix_cache()
@@ -219,9 +195,7 @@ class LLMEngine:
     # ---- offline calls -----------------------------------------------------------------------
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[dict]:
-        """Complete every prompt (a string or a 1-D sequence of token ids, or a list of them);
-        one dict per prompt, in input order. ``sampling_params``: one for all, one per prompt,
-        or None for ``get_default_sampling_params()``. Every prompt is checked first."""
+        """One result dict per prompt, in input order."""
         self._check_running()
         requests = self.inputs.check_all(prompts, sampling_params, self.get_default_sampling_params)
         if not requests:
@@ -235,24 +209,19 @@ class LLMEngine:
                     results[request_id] = self.outputs.request_output(request_id)
                 bar.update(len(finished))
                 if use_tqdm and perf_counter() - shown > 0.5:
-                    shown, t = perf_counter(), self.last_throughput
-                    bar.set_postfix(
-                        prefill=f"{t['prefill']:.0f}tok/s", decode=f"{t['decode']:.0f}tok/s"
-                    )
+                    shown = perf_counter()
+                    bar.set_postfix({k: f"{v:.0f}tok/s" for k, v in self.last_throughput.items()})
         return [results[request_id] for request_id in request_ids]
 
     def chat(
-        self, messages, sampling_params=None, use_tqdm: bool = True, chat_template_kwargs=None
-    ) -> list[dict]:
-        """``generate`` over conversations (``InputProcessor.chat_prompts``)."""
+        self, messages, sampling_params=None, use_tqdm=True, chat_template_kwargs=None
+    ) -> list:
         self._check_running()
         prompts = self.inputs.chat_prompts(messages, chat_template_kwargs)
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def stream(self, prompts, sampling_params=None) -> Iterator[dict]:
-        """``generate`` as an iterator of per-step increments (dicts with ``index``, the prompt's
-        position, ``completion``, its index among ``n``, and ``detokenizer.increments``' keys).
-        Prompts are checked now, queued when iteration starts; closing it early aborts them."""
+        """Per-step increments; prompts checked now, queued on iteration; closing aborts them."""
         self._check_running()
         requests = self.inputs.check_all(prompts, sampling_params, self.get_default_sampling_params)
         return self._stream(requests)
@@ -267,8 +236,7 @@ class LLMEngine:
                         yield {"index": index, "completion": completion, **inc}
 
     def _run(self, requests: list, stream: bool = False) -> Iterator[tuple[list[int], list[int]]]:
-        """Queue ``requests`` and step until all are finished, yielding after each step their ids
-        and those that finished in it. Left early (an error, or closed), it aborts the rest."""
+        """Queue ``requests``, step until all finish; left early, it aborts the rest."""
         self._check_running()
         request_ids = [self._queue(token_ids, sp, stream) for token_ids, sp in requests]
         self._owned.update(request_ids)
@@ -285,9 +253,8 @@ class LLMEngine:
                 self.last_throughput[kind] = tokens[kind] / seconds[kind]
                 finished = [r for r in done if r in remaining]
                 if num_tokens == 0:  # nothing ran: some of ours were aborted meanwhile
-                    finished += [
-                        r for r in remaining - set(finished) if self.outputs.is_finished(r)
-                    ]
+                    rest = remaining.difference(finished)
+                    finished += [r for r in rest if self.outputs.is_finished(r)]
                 remaining.difference_update(finished)
                 yield request_ids, finished
         finally:

@@ -1,5 +1,4 @@
-"""The front end's output side: each request's completions as the engine core reports their tokens
-(text, stop strings, log-probabilities) and the result dicts."""
+"""The front end's output side: completions as the core reports tokens; the result dicts."""
 
 from dataclasses import dataclass, field
 
@@ -21,8 +20,7 @@ class Completion:
 
     @property
     def num_text_tokens(self) -> int:
-        """All tokens but a final EOS or stop token id: as in vLLM, it stays in ``token_ids`` but
-        not in the text (unless include_stop_str_in_output)."""
+        """A final EOS or stop token id is in ``token_ids`` but not in the text (as in vLLM)."""
         stopped_by_id = self.finish_reason == "stop" and not isinstance(self.stop_reason, str)
         return len(self.token_ids) - (stopped_by_id and not self.params.include_stop_str_in_output)
 
@@ -44,11 +42,8 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.requests: dict[int, RequestState] = {}
 
-    def add_request(
-        self, request_id: int, prompt_token_ids, sp: SamplingParams, stream: bool
-    ) -> bool:
-        """Start the request's output state. Returns whether the core must report its tokens every
-        step (a stream, stop strings or log-probabilities), not only when a completion finishes."""
+    def add_request(self, request_id: int, prompt_token_ids, sp: SamplingParams, stream) -> bool:
+        """Whether the core must report the request's tokens every step."""
         text_each_step = stream or bool(sp.stop)
         completions = [Completion(sp) for _ in range(sp.n)]
         for c in completions:
@@ -61,11 +56,8 @@ class OutputProcessor:
         self.requests[request_id] = RequestState(prompt_token_ids, completions)
         return text_each_step or sp.logprobs is not None
 
-    def process(
-        self, outputs: list[SeqOutput]
-    ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """Take a step's outputs. Returns the ``(request_id, seq_id)`` of the completions that
-        finished, and of those a stop string ended while the core still runs them."""
+    def process(self, outputs: list[SeqOutput]) -> tuple[list, list]:
+        """``(request_id, seq_id)`` of finished completions, and of those a stop string ended."""
         finished, stopped = [], []
         for out in outputs:
             request = self.requests.get(out.request_id)
@@ -82,11 +74,8 @@ class OutputProcessor:
                 c.cumulative_logprob += logprob
                 c.logprobs.append(entry)
             if out.finish_reason is not None:
-                c.finished, c.finish_reason, c.stop_reason = (
-                    True,
-                    out.finish_reason,
-                    out.stop_reason,
-                )
+                c.finished, c.finish_reason = True, out.finish_reason
+                c.stop_reason = out.stop_reason
             if c.detokenizer is not None and out.new_token_ids and self._stop_string(c, out):
                 if out.finish_reason is None:
                     stopped.append((out.request_id, out.seq_id))
@@ -97,8 +86,7 @@ class OutputProcessor:
 
     @staticmethod
     def _stop_string(c: Completion, out: SeqOutput) -> bool:
-        """Feed the new tokens to the detokenizer; True when a stop string ends the completion
-        (also one that ended by length meanwhile). Stop strings count after ``min_tokens``."""
+        """Whether a stop string ends the completion (counted after ``min_tokens``)."""
         check = c.finish_reason in (None, "length") and len(c.token_ids) > c.params.min_tokens
         hide_last = c.num_text_tokens < len(c.token_ids)
         stop = c.detokenizer.add_tokens(out.new_token_ids, check, hide_last)
@@ -120,7 +108,6 @@ class OutputProcessor:
         return self.requests.pop(request_id, None)
 
     def request_output(self, request_id: int) -> dict:
-        """The request's result dict (its state stays until ``pop``)."""
         request = self.requests[request_id]
         completions = [self._completion(i, c) for i, c in enumerate(request.completions)]
         return {

@@ -7,8 +7,8 @@ from nanovllm.engine.sequence import Sequence, SequenceStatus
 
 
 class Scheduler:
-    """``waiting``: sequences whose prompt is not fully computed (only the head may hold blocks,
-    part-way through a chunked prefill); ``running``: sequences in decode. Both FIFO."""
+    """``waiting``: prompts not fully computed (only the head holds blocks, in a chunked prefill);
+    ``running``: sequences in decode. Both FIFO."""
 
     def __init__(
         self,
@@ -38,9 +38,8 @@ class Scheduler:
         self.waiting.append(seq)
 
     def schedule(self) -> tuple[list[Sequence], bool]:
-        """``(seqs, is_prefill)``, their ``num_scheduled_tokens`` set. Prefill: waiting sequences in
-        order within the limits (uncached tokens count), only the last chunked. Else every running
-        one decodes a token (the newest preempted when blocks run out), longest first."""
+        """Prefill: waiting sequences in order within the limits, only the last chunked. Else every
+        running one decodes a token (the newest preempted when blocks run out), longest first."""
         scheduled: list[Sequence] = []
         budget = self.max_num_batched_tokens
         bm = self.block_manager
@@ -87,11 +86,9 @@ class Scheduler:
         return sorted(scheduled, key=len, reverse=True), False
 
     def at_length_limit(self, seq: Sequence) -> bool:
-        """Whether ``seq`` holds ``max_tokens`` completion tokens, or ``max_model_len`` in all."""
         return seq.num_completion_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len
 
     def preempt(self, seq: Sequence, count: bool = True) -> None:
-        """Free ``seq``'s blocks and put it back at the head of ``waiting`` for recomputation."""
         seq.status = SequenceStatus.WAITING
         seq.num_scheduled_tokens = 0
         self.block_manager.deallocate(seq)
@@ -99,15 +96,12 @@ class Scheduler:
         self.num_preemptions += count
 
     def unschedule(self, seqs: list[Sequence]) -> None:
-        """A step failed: its sequences go back to the head of ``waiting``, in order, blockless."""
         for seq in reversed(seqs):
             if not seq.is_finished:
                 (self.running if seq.status == SequenceStatus.RUNNING else self.waiting).remove(seq)
                 self.preempt(seq, count=False)
 
     def finish(self, seq: Sequence, finish_reason: str, stop_reason: int | None = None) -> None:
-        """End ``seq`` (waiting or running) and free its blocks; its tokens in flight are dropped.
-        Reasons: ``check_stop``'s, "abort", or the front end's "stop" (a stop string)."""
         if seq.is_finished:
             return
         queue = self.running if seq.status == SequenceStatus.RUNNING else self.waiting
@@ -121,8 +115,7 @@ class Scheduler:
         self.block_manager.deallocate(seq)
 
     def check_stop(self, seq: Sequence, token_id: int) -> tuple[str, int | None] | None:
-        """``(finish_reason, stop_reason)`` if ``seq`` ends with the token just set: EOS or a stop
-        token once ``min_tokens`` are out, or the length limit (stop strings: the front end)."""
+        """EOS or a stop token once ``min_tokens`` are out, or the length limit."""
         if seq.num_known_tokens - seq.num_prompt_tokens > seq.min_tokens:
             if not seq.ignore_eos and token_id in self.eos_token_ids:
                 return "stop", None
@@ -133,9 +126,7 @@ class Scheduler:
         return None
 
     def advance(self, seqs: list[Sequence]) -> list[int]:
-        """A step is launched: its sequences move past its tokens, and each that samples gets a
-        placeholder; returns their positions (-1: a prompt chunk). One at its length limit leaves
-        ``running`` and frees its blocks now (it finishes in ``resolve``)."""
+        """A step is launched: placeholders for its samples; their positions (-1: prompt chunk)."""
         positions = []
         for row, seq in enumerate(seqs):
             seq.num_cached_tokens += seq.num_scheduled_tokens
@@ -152,8 +143,7 @@ class Scheduler:
         return positions
 
     def resolve(self, seqs: list[Sequence], positions: list[int], token_ids: list[int]) -> list:
-        """``token_ids[i]`` goes to ``positions[i]`` of ``seqs[i]`` (tokens past an end dropped);
-        its processors may end it ("stop"). Returns the sequences that finished."""
+        """The tokens into their positions (past an end: dropped); the sequences that finished."""
         finished = []
         for seq, position, token_id in zip(seqs, positions, token_ids):
             if not 0 <= position < len(seq) or seq.is_finished:

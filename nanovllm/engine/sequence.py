@@ -1,5 +1,4 @@
-"""One completion as the scheduler sees it: its token ids, where its KV lives, how far it has been
-computed."""
+"""One completion as the scheduler sees it."""
 
 from enum import Enum, auto
 from itertools import count
@@ -16,10 +15,8 @@ class SequenceStatus(Enum):
 
 
 class Sequence:
-    """Invariant: the KV of ``token_ids[:num_cached_tokens]`` is in the blocks of ``block_table``;
-    a step computes the next ``num_scheduled_tokens``. The last ``num_pending`` tokens are
-    placeholders sampled by a step in flight (the newest in its row ``pending_row``); a finished
-    sequence has none."""
+    """Invariant: the KV of ``token_ids[:num_cached_tokens]`` is in ``block_table``'s blocks; the
+    last ``num_pending`` tokens are placeholders of steps in flight (none once finished)."""
 
     _ids = count()
 
@@ -37,21 +34,16 @@ class Sequence:
         self.block_size = block_size
         self.token_ids = list(token_ids)
         self.last_token = self.token_ids[-1]
-        self.num_tokens = len(self.token_ids)
-        self.num_prompt_tokens = self.num_tokens
-        self.num_cached_tokens = 0
-        self.num_scheduled_tokens = 0
-        self.num_pending = 0
+        self.num_tokens = self.num_prompt_tokens = len(self.token_ids)
+        self.num_cached_tokens = self.num_scheduled_tokens = self.num_pending = 0
         self.pending_row = -1
         self.num_prefix_hit_tokens = -1  # prompt tokens the prefix cache served at first admission
         self.block_table: list[int] = []
-        self.sampling_params = sampling_params
-        self.max_tokens = sampling_params.max_tokens
-        self.ignore_eos = sampling_params.ignore_eos
-        self.min_tokens = sampling_params.min_tokens
-        self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
-        # n > 1: completion 0, whose prompt blocks this one takes from the prefix cache
-        self.wait_for: Sequence | None = None
+        self.sampling_params = sp = sampling_params
+        self.max_tokens, self.min_tokens = sp.max_tokens, sp.min_tokens
+        self.ignore_eos = sp.ignore_eos
+        self.stop_token_ids = frozenset(sp.stop_token_ids)
+        self.wait_for: Sequence | None = None  # n > 1: completion 0, whose prompt blocks it shares
         self.finish_reason: str | None = None  # "stop", "length" or "abort" once finished
         self.stop_reason: int | None = None  # the stop token id that ended it
         self.num_reported = 0  # completion tokens the core has handed to the front end
@@ -70,8 +62,7 @@ class Sequence:
         return self.num_tokens - self.num_prompt_tokens
 
     @property
-    def num_known_tokens(self) -> int:
-        """Tokens whose values the host has (all but the pending placeholders)."""
+    def num_known_tokens(self) -> int:  # all but the pending placeholders
         return self.num_tokens - self.num_pending
 
     @property
@@ -88,11 +79,10 @@ class Sequence:
 
     def block(self, i: int) -> list[int]:
         if not 0 <= i < self.num_blocks:
-            raise IndexError(f"block index {i} out of range for {self.num_blocks} blocks")
+            raise IndexError(f"block {i} out of range for {self.num_blocks} blocks")
         return self.token_ids[i * self.block_size : (i + 1) * self.block_size]
 
     def append_placeholder(self, row: int) -> None:
-        """A token sampled in row ``row`` of a step in flight (its value: ``set_token``)."""
         self.token_ids.append(PLACEHOLDER)
         self.last_token = PLACEHOLDER
         self.num_tokens += 1
@@ -100,12 +90,9 @@ class Sequence:
         self.pending_row = row
 
     def set_token(self, position: int, token_id: int) -> None:
-        """The value of the oldest pending placeholder, at ``position``."""
         if position != self.num_known_tokens:
-            raise ValueError(
-                f"sequence {self.seq_id}: token {position} set out of order "
-                f"(next is {self.num_known_tokens})"
-            )
+            msg = f"set out of order (next is {self.num_known_tokens})"
+            raise ValueError(f"sequence {self.seq_id}: token {position} {msg}")
         self.token_ids[position] = token_id
         self.num_pending -= 1
         if position == self.num_tokens - 1:
@@ -113,7 +100,7 @@ class Sequence:
             self.pending_row = -1
 
     def discard_pending(self) -> None:
-        """Drop the placeholders (tokens past the end of a finished sequence)."""
+        """Drop the placeholders (tokens past the end)."""
         if self.num_pending:
             del self.token_ids[self.num_known_tokens :]
             self.num_tokens -= self.num_pending
@@ -122,7 +109,6 @@ class Sequence:
             self.last_token = self.token_ids[-1]
 
     def scheduled_token_ids(self) -> list[int]:
-        """The tokens this step computes (after the cached prefix)."""
         start = self.num_cached_tokens
         return self.token_ids[start : start + self.num_scheduled_tokens]
 
@@ -130,8 +116,7 @@ class Sequence:
 def request_sequences(
     request_id: int, prompt_token_ids: list[int], sampling_params: SamplingParams, block_size: int
 ) -> list[Sequence]:
-    """A request's ``n`` completions as sequences ``request_id + i``. Completion 0 is computed
-    first; the others are admitted once its prompt is in the cache, to share its full blocks."""
+    """Completions ``request_id + i``; the others wait for completion 0's prompt blocks."""
     sp = sampling_params
     seqs = []
     for i in range(sp.n):

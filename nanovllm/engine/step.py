@@ -1,5 +1,4 @@
-"""The plain description of one step that the engine core hands the executor: lists of ints and
-small dataclasses, so it pickles compactly to the worker processes (no ``Sequence`` crosses)."""
+"""The plain description of one step sent to every rank (no ``Sequence`` crosses)."""
 
 from dataclasses import dataclass, replace
 from itertools import chain
@@ -11,8 +10,6 @@ _MASK64 = (1 << 64) - 1
 
 
 def draw_seed(seed: int, step: int) -> int:
-    """The 32-bit noise seed of a seeded request's ``step``-th token (splitmix64 of both): it
-    depends on nothing else, so the batch around it does not change the draw."""
     x = (seed * 0x9E3779B97F4A7C15 + (step + 1) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
@@ -21,8 +18,7 @@ def draw_seed(seed: int, step: int) -> int:
 
 @dataclass
 class SamplingRows:
-    """Each row's temperature (0: greedy) and draw seed in [0, 2**32). ``extra`` (rank 0 only):
-    what request processors add; a step without it is plain (a decode graph draws it)."""
+    """Rows' temperature (0: greedy) and seed; ``extra`` (rank 0): request processors' part."""
 
     temperatures: list[float]
     seeds: list[int]
@@ -35,9 +31,8 @@ class SamplingRows:
 
 @dataclass
 class Step:
-    """One forward pass. Sequence ``i`` has ``num_computed[i]`` tokens cached and computes
-    ``num_new[i]`` more (``token_ids``, all sequences' in order); a token the host does not know
-    yet is -1, held in row ``prev_rows[i]`` of the previous step's sampled ids."""
+    """Sequence ``i`` has ``num_computed[i]`` tokens cached and computes ``num_new[i]`` more; an
+    unknown token is -1, in row ``prev_rows[i]`` of the previous step's samples."""
 
     is_prefill: bool
     token_ids: list[int]
@@ -58,7 +53,6 @@ class Step:
 
 
 def build_step(seqs: list[Sequence], is_prefill: bool, rng: Random) -> Step:
-    """The step that computes each sequence's ``num_scheduled_tokens`` (unseeded rows: ``rng``)."""
     if is_prefill:
         token_ids = list(chain.from_iterable(seq.scheduled_token_ids() for seq in seqs))
         num_computed = [seq.num_cached_tokens for seq in seqs]
@@ -72,9 +66,8 @@ def build_step(seqs: list[Sequence], is_prefill: bool, rng: Random) -> Step:
         if max(prev_rows) < 0:
             prev_rows = None
     rows = sampling_rows(seqs, rng)
-    step = Step(
-        is_prefill, token_ids, num_computed, num_new, [s.block_table for s in seqs], prev_rows, rows
-    )
+    tables = [s.block_table for s in seqs]
+    step = Step(is_prefill, token_ids, num_computed, num_new, tables, prev_rows, rows)
     for i, seq in enumerate(seqs):
         if seq.processors:
             offset = sum(num_new[:i]) if is_prefill else i  # its first token among the step's

@@ -12,7 +12,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 class SiluAndMul(nn.Module):
-    """SwiGLU: the input is [gate | up] on the last dim; returns SiLU(gate) * up."""
+    """[gate | up] on the last dim -> SiLU(gate) * up."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return silu_and_mul(x)

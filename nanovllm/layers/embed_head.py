@@ -8,8 +8,7 @@ from nanovllm.utils.context import get_context
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Each rank holds a contiguous slice of the vocabulary; ids outside it embed to zero and one
-    all-reduce sums the slices."""
+    """A vocabulary slice per rank; other ids embed to zero, an all-reduce sums the slices."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__()
@@ -39,15 +38,11 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Logits for each sequence's last position (prefill) or its single token (decode); with
-    several ranks the vocabulary slices are gathered on rank 0, the only rank that samples (None
-    on the others), unless the caller takes this rank's slice as it is (``gather=False``: a decode
-    graph's draw, see sampling/triton_draw.py)."""
+    """Logits of each sequence's last position, gathered on rank 0 (None elsewhere) unless
+    ``gather=False``."""
 
-    def forward(
-        self, x: torch.Tensor, out: torch.Tensor | None = None, gather: bool = True
-    ) -> torch.Tensor | None:
-        """``out``: where to write this rank's logits (not gathered)."""
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None, gather: bool = True):
+        # out: where this rank's logits go (not gathered)
         context = get_context()
         if context.is_prefill:
             x = x[context.cu_seqlens_q[1:] - 1].contiguous()
@@ -55,11 +50,10 @@ class ParallelLMHead(VocabParallelEmbedding):
         return self.gather(logits) if gather else logits
 
     def gather(self, logits: torch.Tensor) -> torch.Tensor | None:
-        """Every rank's logits slice, in vocabulary order, on rank 0 (every rank calls this)."""
         if self.tp_size == 1:
             return logits
-        parts = (
-            [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
-        )
+        parts = None
+        if self.tp_rank == 0:
+            parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
         dist.gather(logits, parts, dst=0)
         return torch.cat(parts, dim=-1) if self.tp_rank == 0 else None

@@ -21,8 +21,7 @@ def add_rms_norm(
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32. With ``residual`` it first adds it and returns ``(normed,
-    x + residual)``. Nothing is updated in place."""
+    """RMSNorm in float32; with ``residual``, ``(norm(x + residual), x + residual)``."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()

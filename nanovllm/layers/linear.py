@@ -1,6 +1,4 @@
-"""Tensor-parallel linear layers. Each parameter carries a ``weight_loader`` that copies this
-rank's shard of a checkpoint tensor into it. A layer's weights and GEMM belong to its
-``quant_method`` (``LinearMethod`` here; FP8 in ``quantization/fp8_method.py``)."""
+"""Tensor-parallel linear layers; weights and GEMM belong to the layer's ``quant_method``."""
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +13,7 @@ def _divide(numerator: int, denominator: int) -> int:
 
 
 class LinearMethod:
-    """A linear layer's weights and arithmetic: plain ``F.linear`` in the model dtype."""
+    """Plain weights and ``F.linear`` in the model dtype."""
 
     def create_weights(self, layer: "LinearBase", input_size: int, output_size: int) -> None:
         layer.weight = nn.Parameter(torch.empty(output_size, input_size))
@@ -45,8 +43,7 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
 
     def shard(self, param: nn.Parameter, *shard_id) -> tuple[int, int, int]:
-        """(offset in ``param``, offset in the checkpoint tensor, size) along ``tp_dim`` of this
-        rank's part of a checkpoint tensor (of part ``shard_id`` in a fused layer)."""
+        """(offset in ``param``, offset in the checkpoint tensor, size) of this rank's part."""
         size = param.size(self.tp_dim)
         return 0, self.tp_rank * size, size
 
@@ -54,7 +51,6 @@ class LinearBase(nn.Module):
         return self.tp_dim is None or param.dim() == 1 and self.tp_dim == 1
 
     def checkpoint_shape(self, param: nn.Parameter, *shard_id) -> tuple[int, ...]:
-        """The full shape of the checkpoint tensor (part ``shard_id``) that loads into ``param``."""
         shape = list(param.shape)
         if not self._replicated(param):
             shape[self.tp_dim] = self.shard(param, *shard_id)[2] * self.tp_size
@@ -63,11 +59,9 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, *shard_id) -> None:
         self.copy_shard(param, loaded, shard_id)
 
-    def copy_shard(
-        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple, block: int = 1
-    ) -> None:
-        """Copy this rank's part of ``loaded`` into ``param``, which holds one value per ``block``
-        weight values along ``tp_dim`` (a part's size rounds up)."""
+    def copy_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple, block=1):
+        """This rank's part of ``loaded`` into ``param``, one value per ``block`` weights along
+        ``tp_dim``."""
         if self._replicated(param):
             param.data.copy_(loaded)
             return
@@ -88,7 +82,7 @@ class ReplicatedLinear(LinearBase):
 
 
 class ColumnParallelLinear(LinearBase):
-    """Splits the output features; each rank produces its slice (no communication)."""
+    """Splits the output features; each rank produces its slice."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, quant_method=None):
         tp_size = get_tp_size()
@@ -96,7 +90,7 @@ class ColumnParallelLinear(LinearBase):
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
-    """Column-parallel projections fused in one weight (gate and up), loaded by index."""
+    """Column-parallel gate and up in one weight, loaded by index."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias=False, quant_method=None):
         self.output_sizes = output_sizes
@@ -108,9 +102,6 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """Fused q/k/v projection of ``heads`` query and ``kv_heads`` KV heads (in all ranks); each
-    rank holds its share of both."""
-
     def __init__(self, hidden_size, head_dim, heads, kv_heads, bias=False, quant_method=None):
         tp_size = get_tp_size()
         self.head_dim = head_dim
@@ -126,9 +117,7 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(LinearBase):
-    """Splits the input features; partial results are summed with one all-reduce, then the bias
-    is added. ``reduce_results=False`` (only without a bias) returns this rank's partial sums for
-    the norm behind it to add up (``parallel/reduce_norm.py``)."""
+    """``reduce_results=False`` (no bias): the norm behind it sums the ranks' parts."""
 
     def __init__(self, input_size, output_size, bias=False, quant_method=None, reduce_results=True):
         tp_size = get_tp_size()

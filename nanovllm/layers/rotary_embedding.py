@@ -16,8 +16,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 def apply_rotary_emb(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate-half RoPE in float32. q/k: [num_tokens, num_heads, head_dim];
-    cos_sin_cache: [max_position, 1, head_dim] holding [cos | sin]."""
+    """Rotate-half RoPE in float32; cos_sin_cache [max_position, 1, head_dim] holds [cos | sin]."""
     cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)  # [num_tokens, 1, head_dim // 2] each
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
@@ -32,22 +31,20 @@ def apply_qk_norm_rotary_emb(
     eps: float,
     cos_sin_cache: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-head RMSNorm of q and k (Qwen3's QK-norm), then RoPE, compiled as one function."""
+    """Per-head RMSNorm of q and k (Qwen3), then RoPE."""
     q = rms_norm.__wrapped__(q, q_weight, eps)
     k = rms_norm.__wrapped__(k, k_weight, eps)
     return apply_rotary_emb.__wrapped__(positions, q, k, cos_sin_cache)
 
 
 def rope_parameters(config) -> tuple[float, dict]:
-    """(theta, scaling) from ``rope_parameters`` (transformers 5) or ``rope_theta`` and
-    ``rope_scaling``: {} for plain RoPE or Llama 3's; any other type is a ValueError."""
+    """(theta, {} or Llama 3's scaling); another scaling type is a ValueError."""
     params = dict(getattr(config, "rope_parameters", None) or {})
     params.update(getattr(config, "rope_scaling", None) or {})
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ("default", "llama3"):
-        raise ValueError(
-            f"rope scaling type {rope_type!r} is not supported (only default, 'llama3')"
-        )
+        msg = f"rope scaling type {rope_type!r} is not supported (only default, 'llama3')"
+        raise ValueError(msg)
     theta = params.get("rope_theta", getattr(config, "rope_theta", None))
     if theta is None:
         raise ValueError("the model config has no rope_theta (in rope_parameters or at top level)")
@@ -56,21 +53,15 @@ def rope_parameters(config) -> tuple[float, dict]:
     keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     missing = [k for k in keys if k not in params]
     if missing:
-        raise ValueError(
-            f"rope scaling 'llama3' needs {', '.join(keys)}; the config lacks {', '.join(missing)}"
-        )
+        msg = f"needs {', '.join(keys)}; the config lacks {', '.join(missing)}"
+        raise ValueError(f"rope scaling 'llama3' {msg}")
     return float(theta), {k: float(params[k]) for k in keys}
 
 
 def llama3_inv_freq(
-    inv_freq: torch.Tensor,
-    factor: float,
-    low_freq_factor: float,
-    high_freq_factor: float,
-    original_max_position_embeddings: float,
+    inv_freq, factor, low_freq_factor, high_freq_factor, original_max_position_embeddings
 ) -> torch.Tensor:
-    """Llama 3's frequency scaling: short wavelengths keep their frequency, long ones are divided
-    by ``factor``, those in between blended linearly."""
+    """Short wavelengths kept, long ones divided by ``factor``, those between blended."""
     wavelen = 2 * math.pi / inv_freq
     ratio = original_max_position_embeddings / wavelen  # the context holds this many wavelengths
     smooth = ((ratio - low_freq_factor) / (high_freq_factor - low_freq_factor)).clamp(0.0, 1.0)
@@ -78,9 +69,6 @@ def llama3_inv_freq(
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin of every position up to ``max_position``, for rotate-half RoPE of ``head_dim``;
-    ``scaling`` is ``rope_parameters``' second value."""
-
     def __init__(self, head_dim: int, max_position: int, base: float, scaling: dict | None = None):
         super().__init__()
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))

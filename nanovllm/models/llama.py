@@ -1,6 +1,4 @@
-"""The dense decoder of the Llama family (Llama 3.x), built from the tensor-parallel layers; Qwen2
-and Qwen3 are the same decoder with other attention options. Every constant comes from the
-checkpoint's config; ``quant_config`` (None: plain) picks the layers' quantization."""
+"""The Llama-family decoder; Qwen2 and Qwen3 change its attention options."""
 
 import torch
 from torch import nn
@@ -18,8 +16,6 @@ __all__ = ["LlamaForCausalLM", "head_dim"]
 
 
 def make_norm(config, quant_config, quantize: bool, reduces_input: bool) -> nn.Module:
-    """The RMSNorm in front of a layer: quantizing for its FP8 linear (``quantize``), summing the
-    unsummed output of the row-parallel layer before it (``reduces_input``), or plain."""
     if quantize:
         return quant_config.norm(config.hidden_size, config.rms_norm_eps, reduces_input)
     if reduces_input:
@@ -30,20 +26,14 @@ def make_norm(config, quant_config, quantize: bool, reduces_input: bool) -> nn.M
 
 
 class DecoderAttention(nn.Module):
-    """Self-attention with RoPE. ``qkv_bias``/``o_bias``: biases on the q/k/v and the output
-    projections; ``qk_norm``: per-head RMSNorm of q and k before RoPE (Qwen3)."""
-
     def __init__(self, config, qkv_bias, o_bias, qk_norm: bool, quant_config, reduce_results):
         super().__init__()
         tp_size = get_tp_size()
         hd = head_dim(config)
         linear = quant_config.linear_method() if quant_config else None
         self.quantized_input = quant_config is not None  # qkv_proj reads quantized rows
-        heads, kv_heads, hidden = (
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            config.hidden_size,
-        )
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        hidden = config.hidden_size
         self.qkv_proj = QKVParallelLinear(hidden, hd, heads, kv_heads, qkv_bias, linear)
         self.o_proj = RowParallelLinear(heads * hd, hidden, o_bias, linear, reduce_results)
         theta, scaling = rope_parameters(config)
@@ -62,8 +52,6 @@ class DecoderAttention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), gate and up as one column-parallel GEMM."""
-
     def __init__(
         self, hidden, inter, hidden_act, bias=False, quant_config=None, reduce_results=True
     ):
@@ -81,18 +69,15 @@ class GatedMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """``reduces_input``: the attention and MLP leave their sums to the norm behind them."""
-
     def __init__(self, config, self_attn: nn.Module, mlp: nn.Module, quant_config, reduces_input):
         super().__init__()
         self.self_attn = self_attn
         self.mlp = mlp
         # an FP8 linear takes its input quantized by the norm in front (a MoE block routes bf16)
         quantize = (getattr(m, "quantized_input", False) for m in (self_attn, mlp))
-        self.input_layernorm = make_norm(config, quant_config, next(quantize), reduces_input)
-        self.post_attention_layernorm = make_norm(
-            config, quant_config, next(quantize), reduces_input
-        )
+        norm_args = (config, quant_config)
+        self.input_layernorm = make_norm(*norm_args, next(quantize), reduces_input)
+        self.post_attention_layernorm = make_norm(*norm_args, next(quantize), reduces_input)
 
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
@@ -124,9 +109,7 @@ class DecoderModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama 3.0/3.1/3.2: no q/k norm, ``attention_bias`` on all four projections, ``mlp_bias`` on
-    the MLP, the ``llama3`` RoPE scaling, a tied or untied head. Subclasses change the attention
-    options and the MLP of each layer."""
+    """Llama 3.x; subclasses change the attention options and each layer's MLP."""
 
     # checkpoint name -> (fused parameter name, shard id)
     packed_modules_mapping = {
@@ -138,8 +121,7 @@ class LlamaForCausalLM(nn.Module):
     }
     qk_norm = False
 
-    def attention_biases(self, config) -> tuple[bool, bool]:
-        """(q/k/v bias, output bias)"""
+    def attention_biases(self, config) -> tuple[bool, bool]:  # q/k/v, output
         bias = getattr(config, "attention_bias", False)
         return bias, bias
 
@@ -172,7 +154,5 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
-    def compute_logits(
-        self, hidden_states: torch.Tensor, out: torch.Tensor | None = None, gather: bool = True
-    ) -> torch.Tensor | None:
+    def compute_logits(self, hidden_states: torch.Tensor, out=None, gather: bool = True):
         return self.lm_head(hidden_states, out, gather)

@@ -1,4 +1,4 @@
-"""Qwen2 and Qwen2.5: the Llama decoder with biases on q/k/v (none on the output projection)."""
+"""Qwen2 and Qwen2.5: biases on q/k/v."""
 
 from nanovllm.models.llama import LlamaForCausalLM
 

@@ -1,5 +1,4 @@
-"""Qwen3 dense models: the Llama decoder with a per-head RMSNorm of q and k before RoPE, and
-``attention_bias`` on all four projections."""
+"""Qwen3: per-head RMSNorm of q and k before RoPE."""
 
 from nanovllm.models.llama import LlamaForCausalLM
 

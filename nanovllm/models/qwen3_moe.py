@@ -1,6 +1,4 @@
-"""Qwen3-MoE (e.g. Qwen3-30B-A3B): Qwen3's attention, and in most layers a sparse MoE block in
-place of the dense MLP. A layer is sparse unless it is listed in ``mlp_only_layers``, when the
-model has experts and its 1-based index is a multiple of ``decoder_sparse_step``."""
+"""Qwen3-MoE: a sparse MoE block in place of the MLP in most layers."""
 
 from torch import nn
 
@@ -32,5 +30,4 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
 
     @staticmethod
     def map_checkpoint_name(name: str) -> tuple[str, tuple] | None:
-        """Per-expert checkpoint tensors go to the fused expert parameters (see ``load_model``)."""
         return map_expert_tensor(name)

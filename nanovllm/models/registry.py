@@ -1,5 +1,4 @@
-"""Which model class runs a checkpoint (chosen by ``config.json``'s ``architectures``), and which
-quantization configuration its layers are built with."""
+"""Which model class runs a checkpoint, and which quantization builds its layers."""
 
 import importlib
 
@@ -20,15 +19,13 @@ def _load(entry: tuple[str, str]):
 
 
 def architecture(hf_config) -> str:
-    """The supported architecture ``hf_config`` names, else a ValueError that lists them."""
     names = getattr(hf_config, "architectures", None) or []
     for name in names:
         if name in ARCHITECTURES:
             return name
     given = ", ".join(map(repr, names)) or "(none given in config.json)"
-    raise ValueError(
-        f"model architecture {given} is not supported; supported: {', '.join(ARCHITECTURES)}"
-    )
+    msg = f"is not supported; supported: {', '.join(ARCHITECTURES)}"
+    raise ValueError(f"model architecture {given} {msg}")
 
 
 def model_class(hf_config) -> type:
@@ -36,8 +33,6 @@ def model_class(hf_config) -> type:
 
 
 def build_model(hf_config, quantization: str | None = None):
-    """The model of ``hf_config``'s architecture, its layers built for ``quantization`` (None or
-    "fp8"), on the current default device and dtype."""
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be None or 'fp8', got {quantization!r}")
     quant_config = _load(QUANTIZATIONS[quantization])() if quantization else None

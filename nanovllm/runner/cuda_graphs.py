@@ -1,7 +1,4 @@
-"""Decode steps as CUDA graphs, one per batch size, over the decode buffer's device fields. A graph
-ends with the LM head and the fused temperature draw of every row into ``sampled``, so a plain step
-is one copy and one launch; with tensor parallelism each rank draws over its share of the
-vocabulary and the ranks exchange each row's winners inside the graph."""
+"""Decode steps as CUDA graphs, one per batch size, ending with the LM head and the draw."""
 
 import torch
 
@@ -16,9 +13,7 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """A runner's graphs for ``graph_batch_sizes(min(max_num_seqs, 512))``, captured largest first
-    in one memory pool (``largest_only``: just the largest), over its decode buffer and its
-    ``sampled`` ids."""
+    """Captured largest first in one memory pool (``largest_only``: just the largest)."""
 
     @torch.inference_mode()
     def __init__(self, runner, largest_only: bool = False):
@@ -43,7 +38,6 @@ class DecodeGraphs:
             runner.sync()
 
     def _forward(self, batch: int) -> None:
-        """What a graph runs: the input tokens, the model, the LM head and the draw."""
         from nanovllm.sampling.triton_draw import gumbel_argmax, sharded_gumbel_argmax
 
         v = self.inputs.fields
@@ -60,11 +54,9 @@ class DecodeGraphs:
             sharded_gumbel_argmax(logits, temperatures, seeds, *vocab, out)
 
     def padded_batch(self, n: int) -> int | None:
-        """The batch size of the smallest graph that fits ``n`` rows, or None when none does."""
+        """The smallest graph batch that fits ``n`` rows, or None."""
         return next((b for b in self.batch_sizes if b >= n), None)
 
     def replay(self, n: int, batch: int) -> torch.Tensor:
-        """Run the graph of ``batch`` rows over the inputs sent: this rank's logits [n, its share of
-        the vocabulary]; the rows drawn into ``sampled[:n]``."""
         self.graphs[batch].replay()
         return self.out[:n]

@@ -1,5 +1,4 @@
-"""The executor: runs each step on every tensor-parallel rank. This one is rank 0's ModelRunner
-alone (tensor_parallel_size 1); ``MultiprocExecutor`` adds the worker processes of the others."""
+"""Runs each step on every rank: here rank 0's ModelRunner alone (tensor_parallel_size 1)."""
 
 from nanovllm.config import Config
 from nanovllm.engine.step import Step
@@ -21,21 +20,16 @@ class Executor:
         self.num_kvcache_blocks = self.runner.num_kvcache_blocks
 
     def run(self, step: Step):
-        """Launch ``step``; rank 0's output (its tokens on their way to the host)."""
         return self.runner.run(step)
 
     def result(self, output) -> tuple[list[int], list | None]:
-        """A launched step's token ids and per-row extra outputs, once the device has them."""
         return output.result()
 
     def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
-        """``ModelRunner.rpc(method, args, kwargs)`` on every rank, between steps; returns
-        ``[rank 0's result]``."""
         own = tuple(a.value if isinstance(a, RankZeroOnly) else a for a in args)
         return [self.runner.rpc(method, own, kwargs)]
 
     def exit(self) -> None:
-        """Release the runner (idempotent)."""
         if self.runner is not None:
             runner, self.runner = self.runner, None
             runner.exit()

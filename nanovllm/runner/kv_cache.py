@@ -5,36 +5,32 @@ import os
 import torch
 import torch.distributed as dist
 
-from nanovllm.layers.attention import (
-    KV_SCALE_DTYPE,
-    Attention,
-    empty_kv_scales,
-    is_fp8_kv_cache,
-    kv_cache_storage_dtype,
-)
+from nanovllm.layers.attention import Attention, is_fp8_kv_cache
 
 CPU_KV_CACHE_SHARE = 0.25  # on CPU, num_kvcache_blocks=-1 takes this share of available memory
 
 
 def block_bytes(config, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """Bytes of one block over all layers, K and V (an FP8 cache adds a float32 scale per row)."""
-    row_bytes = head_dim * kv_cache_storage_dtype(config.kv_cache_dtype, dtype).itemsize
+    row_bytes = head_dim * dtype.itemsize
     if is_fp8_kv_cache(config.kv_cache_dtype):
-        row_bytes += KV_SCALE_DTYPE.itemsize
+        from nanovllm.layers.attention.fp8_kv import FP8_DTYPE, KV_SCALE_DTYPE
+
+        row_bytes = head_dim * FP8_DTYPE.itemsize + KV_SCALE_DTYPE.itemsize
     num_rows = 2 * config.hf_config.num_hidden_layers * config.kvcache_block_size * num_kv_heads
     return num_rows * row_bytes
 
 
 def bind_kv_cache(model, config, num_blocks, num_kv_heads, head_dim, dtype, device) -> torch.Tensor:
     """The one place that knows the cache layout: [2, layers, blocks, block_size, kv_heads,
-    head_dim]; each layer gets its K and V views (an FP8 cache: also views of its float32 scales,
-    which go with the model). Returns the cache."""
-    layers = config.hf_config.num_hidden_layers
-    shape = (2, layers, num_blocks, config.kvcache_block_size, num_kv_heads)
-    storage = kv_cache_storage_dtype(config.kv_cache_dtype, dtype)
-    cache = torch.empty(*shape, head_dim, dtype=storage, device=device)
-    fp8 = is_fp8_kv_cache(config.kv_cache_dtype)
-    scales = empty_kv_scales(*shape, device=device) if fp8 else None
+    head_dim]; each layer gets its K and V views."""
+    shape = (2, config.hf_config.num_hidden_layers, num_blocks, config.kvcache_block_size)
+    shape += (num_kv_heads,)
+    scales = None
+    if is_fp8_kv_cache(config.kv_cache_dtype):
+        from nanovllm.layers.attention.fp8_kv import FP8_DTYPE, empty_kv_scales
+
+        dtype, scales = FP8_DTYPE, empty_kv_scales(*shape, device=device)
+    cache = torch.empty(*shape, head_dim, dtype=dtype, device=device)
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     for i, module in enumerate(layers):
         module.k_cache, module.v_cache = cache[0, i], cache[1, i]
@@ -44,7 +40,7 @@ def bind_kv_cache(model, config, num_blocks, num_kv_heads, head_dim, dtype, devi
 
 
 def num_blocks(runner) -> int:
-    """How many blocks the cache gets (all ranks take the minimum; -1: as many as fit)."""
+    """How many blocks fit (-1) or were asked for; all ranks take the minimum."""
     config = runner.config
     count = config.num_kvcache_blocks
     one_block = block_bytes(config, runner.num_kv_heads, runner.head_dim, runner.dtype)

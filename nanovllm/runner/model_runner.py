@@ -1,6 +1,4 @@
-"""One tensor-parallel rank: ``run(step) -> StepOutput``. Its parts are composed: the model, the
-KV cache (``kv_cache``), the step inputs (``step_inputs``), CUDA graphs (``cuda_graphs``) and, on
-rank 0, the sampler."""
+"""One tensor-parallel rank: ``run(step) -> StepOutput`` (docs/runner.md)."""
 
 from collections.abc import Callable
 from functools import partial
@@ -15,7 +13,6 @@ from nanovllm.layers.attention import Attention, get_attention_backend, resolve_
 from nanovllm.models.llama import head_dim
 from nanovllm.models.registry import build_model
 from nanovllm.runner import kv_cache
-from nanovllm.runner.cuda_graphs import DecodeGraphs
 from nanovllm.runner.step_inputs import DecodeBuffer, decode_inputs, prefill_inputs
 from nanovllm.runner.step_output import StepOutput
 from nanovllm.sampling.sampler import Sampler, make_sampling_batch
@@ -32,10 +29,7 @@ class RankZeroOnly:
 
 
 def check_parallel() -> None:
-    """Reject an engine in a process that already has a process group (the layers take their
-    shard from the process's default group)."""
-    import torch.distributed as dist
-
+    """The layers shard over the process's default group: there must be none yet."""
     if dist.is_initialized():
         raise RuntimeError(
             "a torch.distributed process group is already initialised in this process (another "
@@ -45,22 +39,21 @@ def check_parallel() -> None:
 
 class ModelRunner:
     def __init__(self, config: Config, rank: int, dist_port: int, watch: Callable = None):
-        """``watch()`` (rank 0 with workers) names a worker that has died; device waits poll it."""
         self.model = self.kv_cache = self.graphs = self.sampled = None
         self.rank = rank
+        self.watch = watch  # rank 0 with workers: names a dead worker; device waits poll it
         self.owns_group = False  # joined a process group (tensor parallelism) to leave at the end
         try:
-            self._start(config, dist_port, watch)
+            self._start(config, dist_port)
         except BaseException:
             self.release(failed=True)
             raise
 
-    def _start(self, config: Config, dist_port: int, watch) -> None:
+    def _start(self, config: Config, dist_port: int) -> None:
         self.config = config
         hf_config = config.hf_config
         self.block_size = config.kvcache_block_size
         self.world_size = config.tensor_parallel_size
-        self.watch = watch
         self.head_dim = head_dim(hf_config)
         self.vocab_size = hf_config.vocab_size
         self.num_kv_heads = hf_config.num_key_value_heads // self.world_size  # per rank
@@ -113,11 +106,12 @@ class ModelRunner:
         shape = (num_blocks, self.num_kv_heads, self.head_dim)
         return kv_cache.bind_kv_cache(self.model, self.config, *shape, self.dtype, self.device)
 
-    def capture_graphs(self, largest_only: bool = False) -> DecodeGraphs:
+    def capture_graphs(self, largest_only: bool = False):
+        from nanovllm.runner.cuda_graphs import DecodeGraphs  # a GPU's only
+
         return DecodeGraphs(self, largest_only)
 
     def allocate_cache(self, buffers: bool = True) -> None:
-        """The step buffers, the KV cache of ``num_kvcache_blocks`` blocks and the CUDA graphs."""
         if buffers:
             self._build_buffers()
         self.kv_cache = self.bind_kv_cache(self.num_kvcache_blocks)
@@ -126,7 +120,7 @@ class ModelRunner:
         self.sync()
 
     def free_cache(self) -> None:
-        """Free what ``allocate_cache`` made (the layers get an empty cache). Between steps."""
+        """Free what ``allocate_cache`` made, between steps."""
         self.sync()
         self.graphs = None
         for module in self.model.modules():
@@ -139,8 +133,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, step: Step) -> StepOutput | None:
-        """Launch one step; rank 0 returns its output. Every rank keeps the tokens in ``sampled``:
-        a decode graph draws them there (``drawn``), or rank 0 samples and broadcasts them."""
+        """Launch one step; rank 0 returns its output. Every rank keeps the tokens in ``sampled``
+        (a decode graph draws them there, or rank 0 samples and broadcasts them)."""
         n = step.num_seqs
         with phase("inputs"):
             graph_batch = None  # the batch size of the decode graph that runs the step
@@ -194,7 +188,6 @@ class ModelRunner:
             return StepOutput(out.token_ids, self.sync, extra)
 
     def _tensor(self, data: list | np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        """Host data on this rank's device (pinned and non-blocking on a GPU)."""
         if self.device.type == "cpu":
             return torch.tensor(data, dtype=dtype)
         if isinstance(data, np.ndarray):  # torch pins no tensor NumPy owns: copy into a pinned one
@@ -205,13 +198,11 @@ class ModelRunner:
         return pinned.to(self.device, non_blocking=True)
 
     def rpc(self, method, args: tuple = (), kwargs: dict | None = None):
-        """``method`` on this rank (a method name, or a function called with the runner first)."""
         fn = getattr(self, method) if isinstance(method, str) else partial(method, self)
         return fn(*args, **(kwargs or {}))
 
     def sync(self, event: torch.cuda.Event | None = None) -> None:
-        """Wait for ``event`` (default: all queued work) on this rank's device; with ``watch``, by
-        polling (a dead worker never answers)."""
+        """Wait for ``event`` (default: all queued work); with ``watch``, by polling."""
         if self.device.type != "cuda":
             return
         if self.watch is not None:
@@ -224,15 +215,14 @@ class ModelRunner:
             torch.cuda.synchronize()
 
     def exit(self) -> None:
-        """Leave the group together (every rank runs this: an all-reduce, then ``sync``)."""
+        """Every rank runs this: the ranks leave the group together."""
         if self.world_size > 1:
             dist.all_reduce(torch.zeros(1, device=self.device))
         self.sync()
         self.release()
 
     def release(self, failed: bool = False) -> None:
-        """Free this rank's resources. After a failure nothing here talks to the other ranks, and
-        NCCL is aborted first so that no device work waits on the dead rank."""
+        """Free this rank's resources; after a failure, NCCL is aborted first."""
         if self.owns_group:
             from nanovllm.parallel.group import abort_nccl, leave_group
 

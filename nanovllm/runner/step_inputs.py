@@ -1,6 +1,4 @@
-"""A step's model inputs (token ids, positions, the attention context), built on the host by every
-rank. Decode inputs go into one buffer of fixed layout that the CUDA graphs read in place, sent
-with one copy."""
+"""A step's model inputs (token ids, positions, the attention context), built on the host."""
 
 from collections.abc import Callable
 
@@ -12,11 +10,9 @@ from nanovllm.utils.context import Context
 
 ToDevice = Callable[[list | np.ndarray, torch.dtype], torch.Tensor]  # host data to the device
 TORCH_DTYPES = {np.int64: torch.int64, np.int32: torch.int32, np.float32: torch.float32}
-NUM_STAGING = 2  # pinned host copies of the decode inputs, used in turn
 
 
 def write_block_tables(out: np.ndarray, tables: list[list[int]]) -> np.ndarray:
-    """Write ``tables`` into the first rows of ``out`` [rows, width], left-aligned."""
     lens = np.fromiter(map(len, tables), np.int64, len(tables))
     ids = np.fromiter((b for t in tables for b in t), np.int32, int(lens.sum()))
     out[: len(tables)][np.arange(out.shape[1]) < lens[:, None]] = ids
@@ -24,7 +20,6 @@ def write_block_tables(out: np.ndarray, tables: list[list[int]]) -> np.ndarray:
 
 
 def block_table_array(tables: list[list[int]]) -> np.ndarray:
-    """Block tables as one [rows, width] int32 array, padded with -1."""
     out = np.full((len(tables), max(map(len, tables))), -1, dtype=np.int32)
     return write_block_tables(out, tables)
 
@@ -38,7 +33,6 @@ def slot_mapping(tables: np.ndarray, rows, positions: np.ndarray, block_size: in
 
 
 def prefill_inputs(step: Step, block_size: int, to_device: ToDevice) -> tuple:
-    """Input ids, positions and context of the ``num_new`` tokens after each ``num_computed``."""
     n = step.num_seqs
     starts = np.array(step.num_computed, dtype=np.int64)
     lens = np.array(step.num_new, dtype=np.int64)
@@ -62,9 +56,8 @@ def prefill_inputs(step: Step, block_size: int, to_device: ToDevice) -> tuple:
     return to_device(input_ids, torch.int64), to_device(positions, torch.int64), context
 
 
-# A decode step's inputs, one row per sequence: (name, element type, a padding row's value). Block
-# tables, [rows, max_blocks] int32, come last. prev_rows: the row of the previous step's sampled ids
-# that holds the input token, or -1.
+# A decode step's inputs, one row per sequence: (name, element type, a padding row's value), then
+# the block tables [rows, max_blocks] int32. prev_rows: the previous step's row holding the input.
 DECODE_FIELDS = (
     ("input_ids", np.int64, 0),
     ("prev_rows", np.int64, -1),
@@ -77,7 +70,7 @@ DECODE_FIELDS = (
 
 
 class DecodeLayout:
-    """Byte offsets of ``DECODE_FIELDS`` and the block tables for up to ``max_rows`` rows."""
+    """Byte offsets of ``DECODE_FIELDS`` and the block tables for ``max_rows`` rows."""
 
     def __init__(self, max_rows: int, max_blocks: int):
         self.max_rows, self.max_blocks = max_rows, max_blocks
@@ -89,11 +82,9 @@ class DecodeLayout:
         self.nbytes = offset + max_rows * max_blocks * 4
 
     def used_bytes(self, rows: int) -> int:
-        """The prefix of the buffer a step of ``rows`` (padded) rows fills."""
         return self.offsets["block_tables"] + rows * self.max_blocks * 4
 
     def fields(self, buffer, view) -> dict:
-        """Each field over ``buffer`` (uint8, NumPy or torch; ``view(part, dtype)`` casts)."""
         out = {}
         for name, dtype, _ in DECODE_FIELDS:
             start = self.offsets[name]
@@ -124,8 +115,7 @@ def fill_decode(fields: dict[str, np.ndarray], step: Step, rows: int, block_size
 
 
 def decode_inputs(v: dict[str, torch.Tensor], sampled: torch.Tensor, rows: int) -> tuple:
-    """Input ids, positions and context of the first ``rows`` rows of the device fields ``v``;
-    an input token from the previous step's ``sampled`` ids where ``prev_rows`` names one."""
+    """The first ``rows`` rows; an input token from ``sampled`` where ``prev_rows`` names one."""
     prev = v["prev_rows"][:rows]
     input_ids = torch.where(prev >= 0, sampled[prev.clamp(min=0)], v["input_ids"][:rows])
     context = Context(
@@ -138,7 +128,8 @@ def decode_inputs(v: dict[str, torch.Tensor], sampled: torch.Tensor, rows: int) 
 
 
 class DecodeBuffer:
-    """The decode inputs' device buffer and its host copies (the CPU: the buffer itself)."""
+    """Decode inputs in one buffer of fixed layout, filled in a host copy and sent with one copy;
+    the CUDA graphs read the device buffer in place."""
 
     def __init__(self, max_rows: int, max_blocks: int, device: torch.device):
         self.layout = DecodeLayout(max_rows, max_blocks)
@@ -146,20 +137,16 @@ class DecodeBuffer:
         self.fields = self.layout.fields(self.buffer, lambda p, dtype: p.view(TORCH_DTYPES[dtype]))
         for name, _, pad in DECODE_FIELDS:  # all padding: a graph captured over it writes no slot
             self.fields[name].fill_(pad)
-        if device.type == "cpu":
-            self.staging = [self.buffer]
-        else:
+        self.staging = [self.buffer]  # the CPU: the buffer itself; a GPU: two pinned, in turn
+        if device.type != "cpu":
             size, u8 = self.layout.nbytes, torch.uint8
-            self.staging = [
-                torch.zeros(size, dtype=u8, pin_memory=True) for _ in range(NUM_STAGING)
-            ]
+            self.staging = [torch.zeros(size, dtype=u8, pin_memory=True) for _ in range(2)]
         self.staged = [self.layout.fields(s.numpy(), lambda p, t: p.view(t)) for s in self.staging]
         self.copied: list[torch.cuda.Event | None] = [None] * len(self.staging)
         self.turn = 0
 
     def send(self, step: Step, rows: int, block_size: int) -> dict[str, torch.Tensor]:
-        """Fill the next host copy (once its last copy is done) with ``step`` padded to ``rows``
-        and queue its copy to the device; returns the device fields."""
+        """Fill the next host copy with ``step`` (``rows``, padded) and queue its copy."""
         k = self.turn = (self.turn + 1) % len(self.staging)
         if self.copied[k] is not None:
             self.copied[k].synchronize()

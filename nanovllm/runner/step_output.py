@@ -1,4 +1,4 @@
-"""A launched step's output on rank 0: its token ids, copied to the host without blocking."""
+"""A launched step's token ids on rank 0, copied to the host without blocking."""
 
 from collections.abc import Callable
 
@@ -7,19 +7,16 @@ import torch
 
 class StepOutput:
     def __init__(self, token_ids: torch.Tensor, wait: Callable, extra=None):
-        """``wait(event)`` blocks until ``event`` has passed (and may raise when a rank died).
-        ``extra`` (``sampling.extras.ExtraOutputs``): log-probabilities, their copies queued."""
         self.device_token_ids = token_ids
         self.token_ids = token_ids.to("cpu", non_blocking=True)
-        self.extra = extra
-        self.wait = wait
+        self.extra = extra  # sampling.extras.ExtraOutputs: log-probabilities, copies queued
+        self.wait = wait  # wait(event): until it has passed (may raise when a rank died)
         self.ready = None
         if token_ids.is_cuda:
             self.ready = torch.cuda.Event()
             self.ready.record()
 
     def result(self) -> tuple[list[int], list[dict | None] | None]:
-        """One token id per row and (with ``extra``) each row's extra outputs, once on the host."""
         if self.ready is not None:
             self.wait(self.ready)
             self.ready = None

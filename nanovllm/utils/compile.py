@@ -4,9 +4,7 @@ import torch
 
 
 def compile_on_gpu(fn):
-    """Run ``fn`` through ``torch.compile`` when its first argument is a CUDA tensor, eagerly
-    otherwise (the CPU path). ``fn`` must be a plain function of tensors, so one compiled graph
-    serves every layer that calls it."""
+    """``fn`` compiled for CUDA tensors, eager on the CPU (one graph serves every layer)."""
     compiled = None
 
     @functools.wraps(fn)

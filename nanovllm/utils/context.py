@@ -8,10 +8,8 @@ import torch
 
 @dataclass
 class Context:
-    """Prefill: cumulative new-token / total-token counts per sequence (``cu_seqlens_q/k``), their
-    maxima, and ``block_tables`` when a sequence has a cached prefix. Decode: ``context_lens`` (the
-    new token included) and ``block_tables``. Both: ``slot_mapping``, each new token's slot (-1:
-    skip)."""
+    """Prefill: ``cu_seqlens_q/k`` and maxima, ``block_tables`` with a cached prefix. Decode:
+    ``context_lens``, ``block_tables``. Both: ``slot_mapping`` (-1: skip)."""
 
     is_prefill: bool = False
     cu_seqlens_q: torch.Tensor | None = None
@@ -30,20 +28,11 @@ def get_context() -> Context:
     return _CONTEXT
 
 
-def set_context(context: Context) -> None:
-    global _CONTEXT
-    _CONTEXT = context
-
-
-def reset_context() -> None:
-    set_context(Context())
-
-
 @contextmanager
 def step_context(context: Context):
-    """Make ``context`` current for one forward pass and always reset it afterwards."""
-    set_context(context)
+    global _CONTEXT
+    _CONTEXT = context
     try:
         yield context
     finally:
-        reset_context()
+        _CONTEXT = Context()

@@ -1,4 +1,4 @@
-"""The float8 format of FP8 weights and of an FP8 KV cache: e4m3, largest finite value 448."""
+"""e4m3, the float8 format of FP8 weights and of an FP8 KV cache."""
 
 import torch
 

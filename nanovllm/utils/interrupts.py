@@ -1,5 +1,4 @@
-"""Ctrl-C between engine steps, not inside one: a step stopped half-way would leave its sequences
-scheduled but not computed (and tensor-parallel ranks out of step)."""
+"""Ctrl-C between engine steps, not inside one (docs/frontend.md)."""
 
 import signal
 import threading
@@ -8,12 +7,9 @@ from contextlib import contextmanager
 
 @contextmanager
 def deferred_interrupt():
-    """Hold back SIGINT until the block ends, then raise KeyboardInterrupt; a second Ctrl-C
-    interrupts at once. Only in the main thread, with Python's own handler installed."""
-    if (
-        threading.current_thread() is not threading.main_thread()
-        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
-    ):
+    """SIGINT waits for the block's end (a second one interrupts at once); main thread only."""
+    main = threading.current_thread() is threading.main_thread()
+    if not main or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
         yield
         return
     received = []

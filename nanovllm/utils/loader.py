@@ -1,7 +1,4 @@
-"""Load a Hugging Face safetensors checkpoint into a model built from the parallel layers.
-
-Every tensor is planned (``plan_weights``) and checked before any is written; ``copy_weight``
-writes one in place through its parameter's ``weight_loader``."""
+"""Load a safetensors checkpoint: every tensor planned and checked before any is written."""
 
 import os
 from contextlib import contextmanager
@@ -15,10 +12,9 @@ from torch import nn
 
 @dataclass(frozen=True)
 class WeightEntry:
-    """One checkpoint tensor's way in: ``params[target].weight_loader(param, tensor, *args)``.
-    Plain data (it travels to tensor-parallel workers); ``index``: its position in the plan."""
+    """One checkpoint tensor's way in: ``params[target].weight_loader(param, tensor, *args)``."""
 
-    index: int
+    index: int  # its position in the plan
     name: str  # the checkpoint (Hugging Face) name
     target: str  # the parameter it goes to (a fused one for q/k/v, gate/up and the experts)
     args: tuple  # the loader's arguments after the tensor: shard id, expert
@@ -31,7 +27,6 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
 
 
 def packed_target(name: str, packed: dict) -> tuple[str, tuple]:
-    """(parameter name, loader arguments) of a checkpoint name under ``packed_modules_mapping``."""
     for ckpt_key, (fused_key, shard_id) in packed.items():
         if f".{ckpt_key}." in name:
             return name.replace(ckpt_key, fused_key), (shard_id,)
@@ -39,9 +34,6 @@ def packed_target(name: str, packed: dict) -> tuple[str, tuple]:
 
 
 def checkpoint_shape(model: nn.Module, target: str, args: tuple) -> tuple[int, ...]:
-    """The full shape of the checkpoint tensor that loads into parameter ``target`` with ``args``:
-    ``checkpoint_shape(param, *args)`` of the parameter or else of its module (sharded and fused
-    layers), else the parameter's own shape."""
     param = model.get_parameter(target)
     module = model.get_submodule(target.rpartition(".")[0])
     shape = getattr(param, "checkpoint_shape", None) or getattr(module, "checkpoint_shape", None)
@@ -51,10 +43,8 @@ def checkpoint_shape(model: nn.Module, target: str, args: tuple) -> tuple[int, .
 def plan_weights(
     model: nn.Module, shapes: list[tuple[str, tuple[int, ...]]], where: str = ""
 ) -> list[WeightEntry]:
-    """Where each ``(checkpoint name, shape)`` goes, all checked before anything is written: a name
-    the model lacks, or a shape other than the one the model built from config.json takes, is a
-    ValueError naming the tensor, ``where`` it comes from and both shapes. Fused names go through
-    ``model.packed_modules_mapping`` or ``model.map_checkpoint_name``; ``inv_freq`` is skipped."""
+    """Where each ``(checkpoint name, shape)`` goes; an unknown name or a shape config.json
+    does not imply is a ValueError."""
     packed = getattr(model, "packed_modules_mapping", {})
     map_name = getattr(model, "map_checkpoint_name", lambda name: None)
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -68,19 +58,13 @@ def plan_weights(
             raise ValueError(f"checkpoint tensor {name!r}{where} has no matching model parameter")
         shape, expected = tuple(shape), checkpoint_shape(model, target, args)
         if shape != expected:
-            raise ValueError(
-                f"checkpoint tensor {name!r}{where} has shape {shape}, but config.json implies "
-                f"{expected}: the tensor and the model's config.json disagree"
-            )
+            msg = f"config.json implies {expected}: the tensor and the model's config.json disagree"
+            raise ValueError(f"checkpoint tensor {name!r}{where} has shape {shape}, but {msg}")
         entries.append(WeightEntry(index, name, target, args, shape))
     return entries
 
 
-def copy_weight(
-    param: nn.Parameter, entry: WeightEntry, tensor: torch.Tensor, where: str = ""
-) -> None:
-    """Copy this rank's shard of ``tensor`` into ``param`` in place (its storage kept, so CUDA
-    graphs stay valid), converting dtype and device."""
+def copy_weight(param: nn.Parameter, entry: WeightEntry, tensor: torch.Tensor, where="") -> None:
     loader = getattr(param, "weight_loader", default_weight_loader)
     try:
         loader(param, tensor, *entry.args)
@@ -97,12 +81,8 @@ def _missing(path: str, names: list[str]) -> None:
 
 
 def load_model(model: nn.Module, path: str, hf_config=None) -> None:
-    """Copy every tensor of ``path/*.safetensors`` into ``model``, each parameter taking its shard.
-
-    Before any weight loads, an unreadable file, an unknown tensor, a shape the model does not
-    take or a parameter no tensor fills is a ValueError naming the file and tensor; so is a float8
-    weight without its scales (``quantization.checks``). A module's ``missing()`` (experts, FP8
-    scales) is checked after loading. ``hf_config`` is accepted for callers that pass it."""
+    """Copy ``path/*.safetensors`` into ``model``; a bad file, tensor or shape, or a parameter
+    no tensor fills, is a ValueError before any weight loads."""
     files = sorted(glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ValueError(f"no *.safetensors files in model folder {path!r}")
@@ -123,10 +103,8 @@ def load_model(model: nn.Module, path: str, hf_config=None) -> None:
         check_fp8_tensors(model, entries, fp8, f" in {path}")
     loaded = {id(params[e.target]) for _, entries in plan for e in entries}  # tied: either name
     # a ``derived`` parameter (FP8 scales) may be filled by its weight's loader instead
-    _missing(
-        path,
-        [n for n, p in params.items() if id(p) not in loaded and not getattr(p, "derived", False)],
-    )
+    unfilled = [n for n, p in params.items() if id(p) not in loaded]
+    _missing(path, [n for n in unfilled if not getattr(params[n], "derived", False)])
     for file, entries in plan:
         with _open(file) as f:
             for entry in entries:
@@ -140,8 +118,7 @@ def load_model(model: nn.Module, path: str, hf_config=None) -> None:
 
 
 @contextmanager
-def _open(file: str):
-    """``safe_open`` whose errors name the file (safetensors' own do not)."""
+def _open(file: str):  # safe_open, its errors naming the file
     try:
         handle = safe_open(file, "pt", "cpu")
     except OSError:
@@ -153,9 +130,7 @@ def _open(file: str):
 
 
 def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
-    """``load_format="dummy"``: norm weights 1, biases 0, the rest N(0, std), drawn on each
-    parameter's device from one seed (every rank draws the same). A float8 weight is drawn in
-    float32 and quantized, its ``<name>_scale_inv`` with it."""
+    """``load_format="dummy"``: norms 1, biases 0, the rest N(0, std), the same on every rank."""
     generators = {}
     params = dict(model.named_parameters())
     for name, param in params.items():

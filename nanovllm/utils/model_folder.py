@@ -1,6 +1,4 @@
-"""The files of a model folder other than the weights, read and checked at start-up: JSON files,
-the tokenizer and ``generation_config.json``. A broken file is a ValueError naming the file, the
-key and the value (an unreadable one is the OSError ``open`` raises)."""
+"""A model folder's tokenizer and JSON files, checked at start-up (a ValueError names the file)."""
 
 import json
 import os
@@ -18,7 +16,6 @@ GENERATION_CONFIG_FIELDS = {
 
 
 def read_json(path: str) -> dict:
-    """A JSON object from ``path``; text that is not one is a ValueError naming the file."""
     with open(path, encoding="utf-8") as f:
         text = f.read()
     try:
@@ -31,14 +28,10 @@ def read_json(path: str) -> dict:
 
 
 def load_tokenizer(model_dir: str):
-    """The folder's Hugging Face tokenizer; a ValueError naming the folder when it has none of
-    ``TOKENIZER_FILES``, fails to load, or encodes text to no tokens."""
     present = [name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(model_dir, name))]
     if not present:
-        raise ValueError(
-            f"model folder {model_dir!r} has no tokenizer: none of {', '.join(TOKENIZER_FILES)} "
-            "is there"
-        )
+        msg = f"has no tokenizer: none of {', '.join(TOKENIZER_FILES)} is there"
+        raise ValueError(f"model folder {model_dir!r} {msg}")
     from transformers import AutoTokenizer
 
     files = ", ".join(present)
@@ -54,8 +47,6 @@ def load_tokenizer(model_dir: str):
 
 
 def read_generation_config(model_dir: str) -> dict:
-    """``generation_config.json`` as a dict ({} when absent): the defaults it gives must be valid
-    SamplingParams, ``eos_token_id`` a token id or a list of them."""
     path = os.path.join(model_dir, "generation_config.json")
     if not os.path.isfile(path):
         return {}
@@ -67,18 +58,15 @@ def read_generation_config(model_dir: str) -> dict:
     eos = config.get("eos_token_id")
     ids = eos if isinstance(eos, list) else [eos]
     if eos is not None and not all(type(t) is int and t >= 0 for t in ids):
-        raise ValueError(
-            f"{path}: eos_token_id must be a token id >= 0 or a list of them, got {json.dumps(eos)}"
-        )
+        msg = f"must be a token id >= 0 or a list of them, got {json.dumps(eos)}"
+        raise ValueError(f"{path}: eos_token_id {msg}")
     return config
 
 
 def sampling_defaults(generation_config: dict) -> dict:
-    """The SamplingParams keywords ``generation_config`` sets (null values left out)."""
+    fields = GENERATION_CONFIG_FIELDS.items()
     return {
-        name: generation_config[key]
-        for key, name in GENERATION_CONFIG_FIELDS.items()
-        if generation_config.get(key) is not None
+        name: generation_config[k] for k, name in fields if generation_config.get(k) is not None
     }
 
 

@@ -1,5 +1,4 @@
-"""Named phases of the engine's work, for measuring tools (docs/frontend.md lists them): the
-engine wraps each in ``phase(name)``, a shared no-op unless a tool installed a hook."""
+"""Named phases for measuring tools: ``phase(name)`` is a no-op unless a hook is installed."""
 
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -16,7 +15,6 @@ def phase(name: str) -> AbstractContextManager:
 
 @contextmanager
 def phase_hook(hook: Callable[[str], AbstractContextManager]) -> Iterator[None]:
-    """Install ``hook`` (a phase name -> a context manager) in this process for the block."""
     global _hook
     previous, _hook = _hook, hook
     try:

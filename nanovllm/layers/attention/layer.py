@@ -1,5 +1,4 @@
-"""The attention layer of every model: RoPE (and QK-norm), the K/V store into the paged cache, and
-attention through the backend the model runner chose (``selector``)."""
+"""The attention layer of every model: RoPE, the K/V store and the chosen backend."""
 
 import torch
 from torch import nn
@@ -10,18 +9,9 @@ from nanovllm.utils.context import Context, get_context
 
 
 class Attention(nn.Module):
-    """The model runner sets ``k_cache``, ``v_cache`` (an FP8 cache: ``k_scale``, ``v_scale``) and
-    ``backend`` once the cache exists. ``quantize_output``: an FP8 o_proj reads the output (one
-    128-channel group per head), so decode hands it quantized where the backend can."""
+    """The model runner sets ``k_cache``/``v_cache`` (``k_scale``/``v_scale``) and ``backend``."""
 
-    def __init__(
-        self,
-        num_heads: int,
-        head_dim: int,
-        scale: float,
-        num_kv_heads: int,
-        quantize_output: bool = False,
-    ):
+    def __init__(self, num_heads, head_dim, scale: float, num_kv_heads, quantize_output=False):
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = head_dim
@@ -40,8 +30,8 @@ class Attention(nn.Module):
         cos_sin_cache: torch.Tensor,
         norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
     ):
-        """qkv [tokens, (heads + 2 * kv_heads) * head_dim] -> [tokens, heads * head_dim] (or, for
-        an FP8 o_proj, its quantized rows). ``norm``: QK-norm's (q weight, k weight, eps)."""
+        """qkv [tokens, (heads + 2 * kv_heads) * head_dim] -> [tokens, heads * head_dim];
+        ``norm``: QK-norm's (q weight, k weight, eps)."""
         context = get_context()
         if qkv.is_cuda and self.backend.fuses_rope:
             from nanovllm.layers.attention.kv_store import rope_and_store  # imports triton

@@ -1,15 +1,16 @@
-"""Plain torch attention: the CPU path, and the reference the GPU backends are tested against."""
+"""Plain torch attention: the CPU path, and the reference for the GPU backends."""
 
 import torch
 import torch.nn.functional as F
 
-from nanovllm.layers.attention.interface import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE, AttentionBackend
+from nanovllm.layers.attention.interface import AttentionBackend
 from nanovllm.utils.context import Context
 
 
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., head_dim] -> e4m3 values [..., head_dim] and float32 scales [...], one a row
-    (``interface``'s layout)."""
+    """x [..., head_dim] -> e4m3 values [..., head_dim] and float32 scales [...], one a row."""
+    from nanovllm.layers.attention.fp8_kv import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
+
     x = x.float()
     amax = x.abs().amax(dim=-1)
     # divide by a tensor: a Python-number divisor may become a multiply by its reciprocal on the
@@ -18,14 +19,8 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x / scale.unsqueeze(-1)).to(FP8_DTYPE), scale
 
 
-def dequantize_fp8(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """float32 rows back from ``quantize_fp8``'s values and scales."""
-    return values.float() * scale.unsqueeze(-1)
-
-
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """The first ``num_tokens`` rows a sequence stored through ``block_table``.
-    cache: [num_blocks, block_size, ...] -> [num_tokens, ...]"""
+    """cache [num_blocks, block_size, ...] -> the first [num_tokens, ...] rows of a sequence."""
     block_size = cache.size(1)
     num_blocks = (num_tokens + block_size - 1) // block_size
     return cache[block_table[:num_blocks].long()].flatten(0, 1)[:num_tokens]
@@ -34,16 +29,14 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -
 def gather_dequantized(
     cache: torch.Tensor, scale: torch.Tensor | None, block_table: torch.Tensor, num_tokens: int
 ) -> torch.Tensor:
-    """``gather_kv``, dequantized when the cache is FP8 (``scale`` given)."""
     rows = gather_kv(cache, block_table, num_tokens)
     if scale is None:
         return rows
-    return dequantize_fp8(rows, gather_kv(scale, block_table, num_tokens))
+    return rows.float() * gather_kv(scale, block_table, num_tokens).unsqueeze(-1)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention in float32 of one sequence's last ``len(q)`` positions over its ``len(k)``
-    keys. q: [num_q, num_heads, head_dim], k/v: [num_k, num_kv_heads, head_dim]."""
+    """Causal attention in float32 of the last ``len(q)`` positions over ``len(k)`` keys."""
     num_q, num_heads, _ = q.shape
     num_k, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads

@@ -1,5 +1,4 @@
-"""The one place that picks an attention backend: ``resolve_backend_name`` decides which one runs,
-``get_attention_backend`` creates it, importing its module (and its heavy dependency) only then."""
+"""The one place that picks an attention backend and creates it (importing it only then)."""
 
 import torch
 
@@ -16,9 +15,8 @@ def resolve_backend_name(
     kv_cache_dtype: str = "auto",
     weight_quantization: str | None = None,
 ) -> str:
-    """Which backend runs (called by ``Config`` to reject a bad combination early, and by the
-    model runner). "auto": torch on the CPU; on a GPU flash-attn where it can run (2-byte dtype,
-    no FP8 cache or weights, ``block_size`` a multiple of 256), else Triton."""
+    """The backend that runs, or a ValueError. "auto": torch on the CPU; on a GPU flash-attn
+    where it can run (2-byte dtype, no FP8, block size % 256 == 0), else Triton."""
     fp8 = is_fp8_kv_cache(kv_cache_dtype)
     if name == "flash-attn" and fp8:
         raise ValueError(
@@ -27,25 +25,21 @@ def resolve_backend_name(
             "'auto'"
         )
     if name not in ("auto", "torch") and device == "cpu":
-        raise ValueError(
-            f"attention_backend {name!r} needs a CUDA GPU; on the CPU use 'torch' or 'auto'"
-        )
+        msg = "needs a CUDA GPU; on the CPU use 'torch' or 'auto'"
+        raise ValueError(f"attention_backend {name!r} {msg}")
     if name == "auto":
         if device == "cpu":
             return "torch"
         triton_only = fp8 or dtype == torch.float32 or weight_quantization == "fp8"
         name = "triton" if triton_only else _flash_attn_or_triton(block_size)
-    if name == "flash-attn":
-        if dtype == torch.float32:
-            raise ValueError(
-                "attention_backend 'flash-attn' does not take dtype float32; use dtype 'bfloat16' "
-                "or 'float16', or attention_backend 'triton' or 'auto'"
-            )
-        if block_size % 256:
-            raise ValueError(
-                "attention_backend 'flash-attn' needs kvcache_block_size to be a multiple of 256, "
-                f"got {block_size}"
-            )
+    if name == "flash-attn" and dtype == torch.float32:
+        raise ValueError(
+            "attention_backend 'flash-attn' does not take dtype float32; use dtype 'bfloat16' "
+            "or 'float16', or attention_backend 'triton' or 'auto'"
+        )
+    if name == "flash-attn" and block_size % 256:
+        msg = f"needs kvcache_block_size to be a multiple of 256, got {block_size}"
+        raise ValueError(f"attention_backend 'flash-attn' {msg}")
     if name == "triton" and fp8 and device == "cuda":
         capability = torch.cuda.get_device_capability()
         if capability < (8, 9):
@@ -66,7 +60,6 @@ def _flash_attn_or_triton(block_size: int) -> str:
 
 
 def get_attention_backend(name: str) -> AttentionBackend:
-    """Create a backend by name, importing its heavy dependency only now."""
     if name == "torch":
         from nanovllm.layers.attention.reference import TorchAttentionBackend
 
@@ -79,6 +72,5 @@ def get_attention_backend(name: str) -> AttentionBackend:
         from nanovllm.layers.attention.flash import FlashAttentionBackend
 
         return FlashAttentionBackend()
-    raise ValueError(
-        f"attention_backend must be one of {', '.join(map(repr, BACKENDS))}, got {name!r}"
-    )
+    allowed = ", ".join(map(repr, BACKENDS))
+    raise ValueError(f"attention_backend must be one of {allowed}, got {name!r}")
