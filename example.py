@@ -11,7 +11,7 @@ import os
 import tempfile
 from dataclasses import replace
 
-from nanovllm import LLM, SamplingParams
+from nanovllm import LLM
 
 DEFAULT_MODEL = os.path.expanduser("~/huggingface/Qwen3-0.6B")
 

@@ -37,12 +37,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: bench.py
 
 from bench import workload  # noqa: E402
-from nanovllm.layers.attention import (
-    FP8_DTYPE,
-    KV_SCALE_DTYPE,
-    empty_kv_scales,
-    get_attention_backend,
-)  # noqa: E402
+from nanovllm.layers.attention import get_attention_backend  # noqa: E402
+from nanovllm.layers.attention.fp8_kv import FP8_DTYPE, KV_SCALE_DTYPE, empty_kv_scales  # noqa: E402
 from nanovllm.layers.attention.reference import TorchAttentionBackend  # noqa: E402
 from nanovllm.layers.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from nanovllm.layers.attention.triton_tiles import DecodeTile  # noqa: E402

@@ -42,13 +42,8 @@ import time
 import torch
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.layers.attention import (
-    FP8_DTYPE,
-    KV_SCALE_DTYPE,
-    Attention,
-    get_attention_backend,
-    resolve_backend_name,
-)
+from nanovllm.layers.attention import Attention, get_attention_backend, resolve_backend_name
+from nanovllm.layers.attention.fp8_kv import FP8_DTYPE, KV_SCALE_DTYPE
 from nanovllm.layers.attention.reference import TorchAttentionBackend
 from nanovllm.utils.checkpoint import make_random_checkpoint
 from nanovllm.utils.context import Context

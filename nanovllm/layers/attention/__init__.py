@@ -12,9 +12,3 @@ __all__ = [
     "is_fp8_kv_cache",
     "resolve_backend_name",
 ]
-
-
-def __getattr__(name: str):  # the FP8 cache's names (``fp8_kv``) load only when asked for
-    from nanovllm.layers.attention import interface
-
-    return getattr(interface, name)

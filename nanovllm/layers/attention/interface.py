@@ -4,16 +4,6 @@ import torch
 
 from nanovllm.utils.context import Context
 
-_FP8_NAMES = ("FP8_DTYPE", "FP8_MAX", "FP8_MIN_SCALE", "KV_SCALE_DTYPE", "empty_kv_scales")
-
-
-def __getattr__(name: str):  # the FP8 cache's names load with it, not with this interface
-    if name in _FP8_NAMES:
-        import nanovllm.layers.attention.fp8_kv as fp8_kv
-
-        return getattr(fp8_kv, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 
 def is_fp8_kv_cache(kv_cache_dtype: str) -> bool:
     return kv_cache_dtype in ("fp8", "fp8_e4m3")

@@ -4,7 +4,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.layers.attention.interface import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
+from nanovllm.layers.attention.fp8_kv import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
 from nanovllm.utils.dependent_launch import launch_options, pdl, wait_for_inputs
 
 _FP8_MAX = tl.constexpr(FP8_MAX)

@@ -8,7 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.layers.attention.interface import FP8_DTYPE, AttentionBackend
+from nanovllm.layers.attention.fp8_kv import FP8_DTYPE
+from nanovllm.layers.attention.interface import AttentionBackend
 from nanovllm.layers.attention.triton_decode import _decode_kernel, _decode_reduce_kernel
 from nanovllm.layers.attention.triton_kernels import LOG2E
 from nanovllm.layers.attention.triton_prefill import _prefill_kernel

@@ -43,7 +43,7 @@ from triton_interpreter import (
     squeeze_interpreter_loop_bounds,
 )
 
-from nanovllm.layers.attention import empty_kv_scales
+from nanovllm.layers.attention.fp8_kv import empty_kv_scales
 from nanovllm.layers.attention.reference import TorchAttentionBackend, quantize_fp8
 from nanovllm.utils.context import Context
 
