@@ -46,7 +46,9 @@ def _checked(values: dict) -> dict:
         if not isinstance(v[name], bool):
             raise TypeError(f"SamplingParams.{name} must be a bool, got {v[name]!r}")
     if v["structured_outputs"] is not None:
-        _check_structured_outputs(v)
+        from nanovllm.features.structured_outputs.params import check_sampling_params
+
+        check_sampling_params(v)
     v["stop"] = _string_list(v["stop"])
     v["stop_token_ids"] = _id_list(v["stop_token_ids"])
     if v["top_k"] == -1:
@@ -74,21 +76,6 @@ def _int(v: dict, name: str, low: int, extra: str = "") -> None:
         raise TypeError(f"SamplingParams.{name} must be an int{extra}, {msg}")
     if value < low:
         raise ValueError(f"SamplingParams.{name} must be >= {low}{extra}, got {value}")
-
-
-def _check_structured_outputs(v: dict) -> None:
-    from nanovllm.features.structured_outputs.params import StructuredOutputsParams
-
-    so = v["structured_outputs"]
-    if not isinstance(so, StructuredOutputsParams):
-        msg = f"must be a StructuredOutputsParams or None, got {so!r}"
-        raise TypeError(f"SamplingParams.structured_outputs {msg}")
-    if v["min_tokens"]:
-        msg = "(the grammar decides where the completion ends)"
-        raise ValueError(
-            f"SamplingParams.min_tokens must be 0 with structured_outputs {msg}, "
-            f"got min_tokens={v['min_tokens']}"
-        )
 
 
 def _string_list(stop) -> list[str]:

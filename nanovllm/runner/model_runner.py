@@ -17,7 +17,7 @@ from nanovllm.runner.step_inputs import DecodeBuffer, decode_inputs, prefill_inp
 from nanovllm.runner.step_output import StepOutput
 from nanovllm.sampling.sampler import Sampler, make_sampling_batch
 from nanovllm.utils.context import Context, step_context
-from nanovllm.utils.loader import init_dummy_weights, load_model
+from nanovllm.utils.loader import load_model
 from nanovllm.utils.profiling import phase
 
 
@@ -85,6 +85,8 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(default_dtype)
         if config.load_format == "dummy":
+            from nanovllm.utils.checkpoint import init_dummy_weights
+
             init_dummy_weights(self.model)
         else:
             load_model(self.model, config.model, hf_config)

@@ -7,6 +7,7 @@ import shutil
 
 import torch
 from safetensors.torch import save_file
+from torch import nn
 
 TOKENIZER_DIR = os.path.join(
     os.path.dirname(os.path.dirname(__file__)), "assets", "qwen3-tokenizer"
@@ -261,3 +262,28 @@ def make_random_checkpoint(
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copy(os.path.join(TOKENIZER_DIR, name), os.path.join(path, name))
     return path
+
+
+def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
+    """``load_format="dummy"``: norms 1, biases 0, the rest N(0, std), the same on every rank."""
+    generators = {}
+    params = dict(model.named_parameters())
+    for name, param in params.items():
+        device = param.device
+        if device not in generators:
+            generators[device] = torch.Generator(device=device).manual_seed(seed)
+        if getattr(param, "derived", False):
+            continue  # set with its weight
+        if param.dtype == torch.float8_e4m3fn:
+            from nanovllm.quantization.fp8 import quantize_weight_blocks
+
+            drawn = torch.empty(param.shape, dtype=torch.float32, device=device)
+            q, scale = quantize_weight_blocks(drawn.normal_(0.0, std, generator=generators[device]))
+            param.data.copy_(q)
+            params[name + "_scale_inv"].data.copy_(scale)
+        elif name.endswith("norm.weight"):
+            param.data.fill_(1.0)
+        elif name.endswith("bias"):
+            param.data.zero_()
+        else:
+            param.data.normal_(0.0, std, generator=generators[device])

@@ -106,3 +106,17 @@ def _spec_text(kind: str, value) -> str:
 def _short(value, limit: int = 200) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+def check_sampling_params(v: dict) -> None:
+    """``SamplingParams``' check of its ``structured_outputs`` field (``v``: the fields)."""
+    so = v["structured_outputs"]
+    if not isinstance(so, StructuredOutputsParams):
+        msg = f"must be a StructuredOutputsParams or None, got {so!r}"
+        raise TypeError(f"SamplingParams.structured_outputs {msg}")
+    if v["min_tokens"]:
+        msg = "(the grammar decides where the completion ends)"
+        raise ValueError(
+            f"SamplingParams.min_tokens must be 0 with structured_outputs {msg}, "
+            f"got min_tokens={v['min_tokens']}"
+        )

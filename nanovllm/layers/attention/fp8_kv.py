@@ -18,3 +18,13 @@ def empty_kv_scales(*shape: int, device=None) -> torch.Tensor:
     return torch.empty(
         *shape[:-2], shape[-1], shape[-2], dtype=KV_SCALE_DTYPE, device=device
     ).transpose(-1, -2)
+
+
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., head_dim] -> e4m3 values [..., head_dim] and float32 scales [...], one a row."""
+    x = x.float()
+    amax = x.abs().amax(dim=-1)
+    # divide by a tensor: a Python-number divisor may become a multiply by its reciprocal on the
+    # GPU, which rounds differently from the Triton store's division
+    scale = (amax / torch.full_like(amax, FP8_MAX)).clamp(min=FP8_MIN_SCALE)
+    return (x / scale.unsqueeze(-1)).to(FP8_DTYPE), scale

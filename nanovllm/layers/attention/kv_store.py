@@ -13,7 +13,7 @@ _FP8_MIN_SCALE = tl.constexpr(FP8_MIN_SCALE)
 
 @triton.jit
 def _fp8_scale(amax):
-    # as reference.quantize_fp8
+    # as fp8_kv.quantize_fp8
     return tl.maximum(tl.math.div_rn(amax, _FP8_MAX), _FP8_MIN_SCALE)
 
 

@@ -7,18 +7,6 @@ from nanovllm.layers.attention.interface import AttentionBackend
 from nanovllm.utils.context import Context
 
 
-def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., head_dim] -> e4m3 values [..., head_dim] and float32 scales [...], one a row."""
-    from nanovllm.layers.attention.fp8_kv import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
-
-    x = x.float()
-    amax = x.abs().amax(dim=-1)
-    # divide by a tensor: a Python-number divisor may become a multiply by its reciprocal on the
-    # GPU, which rounds differently from the Triton store's division
-    scale = (amax / torch.full_like(amax, FP8_MAX)).clamp(min=FP8_MIN_SCALE)
-    return (x / scale.unsqueeze(-1)).to(FP8_DTYPE), scale
-
-
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """cache [num_blocks, block_size, ...] -> the first [num_tokens, ...] rows of a sequence."""
     block_size = cache.size(1)
@@ -60,6 +48,8 @@ class TorchAttentionBackend(AttentionBackend):
         for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
             rows = x[valid]  # [num_valid, num_kv_heads, head_dim]
             if scale is not None:
+                from nanovllm.layers.attention.fp8_kv import quantize_fp8
+
                 rows, row_scales = quantize_fp8(rows)
                 block_size = scale.shape[1]  # the scales may be stored head-major: index them
                 scale[slots // block_size, slots % block_size] = row_scales

@@ -43,8 +43,8 @@ from triton_interpreter import (
     squeeze_interpreter_loop_bounds,
 )
 
-from nanovllm.layers.attention.fp8_kv import empty_kv_scales
-from nanovllm.layers.attention.reference import TorchAttentionBackend, quantize_fp8
+from nanovllm.layers.attention.fp8_kv import empty_kv_scales, quantize_fp8
+from nanovllm.layers.attention.reference import TorchAttentionBackend
 from nanovllm.utils.context import Context
 
 E4M3 = torch.float8_e4m3fn

@@ -16,7 +16,7 @@ import torch
 from test_kv_store import POISON, guarded_cache, guards_intact, reference_store
 from triton_interpreter import results_under_interpreter
 
-from nanovllm.layers.attention.reference import quantize_fp8
+from nanovllm.layers.attention.fp8_kv import quantize_fp8
 from nanovllm.layers.layernorm import rms_norm
 from nanovllm.layers.rotary_embedding import RotaryEmbedding, apply_rotary_emb
 
