@@ -4,18 +4,19 @@
 each request's max_tokens is randint(100, 1024), drawn after all prompts; temperature 0.6,
 ignore_eos. One short warm-up generate comes first. 133,966 output tokens in all.
 
-    python bench.py                                  # ~/huggingface/Qwen3-0.6B
-    python bench.py --random qwen3-0.6b              # a random checkpoint of that shape (no weights needed)
+    python bench.py                          # ~/huggingface/Qwen3-0.6B
+    python bench.py --random qwen3-0.6b      # a random checkpoint of that shape (no weights needed)
     python bench.py --random qwen3-4b --tp 2 --backend triton --enforce-eager
-    python bench.py --random qwen3-0.6b --top-p 0.95 --top-k 20     # Qwen3's recommended sampling
-    python bench.py --sampler --top-p 0.95 --top-k 20               # the sampler alone, GPU time per step
-    python bench.py --random qwen3-0.6b --profile   # GPU time per kernel category and kernel, GPU idle share
+    python bench.py --random qwen3-0.6b --top-p 0.95 --top-k 20   # Qwen3's recommended sampling
+    python bench.py --sampler --top-p 0.95 --top-k 20   # the sampler alone, GPU time per step
+    python bench.py --random qwen3-0.6b --profile   # GPU time per kernel category and kernel,
+                                                    # and the GPU's idle share
     python bench.py --random qwen3-8b --dp 2 --num-seqs 1024   # two replicas, one GPU each
     python bench.py --random qwen3-8b --quantization fp8       # FP8 weights in Qwen's block format
 
 --profile runs the timed generate under torch.profiler (kineto's CUDA activity only, see
-benchmarks/bench_profile.py); its result line is the profiled run's, so compare it with a run without --profile
-(a second timed run in the same engine would be served from the prefix cache).
+benchmarks/bench_profile.py); its result line is the profiled run's, so compare it with a run
+without --profile (a second timed run in the same engine would be served from the prefix cache).
 
 The other measuring tools live in benchmarks/ (run them from the repository root, e.g.
 ``python benchmarks/bench_floor.py``); they import this file's ``workload``.
@@ -91,7 +92,8 @@ def gpu_memory_report() -> str:
     free, total = torch.cuda.mem_get_info()
     return (
         f"GPU memory in use: {(total - free) / 2**30:.1f} of {total / 2**30:.1f} GiB "
-        f"({(total - free) / total:.1%}); torch peak reserved {torch.cuda.max_memory_reserved() / 2**30:.1f} GiB"
+        f"({(total - free) / total:.1%}); torch peak reserved "
+        f"{torch.cuda.max_memory_reserved() / 2**30:.1f} GiB"
     )
 
 
@@ -104,8 +106,9 @@ def main() -> None:
         "--random",
         metavar="SHAPE",
         default=None,
-        help="benchmark a randomly initialised checkpoint of this shape (qwen3-0.6b, qwen3-4b, qwen3-8b, "
-        "qwen3-30b-a3b, qwen2.5-0.5b, llama3.2-1b); above 8 GiB of weights with load_format='dummy'",
+        help="benchmark a randomly initialised checkpoint of this shape (qwen3-0.6b, qwen3-4b, "
+        "qwen3-8b, qwen3-30b-a3b, qwen2.5-0.5b, llama3.2-1b); above 8 GiB of weights with "
+        "load_format='dummy'",
     )
     parser.add_argument(
         "--backend", default="auto", help="attention backend: auto, flash-attn, triton, torch"
@@ -155,7 +158,8 @@ def main() -> None:
     parser.add_argument(
         "--profile",
         action="store_true",
-        help="print GPU time per kernel category and per kernel and the GPU idle share of the timed run",
+        help="print GPU time per kernel category and per kernel and the GPU idle share of the "
+        "timed run",
     )
     parser.add_argument(
         "--profile-trace",
@@ -193,7 +197,8 @@ def main() -> None:
         )
     elif args.quantization:
         parser.error(
-            "--quantization goes with --random (a checkpoint's own format is read from its config.json)"
+            "--quantization goes with --random "
+            "(a checkpoint's own format is read from its config.json)"
         )
     elif not os.path.isdir(path):
         parser.error(f"no model at {path}; pass --model PATH or --random qwen3-0.6b")
@@ -234,7 +239,8 @@ def main() -> None:
             t = time.perf_counter()
             llm.generate(prompts, params, use_tqdm=False)
             t = time.perf_counter() - t
-        # with data parallelism the runners live in the replicas: the configured name stands for them
+        # with data parallelism the runners live in the replicas: the configured name stands
+        # for them
         backend = (
             llm.core.executor.runner.backend.name if hasattr(llm.core, "executor") else args.backend
         )
@@ -248,13 +254,16 @@ def main() -> None:
     )
     print(
         f"backend={backend} eager={config.enforce_eager} tp={config.tensor_parallel_size}{custom} "
-        f"dp={getattr(config, 'data_parallel_size', 1)}{'/ray' if args.dp_backend == 'ray' else ''} "
+        f"dp={getattr(config, 'data_parallel_size', 1)}"
+        f"{'/ray' if args.dp_backend == 'ray' else ''} "
         f"kv_cache_dtype={getattr(config, 'kv_cache_dtype', 'auto')} "
         f"weights={getattr(config, 'weight_quantization', None) or 'model dtype'} "
-        f"async_scheduling={getattr(config, 'async_scheduling', None)} max_model_len={config.max_model_len} "
+        f"async_scheduling={getattr(config, 'async_scheduling', None)} "
+        f"max_model_len={config.max_model_len} "
         f"block_size={config.kvcache_block_size} max_num_seqs={config.max_num_seqs} "
         f"max_num_batched_tokens={config.max_num_batched_tokens} requests={args.num_seqs} "
-        f"sampling={sampling or 'temperature 0.6'} model={'random:' + args.random if args.random else path} "
+        f"sampling={sampling or 'temperature 0.6'} "
+        f"model={'random:' + args.random if args.random else path} "
         f"profiled={profiling}"
     )
     print(f"Total: {total}tok, Time: {t:.2f}s, Throughput: {total / t:.2f}tok/s")

@@ -1,9 +1,9 @@
 """Chat with a Qwen3 model through nano-vllm.
 
-python example.py                      # ~/huggingface/Qwen3-0.6B if present, else a tiny random model
+python example.py   # ~/huggingface/Qwen3-0.6B if present, else a tiny random model
 python example.py --model /path/to/Qwen3-0.6B
-python example.py --data-parallel-size 2                               # two replicas (processes)
-python example.py --data-parallel-size 2 --data-parallel-backend ray   # two Ray actors (the [ray] extra)
+python example.py --data-parallel-size 2                              # two replicas (processes)
+python example.py --data-parallel-size 2 --data-parallel-backend ray  # two Ray actors ([ray] extra)
 """
 
 import argparse
@@ -58,7 +58,8 @@ def main() -> None:
         path = make_random_checkpoint(tmp.name, "tiny")
         print(
             f"{DEFAULT_MODEL} not found: using a tiny Qwen3 with RANDOM weights at {path}.\n"
-            "Its text is gibberish; the pipeline (chat template, batching, decoding) is the real one.\n"
+            "Its text is gibberish; the pipeline (chat template, batching, decoding) is the "
+            "real one.\n"
         )
 
     with LLM(
@@ -79,7 +80,8 @@ def main() -> None:
         )
         for conversation, output in zip(conversations, outputs):
             print(
-                f"\nUser: {conversation[0]['content']!r}\nAssistant: {output['text']!r} ({output['finish_reason']})"
+                f"\nUser: {conversation[0]['content']!r}\n"
+                f"Assistant: {output['text']!r} ({output['finish_reason']})"
             )
         if args.data_parallel_size > 1:
             print(

@@ -9,11 +9,14 @@ tokens are routed to; with B tokens of top-k routing among E experts, spread uni
 weights route), E * (1 - (1 - k/E)^B) experts are expected. Not counted: prefill, the embedding rows
 looked up (an untied embedding matrix is not read whole), activations and the sampler.
 
-    python benchmarks/bench_floor.py --shape qwen3-30b-a3b --bandwidth 4.3          # TB/s
-    python benchmarks/bench_floor.py --shape qwen3-0.6b --measure                   # bandwidth from a device copy (GPU)
-    python benchmarks/bench_floor.py --shape qwen3-8b --quantization fp8 --bandwidth 3.35  # FP8 weights
-    python benchmarks/bench_floor.py --shape qwen3-4b --set hidden_size=4096 --set intermediate_size=12288 \
-        --set num_attention_heads=32 --bandwidth 3.06                               # Qwen3-8B's shape
+    python benchmarks/bench_floor.py --shape qwen3-30b-a3b --bandwidth 4.3   # TB/s
+    # the bandwidth from a device copy (GPU):
+    python benchmarks/bench_floor.py --shape qwen3-0.6b --measure
+    # FP8 weights:
+    python benchmarks/bench_floor.py --shape qwen3-8b --quantization fp8 --bandwidth 3.35
+    # Qwen3-8B's shape:
+    python benchmarks/bench_floor.py --shape qwen3-4b --set hidden_size=4096 \
+        --set intermediate_size=12288 --set num_attention_heads=32 --bandwidth 3.06
 
 Run it from the repository root as ``python benchmarks/bench_floor.py ...``. It imports ``bench``
 (``bench.py``'s workload) through the repository root, which the first lines below put on
@@ -37,7 +40,8 @@ def weight_bytes_by_kind(
 ) -> tuple[int, int]:
     """(bytes of all experts of all MoE layers, bytes every decode step reads whatever its batch:
     all other weights, the LM head included, an untied input embedding not). With
-    ``quantization="fp8"`` a quantized weight counts 1 byte a value plus its float32 block scales."""
+    ``quantization="fp8"`` a quantized weight counts 1 byte a value plus its float32 block
+    scales."""
     expert, dense = 0, 0
     for name, size in tensor_bytes(config, itemsize, quantization).items():
         if ".experts." in name:
@@ -153,16 +157,19 @@ def main() -> None:
     tokens = sum(p.max_tokens for p in params)
     shape = " ".join([args.shape] + args.set + ([args.quantization] if args.quantization else []))
     print(
-        f"{shape}: first decode step ({len(full)} sequences): weights {w1 / 1e9:.2f} GB, KV {kv1 / 1e9:.2f} GB"
+        f"{shape}: first decode step ({len(full)} sequences): weights {w1 / 1e9:.2f} GB, "
+        f"KV {kv1 / 1e9:.2f} GB"
     )
     print(
-        f"{steps} decode steps: weights {weights / 1e12:.2f} TB, KV {kv / 1e12:.2f} TB, {tokens} output tokens"
+        f"{steps} decode steps: weights {weights / 1e12:.2f} TB, KV {kv / 1e12:.2f} TB, "
+        f"{tokens} output tokens"
     )
     bandwidth = measured_bandwidth() if args.measure else (args.bandwidth or 0) * 1e12
     if bandwidth:
         floor = (weights + kv) / bandwidth
         print(
-            f"at {bandwidth / 1e12:.2f} TB/s: decode floor {floor:.2f} s, {tokens / floor:,.0f} tok/s"
+            f"at {bandwidth / 1e12:.2f} TB/s: decode floor {floor:.2f} s, "
+            f"{tokens / floor:,.0f} tok/s"
         )
 
 

@@ -77,8 +77,10 @@ def main() -> None:
     done = sum(min(p.max_tokens, steps) for p in params)
     total = sum(p.max_tokens for p in params)
     print(
-        f"transformers {transformers.__version__} attn={model.config._attn_implementation} model=random:{args.random} "
-        f"experts={getattr(model.config, '_experts_implementation', None)} requests={len(prompts)} steps={steps} of {max_new}"
+        f"transformers {transformers.__version__} attn={model.config._attn_implementation} "
+        f"model=random:{args.random} "
+        f"experts={getattr(model.config, '_experts_implementation', None)} "
+        f"requests={len(prompts)} steps={steps} of {max_new}"
     )
     print(f"Total: {done}tok of {total}, Time: {t:.2f}s, Throughput: {done / t:.2f}tok/s")
     print(f"memory peak allocated {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")

@@ -6,7 +6,8 @@ hook of ``nanovllm.utils.profiling`` is installed that stamps the start and end 
 engine names. Each phase's own time (its length less the phases nested in it) is summed, and the
 phases are split into two kinds:
 
-    host's own work   schedule, inputs, update, outputs, and the Python between phases ("unlabelled")
+    host's own work   schedule, inputs, update, outputs, and the Python between phases
+                      ("unlabelled")
     device work       forward, sample, wait (here the CPU computes them; on a GPU the host only
                       launches them and, with async scheduling, works on the next step meanwhile)
 
@@ -16,9 +17,9 @@ device would be done), and each step's host time (one ``forward``'s start to the
 the device work started in between), by quarter of the run. Steps late in the run decode few
 sequences: there a GPU's step is short, and the host's fixed cost per step shows.
 
-    python benchmarks/bench_host.py                  # 256 requests (about 6 minutes on 2 CPU cores)
-    python benchmarks/bench_host.py --num-seqs 64    # a quicker run (not the workload's lead and tail)
-    python benchmarks/bench_host.py --profile        # and the cProfile of the timed generate (top 25)
+    python benchmarks/bench_host.py                # 256 requests (about 6 minutes on 2 CPU cores)
+    python benchmarks/bench_host.py --num-seqs 64  # quicker (lead and tail not the workload's)
+    python benchmarks/bench_host.py --profile      # and the cProfile of the timed generate (top 25)
 
 Run it from the repository root as ``python benchmarks/bench_host.py ...``. It imports ``bench``
 (``bench.py``'s workload) through the repository root, which the first lines below put on
@@ -151,7 +152,8 @@ def format_report(report: HostReport) -> str:
         kind = "device" if name in DEVICE_PHASES else "host"
         seconds = report.own[name]
         lines.append(
-            f"| {name} | {kind} | {seconds:.3f} s | {seconds / wall:.1%} | {report.counts.get(name) or ''} |"
+            f"| {name} | {kind} | {seconds:.3f} s | {seconds / wall:.1%} | "
+            f"{report.counts.get(name) or ''} |"
         )
     lines.append(f"| host's own work | | {report.host:.3f} s | {report.host / wall:.1%} | |")
     lines.append(f"| device work | | {report.device:.3f} s | {report.device / wall:.1%} | |")
@@ -170,7 +172,8 @@ def format_report(report: HostReport) -> str:
         lo, hi = i * len(steps) // parts, (i + 1) * len(steps) // parts
         part = steps[lo:hi]
         lines.append(
-            f"steps {lo + 1}-{hi}: host time per step median {statistics.median(part) * 1e3:.2f} ms, "
+            f"steps {lo + 1}-{hi}: host time per step median "
+            f"{statistics.median(part) * 1e3:.2f} ms, "
             f"max {max(part) * 1e3:.2f} ms"
         )
     return "\n".join(lines)

@@ -42,11 +42,12 @@ def host_late_idle(
     labels: list[tuple[float, float, str]],
     min_gap: float = MIN_GAP,
 ):
-    """``gpu``: device work as (start, end, correlation id); ``launches``: correlation id -> start of
-    the CUDA call that queued it; ``labels``: host ranges (start, end, name). Returns the number of
-    host-late gaps of at least ``min_gap``, their seconds (until the queuing call) by the stack of
-    labels open meanwhile, outermost first and " > "-joined ("(unlabelled)" where none is), and the
-    seconds of the other such gaps (their work was queued in time, or its call is unknown)."""
+    """``gpu``: device work as (start, end, correlation id); ``launches``: correlation id ->
+    start of the CUDA call that queued it; ``labels``: host ranges (start, end, name). Returns the
+    number of host-late gaps of at least ``min_gap``, their seconds (until the queuing call) by the
+    stack of labels open meanwhile, outermost first and " > "-joined ("(unlabelled)" where none
+    is), and the seconds of the other such gaps (their work was queued in time, or its call is
+    unknown)."""
     busy: list[list] = []  # merged intervals, each with the correlation id of its first work
     for start, end, corr in sorted(gpu):
         if busy and start <= busy[-1][1]:
@@ -153,8 +154,9 @@ def main() -> None:
         )
     late, by_stack, in_time = host_late_idle(gpu, launches, labels)
     print(
-        f"gaps >= {MIN_GAP * 1e6:.0f} us: {late} host-late ({sum(by_stack.values()):.3f} s until the host queued "
-        f"the next work); {in_time:.3f} s in gaps whose next work was queued in time"
+        f"gaps >= {MIN_GAP * 1e6:.0f} us: {late} host-late "
+        f"({sum(by_stack.values()):.3f} s until the host queued the next work); "
+        f"{in_time:.3f} s in gaps whose next work was queued in time"
     )
     print("host-late idle by what the host was doing (innermost label last):")
     for stack, seconds in sorted(by_stack.items(), key=lambda kv: -kv[1])[: args.top]:

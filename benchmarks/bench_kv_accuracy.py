@@ -1,32 +1,39 @@
-"""Accuracy of the FP8 KV cache (``kv_cache_dtype="fp8"``) next to a cache in the model's dtype (bf16).
+"""Accuracy of the FP8 KV cache (``kv_cache_dtype="fp8"``) next to a cache in the model's dtype
+(bf16).
 
-1. Attention-output error, at Qwen3-0.6B's attention shape (16 query heads, 8 KV heads, head_dim 128),
-   block size 256. Keys K = N(0, 1) times a per-channel scale exp(N(0, sigma)) (a few large channels,
-   as real keys have), values V = N(0, 1), one bf16 query q = N(0, 1) per sequence. K/V, drawn in
-   float32, are written by the torch backend's ``store_kvcache`` (the Triton store writes the same bytes)
-   into a paged cache (random block ids),
-   once bf16 and once FP8, and read by its ``decode``. Both are compared with float64 attention over
-   the unrounded K/V and the same q: relative L2 error and largest absolute error. The output is bf16:
-   "bf16 output floor" is the error of rounding the exact output to bf16 alone.
+1. Attention-output error, at Qwen3-0.6B's attention shape (16 query heads, 8 KV heads, head_dim
+   128), block size 256. Keys K = N(0, 1) times a per-channel scale exp(N(0, sigma)) (a few large
+   channels, as real keys have), values V = N(0, 1), one bf16 query q = N(0, 1) per sequence. K/V,
+   drawn in float32, are written by the torch backend's ``store_kvcache`` (the Triton store writes
+   the same bytes) into a paged cache (random block ids), once bf16 and once FP8, and read by its
+   ``decode``. Both are compared with float64 attention over the unrounded K/V and the same q:
+   relative L2 error and largest absolute error. The output is bf16: "bf16 output floor" is the
+   error of rounding the exact output to bf16 alone.
 
 2. Greedy agreement and next-token KL. A random Qwen3 checkpoint (bf16 weights N(0, std)) runs one
    greedy workload (random token-id prompts, ignore_eos) with a bf16 cache, an FP8 cache, and, as a
    control, a bf16 cache whose K/V get noise of bf16 rounding's own size before storing. A wrapper
-   around ``ModelRunner.sample`` (paired with the step's sequences) keeps every sampled row's log-softmax. Per prompt, d = the first
-   position where a run's tokens differ from the bf16 run's (max_tokens when none): positions 0..d
-   had the same context. Reported: prompts with identical completions, d, token agreement over
-   positions 0..d (sum d / sum (d + 1) when all diverge), KL(bf16 || other) at positions 0..d, and
-   at each FP8 divergence the log-prob gap between the two chosen tokens (a near-tie or not; bf16
-   logits of this size are 1/16 or 1/8 apart). Position 0 is computed by prefill from the fresh K/V,
-   not the cache (the prompts share no prefix), so its KL is 0; the cache is read from position 1.
+   around ``ModelRunner.sample`` (paired with the step's sequences) keeps every sampled row's
+   log-softmax. Per prompt, d = the first position where a run's tokens differ from the bf16 run's
+   (max_tokens when none): positions 0..d had the same context. Reported: prompts with identical
+   completions, d, token agreement over positions 0..d (sum d / sum (d + 1) when all diverge),
+   KL(bf16 || other) at positions 0..d, and at each FP8 divergence the log-prob gap between the
+   two chosen tokens (a near-tie or not; bf16 logits of this size are 1/16 or 1/8 apart). Position
+   0 is computed by prefill from the fresh K/V, not the cache (the prompts share no prefix), so its
+   KL is 0; the cache is read from position 1.
 
-    python benchmarks/bench_kv_accuracy.py                      # CPU: torch backend; GPU: the "auto" backends
-    python benchmarks/bench_kv_accuracy.py --max-len 1000       # longer prompts (about 2x the time on a CPU)
-    python benchmarks/bench_kv_accuracy.py --part 1 --sigma 0   # part 1 only, keys without large channels
-    python benchmarks/bench_kv_accuracy.py --part 2 --weights   # FP8 weights (and FP8 weights + cache) vs bf16
+    # CPU: the torch backend; GPU: the "auto" backends
+    python benchmarks/bench_kv_accuracy.py
+    # longer prompts (about 2x the time on a CPU)
+    python benchmarks/bench_kv_accuracy.py --max-len 1000
+    # part 1 only, keys without large channels
+    python benchmarks/bench_kv_accuracy.py --part 1 --sigma 0
+    # FP8 weights (and FP8 weights + cache) vs bf16
+    python benchmarks/bench_kv_accuracy.py --part 2 --weights
 
-With ``--weights`` part 2 compares FP8 weights quantized at load (``quantization="fp8"``) from the same
-bf16 checkpoint, alone and with the FP8 cache, against the bf16 weights, and has no control run.
+With ``--weights`` part 2 compares FP8 weights quantized at load (``quantization="fp8"``) from the
+same bf16 checkpoint, alone and with the FP8 cache, against the bf16 weights, and has no control
+run.
 
 Run it from the repository root as ``python benchmarks/bench_kv_accuracy.py ...``; it needs nothing
 from ``bench.py`` (the tools that do put the repository root on ``sys.path`` in their first lines).
@@ -52,13 +59,14 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128  # Qwen3-0.6B
 BLOCK_SIZE = 256
 
 
-# ---- 1. attention-output error ---------------------------------------------------------------------
+# ---- 1. attention-output error -------------------------------------------------------------
 
 
 def paged_tables(
     num_seqs: int, context_len: int, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random block ids -> block tables [num_seqs, blocks_per_seq], slots [num_seqs * context_len] (int32)"""
+    """Random block ids -> block tables [num_seqs, blocks_per_seq], slots
+    [num_seqs * context_len] (int32)"""
     per_seq = -(-context_len // BLOCK_SIZE)
     tables = torch.randperm(num_seqs * per_seq, generator=generator).view(num_seqs, per_seq)
     pos = torch.arange(context_len)
@@ -69,7 +77,8 @@ def paged_tables(
 def reference_decode(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """float64 attention of one query over all keys. q: [num_heads, head_dim], k/v: [n, num_kv_heads, head_dim]."""
+    """float64 attention of one query over all keys. q: [num_heads, head_dim], k/v:
+    [n, num_kv_heads, head_dim]."""
     group = NUM_HEADS // NUM_KV_HEADS
     k, v = (
         x.double().repeat_interleave(group, dim=1).transpose(0, 1) for x in (k, v)
@@ -83,9 +92,9 @@ def reference_decode(
 def decode_over_cache(
     backend_name: str, kv_cache_dtype: str, q, k, v, tables, slots, context_lens, device
 ):
-    """Store k/v ([num_tokens, num_kv_heads, head_dim] float32) into a fresh paged cache of this dtype
-    (the torch store: the Triton one, ``rope_and_store``, writes the same bytes), then decode q
-    ([num_seqs, num_heads, head_dim]) over it with the backend."""
+    """Store k/v ([num_tokens, num_kv_heads, head_dim] float32) into a fresh paged cache of this
+    dtype (the torch store: the Triton one, ``rope_and_store``, writes the same bytes), then decode
+    q ([num_seqs, num_heads, head_dim]) over it with the backend."""
     backend, fp8 = get_attention_backend(backend_name), kv_cache_dtype == "fp8"
     shape = (tables.numel(), BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
     caches = [
@@ -111,8 +120,9 @@ def attention_error_table(
         for kv in ("auto", "fp8")
     }
     print(
-        f"\n### Attention-output error (decode; {NUM_HEADS} q heads, {NUM_KV_HEADS} KV heads, head_dim {HEAD_DIM}, "
-        f"block {BLOCK_SIZE}; {num_seqs} sequences per length; K channel scales exp(N(0, {sigma})); "
+        f"\n### Attention-output error (decode; {NUM_HEADS} q heads, {NUM_KV_HEADS} KV heads, "
+        f"head_dim {HEAD_DIM}, block {BLOCK_SIZE}; {num_seqs} sequences per length; "
+        f"K channel scales exp(N(0, {sigma})); "
         f"backends: bf16 cache {names['auto']}, fp8 cache {names['fp8']})\n"
     )
     print(
@@ -148,12 +158,13 @@ def attention_error_table(
         floor = ((ref.to(torch.bfloat16).double() - ref).norm() / ref.norm()).item()
         abs_err = {kv: (o - ref).abs().max().item() for kv, o in out.items()}
         print(
-            f"| {n} | {ref.pow(2).mean().sqrt().item():.3f} | {floor:.2e} | {rel['auto']:.2e} | {rel['fp8']:.2e} | "
+            f"| {n} | {ref.pow(2).mean().sqrt().item():.3f} | {floor:.2e} | "
+            f"{rel['auto']:.2e} | {rel['fp8']:.2e} | "
             f"{abs_err['auto']:.2e} | {abs_err['fp8']:.2e} | {rel['fp8'] / rel['auto']:.1f}x |"
         )
 
 
-# ---- 2. greedy agreement and next-token KL ---------------------------------------------------------
+# ---- 2. greedy agreement and next-token KL --------------------------------------------------
 
 
 class RecordDistributions:
@@ -187,8 +198,9 @@ class RecordDistributions:
 
 
 class NoisyStore:
-    """Wraps an attention backend: K/V are multiplied by (1 + rel * N(0, 1)) before they are stored.
-    rel = 2^-9 is about the rms relative error of rounding to bf16: cache noise of bf16's own size."""
+    """Wraps an attention backend: K/V are multiplied by (1 + rel * N(0, 1)) before they are
+    stored. rel = 2^-9 is about the rms relative error of rounding to bf16: cache noise of bf16's
+    own size."""
 
     def __init__(self, backend, rel: float):
         self.backend, self.rel = backend, rel
@@ -265,7 +277,10 @@ def compare(base, other, n: int) -> tuple[list[str], list[tuple[int, float, floa
         f"{compared - len(gaps)} / {compared} = {(compared - len(gaps)) / compared:.3f}",
         f"{max(kl_first):.2e}",
         f"{len(kl_decode)}",
-        f"{statistics.mean(kl_decode):.2e} / {statistics.median(kl_decode):.2e} / {max(kl_decode):.2e}"
+        (
+            f"{statistics.mean(kl_decode):.2e} / {statistics.median(kl_decode):.2e} / "
+            f"{max(kl_decode):.2e}"
+        )
         if kl_decode
         else "-",
     ], gaps
@@ -303,7 +318,8 @@ def agreement_table(args, device: str) -> None:
             tokens, logprobs, speed = run_greedy(path, kv, prompts, n, device, noise, quantization)
             runs[name] = tokens, logprobs
             print(
-                f"[{name}: {time.perf_counter() - start:.0f} s; prefill {speed['prefill']:.0f} tok/s, "
+                f"[{name}: {time.perf_counter() - start:.0f} s; "
+                f"prefill {speed['prefill']:.0f} tok/s, "
                 f"decode {speed['decode']:.0f} tok/s]"
             )
     # the recorded rows must be the ones the sampler chose from: greedy picks their argmax
@@ -327,15 +343,18 @@ def agreement_table(args, device: str) -> None:
     )
     print(
         f"\n### Greedy agreement and next-token KL against {what} ({device}; random Qwen3 weights, "
-        f"N(0, {args.std}) in bf16: {args.layers} layers, hidden 1024, intermediate 3072, {NUM_HEADS} heads, "
-        f"{NUM_KV_HEADS} KV heads, head_dim {HEAD_DIM}, vocab 151936, tied embeddings; {args.prompts} prompts of "
-        f"{args.min_len}-{args.max_len} random token ids, {n} greedy tokens each, ignore_eos{control})\n"
+        f"N(0, {args.std}) in bf16: {args.layers} layers, hidden 1024, intermediate 3072, "
+        f"{NUM_HEADS} heads, {NUM_KV_HEADS} KV heads, head_dim {HEAD_DIM}, vocab 151936, "
+        f"tied embeddings; {args.prompts} prompts of {args.min_len}-{args.max_len} random "
+        f"token ids, {n} greedy tokens each, ignore_eos{control})\n"
     )
     print(
-        f"recorded distributions whose argmax is the emitted token: {consistent} / {len(runs) * n * len(prompts)}; "
+        f"recorded distributions whose argmax is the emitted token: {consistent} / "
+        f"{len(runs) * n * len(prompts)}; "
         f"{base_name} run, all positions: top-1 probability median {statistics.median(top1):.3f} "
         f"(min {min(top1):.3f}, max {max(top1):.3f}), top-1 minus top-2 log-prob median "
-        f"{statistics.median(top_gaps):.3f} (10th percentile {statistics.quantiles(top_gaps, n=10)[0]:.3f})\n"
+        f"{statistics.median(top_gaps):.3f} "
+        f"(10th percentile {statistics.quantiles(top_gaps, n=10)[0]:.3f})\n"
     )
     print(f"| metric | {' | '.join(others)} |\n|---|{'---:|' * len(others)}")
     names = [
@@ -351,7 +370,8 @@ def agreement_table(args, device: str) -> None:
         print(f"| {name} | {' | '.join(cells[o][0][i] for o in others)} |")
     if gaps:
         print(
-            f"\n| {others[0]}: divergence at position | log p gap in {base_name} run (its token - the other's) "
+            f"\n| {others[0]}: divergence at position "
+            f"| log p gap in {base_name} run (its token - the other's) "
             "| log p gap in the other run (its token - the first's) |"
         )
         print("|---:|---:|---:|")

@@ -1,4 +1,5 @@
-"""GPU time of a benchmark run by kernel category and by kernel, and the share of the run the GPU sat idle.
+"""GPU time of a benchmark run by kernel category and by kernel, and the share of the run the GPU
+sat idle.
 
 ``bench.py --profile`` runs its timed ``generate`` under ``torch.profiler`` with CUDA activity only
 (no CPU ops, shapes or stacks, so the run is barely slowed), turns the device's kernel, memcpy and
@@ -19,29 +20,30 @@ from dataclasses import dataclass, field
 # that its name contains (case-insensitive), else to OTHER. The order matters: flash-attn's
 # kernel names contain "cutlass" (its element types), so attention comes before GEMMs.
 CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
-    # flash-attn: flash_fwd_splitkv_kernel (+ _combine_kernel); Triton: _decode_kernel, _decode_reduce_kernel.
-    # A prefill over a cached prefix reads a paged cache, which flash-attn also runs with its splitkv
-    # kernel: that time is counted here as decode.
+    # flash-attn: flash_fwd_splitkv_kernel (+ _combine_kernel); Triton: _decode_kernel,
+    # _decode_reduce_kernel. A prefill over a cached prefix reads a paged cache, which flash-attn
+    # also runs with its splitkv kernel: that time is counted here as decode.
     ("decode attention", ("flash_fwd_splitkv", "decode")),
     # flash-attn: flash_fwd_kernel; Triton: _prefill_kernel
     ("prefill attention", ("flash_fwd_kernel", "prefill")),
     # the fused MoE kernels' two grouped GEMMs, bf16 or FP8
     ("MoE experts", ("_gate_up_kernel", "_down_kernel", "_gate_up_fp8_kernel", "_down_fp8_kernel")),
-    # the MoE routing (softmax, top-k, renormalisation) and grouping (counts, offsets, scatter) kernels
+    # the MoE routing (softmax, top-k, renormalisation) and grouping (counts, offsets, scatter)
+    # kernels
     ("MoE routing", ("_select_experts_kernel", "_count_kernel", "_scatter_kernel")),
     # the FP8 linears: the activations' quantization and the block-scaled GEMM (Triton's; cuBLAS's,
     # from 128 rows on Hopper, counts under GEMMs)
     ("FP8 linears", ("_fp8_gemm_kernel", "_quantize_kernel")),
     # cuBLAS / cuBLASLt / CUTLASS matrix multiplies (also the LM head)
     ("GEMMs", ("gemm", "sm90_xmma", "cutlass", "cublas", "nvjet")),
-    # tensor parallelism: NCCL's kernels (all-reduce, gather, broadcast, all-gather) and the one-shot
-    # all-reduce, also the one fused with the residual add and RMSNorm (before the norms: its name
-    # contains theirs)
+    # tensor parallelism: NCCL's kernels (all-reduce, gather, broadcast, all-gather) and the
+    # one-shot all-reduce, also the one fused with the residual add and RMSNorm (before the norms:
+    # its name contains theirs)
     ("collectives", ("nccl", "_one_shot")),
-    # torch.compile'd RMSNorm and SiLU-and-mul (Inductor's Triton kernels; with FP8 weights our kernels
-    # that also quantize for the next linear); the fused QK-norm, RoPE and KV-cache store of the new
-    # tokens (attention.kv_store.rope_and_store: the only KV store on the GPU, so there is no category
-    # of its own)
+    # torch.compile'd RMSNorm and SiLU-and-mul (Inductor's Triton kernels; with FP8 weights our
+    # kernels that also quantize for the next linear); the fused QK-norm, RoPE and KV-cache store of
+    # the new tokens (attention.kv_store.rope_and_store: the only KV store on the GPU, so there is
+    # no category of its own)
     (
         "norms / rotary / activation",
         (
@@ -54,8 +56,8 @@ CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
             "_add_rms_norm_kernel",
         ),
     ),
-    # the fused Gumbel-max draw (its chunks, then the best of them); greedy argmax; top-k/top-p/min-p
-    # (topk, sort, cumsum, logsumexp); log-probabilities (log_softmax)
+    # the fused Gumbel-max draw (its chunks, then the best of them); greedy argmax;
+    # top-k/top-p/min-p (topk, sort, cumsum, logsumexp); log-probabilities (log_softmax)
     (
         "sampler",
         (
@@ -149,8 +151,9 @@ class GpuProfile:
     top_other: list[tuple[str, float]] = field(
         default_factory=list
     )  # the largest OTHER kernels by time
-    # the largest kernels: (name, seconds, calls, shortest call, longest call); a wide spread says the
-    # calls are not alike (one kernel name serves prefill and decode shapes, say), so the mean misleads
+    # the largest kernels: (name, seconds, calls, shortest call, longest call); a wide spread says
+    # the calls are not alike (one kernel name serves prefill and decode shapes, say), so the mean
+    # misleads
     top_kernels: list[tuple[str, float, int, float, float]] = field(default_factory=list)
     first: float = 0.0  # the first event's start and the last one's end (the events' clock)
     last: float = 0.0
@@ -252,7 +255,8 @@ def format_notes(
         for name, seconds, calls, shortest, longest in profile.top_kernels:
             spread = f"({shortest * 1e6:.1f}-{longest * 1e6:.1f})"
             lines.append(
-                f"  {seconds:8.3f} s {calls:9,} x {seconds / calls * 1e6:9.2f} us {spread:>19}  {short(name)}"
+                f"  {seconds:8.3f} s {calls:9,} x {seconds / calls * 1e6:9.2f} us "
+                f"{spread:>19}  {short(name)}"
             )
     if profile.top_other:
         lines.append(f"largest '{OTHER}' kernels:")

@@ -1,4 +1,5 @@
-"""What RL rollouts and batch jobs pay for: ``update_weights``, sleep and wake-up, structured outputs.
+"""What RL rollouts and batch jobs pay for: ``update_weights``, sleep and wake-up, structured
+outputs.
 
     python benchmarks/bench_rl.py --random qwen3-8b --parts update,sleep      # one GPU
     python benchmarks/bench_rl.py --random qwen3-0.6b --parts structured
@@ -6,10 +7,10 @@
 update: every tensor of the checkpoint, already in GPU memory in bfloat16 (as a trainer holds
     them), through ``update_weights``; the median of ``--repeats`` calls and the rate in GB/s.
 sleep: ``sleep(1)`` / ``wake_up()`` twice (the first pins the host buffer, the second reuses it)
-    and ``sleep(2)`` / ``wake_up()`` + ``update_weights`` (the weights from pinned host memory), each
-    timed, with the device memory in use while asleep against the CUDA context with cuBLAS loaded
-    (measured before the engine starts), and the greedy tokens of a small batch compared with those
-    before.
+    and ``sleep(2)`` / ``wake_up()`` + ``update_weights`` (the weights from pinned host memory),
+    each timed, with the device memory in use while asleep against the CUDA context with cuBLAS
+    loaded (measured before the engine starts), and the greedy tokens of a small batch compared
+    with those before.
 structured: ``bench.py``'s prompts (``--num-seqs``) at temperature 1 as JSON of a small schema
     (compact whitespace, at most ``--max-tokens``), against the same prompts unconstrained with each
     request's ``max_tokens`` set to the length its JSON took (ignore_eos): the same prefill and
@@ -75,8 +76,9 @@ def part_update(path: str, shape: str, repeats: int, engine: dict) -> None:
         )
     med = statistics.median(times)
     print(
-        f"update_weights {shape}: {len(weights)} tensors, {nbytes / GIB:.2f} GiB from GPU memory: median "
-        f"{med:.3f} s ({nbytes / med / 1e9:.0f} GB/s) of {', '.join(f'{x:.3f}' for x in times)}; "
+        f"update_weights {shape}: {len(weights)} tensors, {nbytes / GIB:.2f} GiB from GPU memory: "
+        f"median {med:.3f} s ({nbytes / med / 1e9:.0f} GB/s) "
+        f"of {', '.join(f'{x:.3f}' for x in times)}; "
         f"then generated {len(out[0]['token_ids'])} tokens"
     )
 
@@ -109,13 +111,16 @@ def part_sleep(path: str, shape: str, engine: dict) -> None:
             after = [o["token_ids"] for o in llm.generate(prompts, greedy, use_tqdm=False)]
             rows.append((level, t_sleep, t_wake, asleep, reserved, after == before))
     print(
-        f"sleep {shape}: CUDA context (cuBLAS loaded) {context / GIB:.2f} GiB; awake {awake / GIB:.2f} GiB in use"
+        f"sleep {shape}: CUDA context (cuBLAS loaded) {context / GIB:.2f} GiB; "
+        f"awake {awake / GIB:.2f} GiB in use"
     )
     for level, t_sleep, t_wake, asleep, reserved, same in rows:
         wake = "wake_up + update_weights from pinned host memory" if level == 2 else "wake_up"
         print(
-            f"  level {level}: sleep {t_sleep:.2f} s, {wake} {t_wake:.2f} s; asleep {asleep / GIB:.2f} GiB in use, "
-            f"{(asleep - context) / GIB:.2f} GiB beyond the context (torch reserves {reserved / GIB:.2f} GiB); "
+            f"  level {level}: sleep {t_sleep:.2f} s, {wake} {t_wake:.2f} s; "
+            f"asleep {asleep / GIB:.2f} GiB in use, "
+            f"{(asleep - context) / GIB:.2f} GiB beyond the context "
+            f"(torch reserves {reserved / GIB:.2f} GiB); "
             f"greedy tokens as before: {same}"
         )
 
@@ -143,14 +148,13 @@ def part_structured(path: str, num_seqs: int, max_tokens: int, engine: dict) -> 
             assert [len(o["token_ids"]) for o in outs] == lengths  # the same tokens (seeded)
     stops = sum(o["finish_reason"] == "stop" for o in outs)
     print(
-        f"structured: {num_seqs} requests, {sum(lengths)} tokens (longest {max(lengths)}; {stops} JSON "
-        f"completions ended by the grammar)"
+        f"structured: {num_seqs} requests, {sum(lengths)} tokens (longest {max(lengths)}; "
+        f"{stops} JSON completions ended by the grammar)"
     )
     for name, runs in times.items():
         print(f"  {name}: " + ", ".join(f"{t:.3f} s" for t in runs))
-    print(
-        f"  json / unconstrained (medians): {statistics.median(times['json']) / statistics.median(times['unconstrained']):.2f}x"
-    )
+    ratio = statistics.median(times["json"]) / statistics.median(times["unconstrained"])
+    print(f"  json / unconstrained (medians): {ratio:.2f}x")
 
 
 def main() -> None:

@@ -1,6 +1,7 @@
-"""Grouped bars of bench.py's throughput per model shape, from benchmarks.csv (BENCHMARKS.md's figures).
+"""Grouped bars of bench.py's throughput per model shape, from benchmarks.csv (BENCHMARKS.md's
+figures).
 
-    python benchmarks/plot_benchmarks.py        # benchmarks/benchmarks.csv -> benchmarks/benchmarks.png
+    python benchmarks/plot_benchmarks.py   # benchmarks/benchmarks.csv -> benchmarks/benchmarks.png
     python benchmarks/plot_benchmarks.py --csv my.csv --out my.png
 
 One panel per shape (in the CSV's order), on that shape's device; in it one bar per system of
@@ -71,7 +72,8 @@ def plot(rows: list[dict], out: str | Path) -> None:
         import matplotlib
     except ImportError:
         sys.exit(
-            "plot_benchmarks.py needs matplotlib: pip install matplotlib (or pip install -e '.[bench]')"
+            "plot_benchmarks.py needs matplotlib: pip install matplotlib "
+            "(or pip install -e '.[bench]')"
         )
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt

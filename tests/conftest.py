@@ -29,7 +29,8 @@ def hf_ref() -> HFReference:
 
 
 def pytest_collection_modifyitems(config, items):
-    """A test marked ``gpu`` (``python -m pytest -m gpu`` runs them all) is skipped without a CUDA GPU."""
+    """A test marked ``gpu`` (``python -m pytest -m gpu`` runs them all) is skipped without a CUDA
+    GPU."""
     import torch
 
     if torch.cuda.is_available():

@@ -93,7 +93,8 @@ def check_block_invariants(bm: BlockManager, live: list[Sequence]) -> None:
             holders[block_id] += 1
     for block in bm.blocks:
         assert block.ref_count == holders[block.block_id], (
-            f"block {block.block_id}: ref_count {block.ref_count}, held by {holders[block.block_id]} tables"
+            f"block {block.block_id}: ref_count {block.ref_count}, "
+            f"held by {holders[block.block_id]} tables"
         )
         assert (block.ref_count > 0) == (block.block_id in used)
 

@@ -139,7 +139,8 @@ def random_prompts(seed: int, lengths: list[int]) -> list[list[int]]:
 
 
 def mixed_prompts() -> list[list[int]]:
-    """Lengths 1..120 around block boundaries, plus prompts sharing prefixes (block-aligned or not)."""
+    """Lengths 1..120 around block boundaries, plus prompts sharing prefixes (block-aligned or
+    not)."""
     prompts = random_prompts(0, [1, 2, 7, 15, 16, 17, 31, 33, 64, 90, 120])
     base = prompts[-1]  # 120 tokens
     rng = random.Random(1)

@@ -29,13 +29,15 @@ def results_under_interpreter(test_file: str, timeout: int = 600) -> dict:
         timeout=timeout,
     )
     assert proc.returncode == 0, (
-        f"{Path(test_file).name} under the interpreter:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+        f"{Path(test_file).name} under the interpreter:\n"
+        f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     )
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def run_cases(cases: dict, call: Callable = lambda case: case()) -> dict:
-    """``call(case)`` for each case (in the subprocess); an exception becomes that case's {"error": ...}."""
+    """``call(case)`` for each case (in the subprocess); an exception becomes that case's
+    {"error": ...}."""
     results = {}
     for name, case in cases.items():
         try:
@@ -47,7 +49,8 @@ def run_cases(cases: dict, call: Callable = lambda case: case()) -> dict:
 
 def squeeze_interpreter_loop_bounds() -> None:
     """Older Triton interpreters (3.6) turn a scalar, which they hold as a 1-element array, into a
-    loop bound with ``int(array)``; NumPy >= 2.5 refuses that. Newer ones squeeze it first: do the same."""
+    loop bound with ``int(array)``; NumPy >= 2.5 refuses that. Newer ones squeeze it first: do the
+    same."""
     from triton.runtime import interpreter
 
     patch_tensor = getattr(interpreter, "_patch_lang_tensor", None)

@@ -35,7 +35,8 @@ def copy_checkpoint(
     src: str, dst: str, config_changes: dict | None = None, generation_config="keep"
 ) -> str:
     """A copy of checkpoint ``src`` (same weights) with ``config_changes`` in config.json and
-    ``generation_config`` (a dict, None = no file, "keep" = the source's) as generation_config.json."""
+    ``generation_config`` (a dict, None = no file, "keep" = the source's) as
+    generation_config.json."""
     shutil.copytree(src, dst, dirs_exist_ok=True)
     if config_changes:
         with open(os.path.join(dst, "config.json")) as f:
@@ -118,7 +119,8 @@ def count_penalties(presence: float, frequency: float, scope: str = "output"):
 
 
 def hf_logprobs(model, prompt: list[int], completion: list[int]) -> torch.Tensor:
-    """log_softmax of transformers' float32 logits at each completion position: [len(completion), vocab]."""
+    """log_softmax of transformers' float32 logits at each completion position:
+    [len(completion), vocab]."""
     with torch.no_grad():
         logits = model(torch.tensor([prompt + completion])).logits[0].float()
     return torch.log_softmax(
@@ -147,7 +149,8 @@ def boundary_stop(tokenizer, tokens: list[int], first: int) -> tuple[int, str]:
 
 
 def first_new_token(ref: GreedyRef, start: int = 3) -> int:
-    """The first position >= ``start`` whose token does not occur before it, with no near-tie up to there."""
+    """The first position >= ``start`` whose token does not occur before it, with no near-tie up
+    to there."""
     for k in range(start, len(ref.tokens)):
         if ref.tokens[k] not in ref.tokens[:k] and min(ref.gaps[: k + 1]) > 100 * TIE_GAP:
             return k

@@ -31,7 +31,8 @@ def engine(ckpt_tied):
 
 @pytest.fixture
 def llm(engine):
-    """The module's engine; what a failed test leaves queued is run off, not left to the next test."""
+    """The module's engine; what a failed test leaves queued is run off, not left to the next
+    test."""
     yield engine
     run_to_completion(engine)
 

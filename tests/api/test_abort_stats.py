@@ -48,7 +48,8 @@ def test_abort_request(llm, ckpt_tied, hf_ref):
 
 
 def failing_run(llm, monkeypatch, fail_at: int, exc=KeyboardInterrupt):
-    """Make the model runner's ``fail_at``-th step raise ``exc`` (as a Ctrl-C or an error inside a step)."""
+    """Make the model runner's ``fail_at``-th step raise ``exc`` (as a Ctrl-C or an error inside a
+    step)."""
     real_run = llm.core.executor.runner.run
     calls = []
 

@@ -59,7 +59,7 @@ def assert_nothing_loaded(model) -> None:
     assert all(torch.isnan(p).all() for p in model.parameters())
 
 
-# ---- tokenizer --------------------------------------------------------------------------------------
+# ---- tokenizer ----------------------------------------------------------------------------------
 
 
 def test_good_folder_loads(base):
@@ -128,7 +128,7 @@ def test_config_json_that_is_not_json(folder):
         Config(folder, device="cpu", kvcache_block_size=16)
 
 
-# ---- weights --------------------------------------------------------------------------------------
+# ---- weights ------------------------------------------------------------------------------------
 
 
 def test_intermediate_size_that_does_not_match_the_weights(folder):
@@ -137,7 +137,10 @@ def test_intermediate_size_that_does_not_match_the_weights(folder):
     with pytest.raises(ValueError) as e:
         load_model(model, folder)
     message = str(e.value)
-    pattern = r"'model\.layers\.\d\.mlp\.\w+_proj\.weight'.*model\.safetensors.*\((128, 64|64, 128)\).*\((1024, 64|64, 1024)\)"
+    pattern = (
+        r"'model\.layers\.\d\.mlp\.\w+_proj\.weight'.*model\.safetensors"
+        r".*\((128, 64|64, 128)\).*\((1024, 64|64, 1024)\)"
+    )
     assert re.search(pattern, message), message
     assert_nothing_loaded(model)
 
@@ -194,7 +197,7 @@ def test_truncated_safetensors(folder, keep):
     assert_nothing_loaded(model)
 
 
-# ---- KV cache size --------------------------------------------------------------------------------
+# ---- KV cache size ------------------------------------------------------------------------------
 
 
 def machine_memory() -> int:
@@ -258,7 +261,7 @@ def test_kv_cache_of_several_cpu_ranks_shares_the_machine(base):
         )
 
 
-# ---- generation_config.json -----------------------------------------------------------------------
+# ---- generation_config.json ---------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -303,7 +306,7 @@ def test_generation_config_defaults(folder):
     assert read_generation_config(folder) == {} and sampling_defaults({}) == {}
 
 
-# ---- prompts ----------------------------------------------------------------------------------------
+# ---- prompts ------------------------------------------------------------------------------------
 
 
 def test_prompt_with_a_lone_surrogate(base):

@@ -139,7 +139,10 @@ def test_for_completion_copy_and_pickle_after_assignment():
 
 
 def test_imports_without_torch():
-    code = "import sys; sys.modules['torch'] = None; import nanovllm.sampling_params as m; p = m.SamplingParams(); p.n = 2"
+    code = (
+        "import sys; sys.modules['torch'] = None; import nanovllm.sampling_params as m; "
+        "p = m.SamplingParams(); p.n = 2"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 

@@ -195,7 +195,8 @@ def test_stop_token_text_left_out_like_vllm(llm, stop_case, eos_case, tokenizer)
     assert out["token_ids"] == kept["token_ids"] == c.tokens[: j + 1]
     assert kept["text"] == tokenizer.decode(c.tokens[: j + 1])
     assert out["text"] == tokenizer.decode(c.tokens[:j]), (
-        f"stop_token_ids=[{stop_id}] ({tokenizer.decode([stop_id])!r}): text {out['text']!r} should leave it out"
+        f"stop_token_ids=[{stop_id}] ({tokenizer.decode([stop_id])!r}): text {out['text']!r} "
+        "should leave it out"
     )
     e = eos_case
     eos_out = e.llm.generate([STOP_PROMPT], greedy(20), use_tqdm=False)[0]

@@ -109,7 +109,8 @@ def script_tokens(llm, monkeypatch, scripts: dict[tuple[int, ...], list[int]]) -
     """Fake sampling, as vLLM's core tests do: a sequence whose prompt is a key of ``scripts`` gets
     the script's next token instead of the sampled one when the host learns the step's tokens
     (the model still runs, on the sampled ones). The core launches a step (``executor.run``), then
-    advances its sequences (``scheduler.advance``): the second sees which sequences the first ran."""
+    advances its sequences (``scheduler.advance``): the second sees which sequences the first
+    ran."""
     core = llm.core
     real_run, real_advance = core.executor.run, core.scheduler.advance
     launched = []

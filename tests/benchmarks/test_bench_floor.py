@@ -48,7 +48,8 @@ def test_workload_kv_is_the_closed_form_sum():
     config = model_config("qwen3-0.6b")
     prompts, params = workload(256)
     per_token = 28 * 8 * 4 * 128  # layers * KV heads * (K and V, bf16, head_dim 128)
-    # request i decodes max_tokens - 1 steps over contexts len(prompt) + 1 ... len(prompt) + max_tokens - 1
+    # request i decodes max_tokens - 1 steps over contexts len(prompt) + 1 ...
+    # len(prompt) + max_tokens - 1
     expected = sum(
         per_token * (len(p) * (sp.max_tokens - 1) + sp.max_tokens * (sp.max_tokens - 1) // 2)
         for p, sp in zip(prompts, params)
@@ -64,7 +65,8 @@ def test_fp8_weights_count_one_byte_plus_block_scales():
     config = model_config("qwen3-8b")
     _, dense = weight_bytes_by_kind(config)
     _, fp8 = weight_bytes_by_kind(config, quantization="fp8")
-    # per layer: q 4096x4096, k and v 1024x4096, o 4096x4096, gate and up 12288x4096, down 4096x12288
+    # per layer: q 4096x4096, k and v 1024x4096, o 4096x4096, gate and up 12288x4096,
+    # down 4096x12288
     values = 2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 12288 * 4096
     blocks = 2 * 32 * 32 + 2 * 8 * 32 + 3 * 96 * 32  # 128x128 blocks of the same
     assert dense - fp8 == 36 * (

@@ -29,13 +29,17 @@ from bench_profile import (  # noqa: E402
 
 FLASH_DECODE = (
     "void flash::flash_fwd_splitkv_kernel<Flash_fwd_kernel_traits<128, 64, 128, 4, false, false, "
-    "cutlass::bfloat16_t, Flash_kernel_traits<128, 64, 128, 4, cutlass::bfloat16_t> >, false, false, "
-    "false, false, true, false, true, false>(flash::Flash_fwd_params)"
+    "cutlass::bfloat16_t, Flash_kernel_traits<128, 64, 128, 4, cutlass::bfloat16_t> >, "
+    "false, false, false, false, true, false, true, false>(flash::Flash_fwd_params)"
 )
-FLASH_COMBINE = "void flash::flash_fwd_splitkv_combine_kernel<Flash_fwd_kernel_traits<128, 64, 128, 4, false, false, cutlass::bfloat16_t>, 4, 3, true>(flash::Flash_fwd_params)"
+FLASH_COMBINE = (
+    "void flash::flash_fwd_splitkv_combine_kernel<Flash_fwd_kernel_traits<128, 64, 128, 4, "
+    "false, false, cutlass::bfloat16_t>, 4, 3, true>(flash::Flash_fwd_params)"
+)
 FLASH_PREFILL = (
     "void flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4, false, false, "
-    "cutlass::bfloat16_t>, true, false, false, false, true, true, false, false>(flash::Flash_fwd_params)"
+    "cutlass::bfloat16_t>, true, false, false, false, true, true, false, false>"
+    "(flash::Flash_fwd_params)"
 )
 
 
@@ -64,11 +68,13 @@ FLASH_PREFILL = (
         ),
         ("nvjet_tst_128x64_64x8_1x1_v_bz_coopA_TNN", "GEMMs"),
         (
-            "void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x4_tn_align8>(Params)",
+            "void cutlass::Kernel2<"
+            "cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x4_tn_align8>(Params)",
             "GEMMs",
         ),
         (
-            "void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16, float, false>(...)",
+            "void cublasLt::splitKreduce_kernel<"
+            "32, 16, int, float, __nv_bfloat16, float, false>(...)",
             "GEMMs",
         ),
         ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "norms / rotary / activation"),
@@ -87,7 +93,8 @@ FLASH_PREFILL = (
         ("_one_shot_add_rms_norm_kernel", "collectives"),
         ("_add_rms_norm_kernel", "norms / rotary / activation"),
         (
-            "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::ArgMaxOps<float>, unsigned int, long, 4> >(...)",
+            "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, "
+            "at::native::ArgMaxOps<float>, unsigned int, long, 4> >(...)",
             "sampler",
         ),
         (
@@ -95,18 +102,21 @@ FLASH_PREFILL = (
             "sampler",
         ),
         (
-            "void at::native::mbtopk::radixFindKthValues<c10::BFloat16, unsigned int, unsigned int, 2>(...)",
+            "void at::native::mbtopk::radixFindKthValues<"
+            "c10::BFloat16, unsigned int, unsigned int, 2>(...)",
             "sampler",
         ),
         ("void at_cuda_detail::cub::DeviceRadixSortOnesweepKernel<...>(...)", "sampler"),
         (
-            "void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, at::native::(anonymous namespace)::LogSoftMaxForwardEpilogue>(...)",
+            "void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float, "
+            "at::native::(anonymous namespace)::LogSoftMaxForwardEpilogue>(...)",
             "sampler",
         ),
         ("Memcpy HtoD (Pinned -> Device)", "copies"),
         ("Memset (Device)", "copies"),
         (
-            "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, std::array<char*, 1ul> >(...)",
+            "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, "
+            "std::array<char*, 1ul> >(...)",
             OTHER,
         ),
     ],
@@ -281,8 +291,8 @@ def test_format_notes_lists_other_kernels_and_warns_on_sparse_coverage():
     )
     assert "warning" not in notes
     assert (
-        "first event +0.250 s after the profiled window opened, last event +0.125 s before it closed"
-        in notes
+        "first event +0.250 s after the profiled window opened, "
+        "last event +0.125 s before it closed" in notes
     )
 
 

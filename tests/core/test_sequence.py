@@ -1,5 +1,5 @@
-"""``Sequence`` (its blocks and derived fields), the step description built from sequences, ``SamplingParams`` validation,
-and the engine core importing without torch, transformers or triton.
+"""``Sequence`` (its blocks and derived fields), the step description built from sequences,
+``SamplingParams`` validation, and the engine core importing without torch, transformers or triton.
 """
 
 import pickle
@@ -73,9 +73,11 @@ def test_step_describes_only_what_it_computes():
 def test_engine_core_does_not_import_torch():
     code = (
         "import sys\n"
-        "import nanovllm.engine.scheduler, nanovllm.engine.block_manager, nanovllm.engine.sequence\n"
+        "import nanovllm.engine.scheduler, nanovllm.engine.block_manager, "
+        "nanovllm.engine.sequence\n"
         "import nanovllm.sampling_params\n"
-        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'triton', 'flash_attn'))\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('torch', 'transformers', 'triton', 'flash_attn'))\n"
         "print(heavy)\n"
         "sys.exit(1 if heavy else 0)\n"
     )

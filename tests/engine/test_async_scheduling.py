@@ -126,7 +126,8 @@ def test_async_matches_serial(ckpt_tied, stop_workload, serial_run):
     assert [o["num_cached_tokens"] for o in overlapped[-3:]] == [
         o["num_cached_tokens"] for o in serial[-3:]
     ]
-    # the workload reaches what it is meant to: preemption, prefix hits, chunked prompts, every ending
+    # the workload reaches what it is meant to: preemption, prefix hits, chunked prompts, every
+    # ending
     for stats in (serial_stats, async_stats):
         assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_rate"] > 0
     assert max(len(p) for p in prompts) > 64

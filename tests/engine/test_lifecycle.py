@@ -63,7 +63,8 @@ CTRL_C_SCRIPT = textwrap.dedent("""
     if __name__ == "__main__":
         path, prompts, parallel = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
         greedy = SamplingParams(temperature=0, max_tokens=12)
-        llm = LLM(path, device="cpu", kvcache_block_size=16, num_kvcache_blocks=256, max_model_len=512, **parallel)
+        llm = LLM(path, device="cpu", kvcache_block_size=16, num_kvcache_blocks=256,
+                  max_model_len=512, **parallel)
         before = [o["token_ids"] for o in llm.generate(prompts, greedy, use_tqdm=False)]
 
         def ctrl_c():  # as a terminal does: SIGINT to every process of the foreground group
@@ -73,8 +74,8 @@ CTRL_C_SCRIPT = textwrap.dedent("""
 
         threading.Thread(target=ctrl_c, daemon=True).start()
         try:
-            llm.generate([[1 + i, 2, 3] for i in range(64)], SamplingParams(max_tokens=300, ignore_eos=True),
-                         use_tqdm=False)
+            llm.generate([[1 + i, 2, 3] for i in range(64)],
+                         SamplingParams(max_tokens=300, ignore_eos=True), use_tqdm=False)
             interrupted = False
         except KeyboardInterrupt:
             interrupted = True
@@ -90,7 +91,8 @@ CTRL_C_SCRIPT = textwrap.dedent("""
     "parallel", [{"tensor_parallel_size": 2}, {"data_parallel_size": 2}], ids=["tp2", "dp2"]
 )
 def test_ctrl_c_to_the_process_group_of_a_parallel_engine(ckpt_tied, tmp_path, parallel):
-    """Tensor-parallel workers, or data-parallel replicas: each process of the group gets the SIGINT."""
+    """Tensor-parallel workers, or data-parallel replicas: each process of the group gets the
+    SIGINT."""
     script = tmp_path / "ctrl_c.py"
     script.write_text(CTRL_C_SCRIPT)
     prompts = random_prompts(7, [5, 40])

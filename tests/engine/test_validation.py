@@ -1,5 +1,6 @@
 """Bad input raises the right exception with a message naming the field or the prompt, and a
-failed ``generate`` queues nothing: the engine goes on serving correct (transformers-checked) output."""
+failed ``generate`` queues nothing: the engine goes on serving correct (transformers-checked)
+output."""
 
 import math
 
@@ -155,7 +156,7 @@ def test_valid_sampling_params():
     assert (params.temperature, params.max_tokens, params.ignore_eos) == (1.0, 64, False)
 
 
-# ---- generate(): every prompt checked before any is queued -----------------------------------------
+# ---- generate(): every prompt checked before any is queued ---------------------------------------
 
 GOOD = random_prompts(3, [5, 17, 30, 9])
 

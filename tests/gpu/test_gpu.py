@@ -101,7 +101,8 @@ def hf_model(model_dir):
 
 def assert_agree(hf_model, prompts, expected, got, tie=near_tie):
     """Token-for-token equality, except that a sequence may diverge once where the fp32 model's
-    two candidate tokens are within ``tie(logits)`` of each other; the rest of it is then not compared."""
+    two candidate tokens are within ``tie(logits)`` of each other; the rest of it is then not
+    compared."""
     for prompt, exp, out in zip(prompts, expected, got):
         if exp == out:
             continue
@@ -110,7 +111,8 @@ def assert_agree(hf_model, prompts, expected, got, tie=near_tie):
             logits = hf_model(torch.tensor([prompt + exp[:j]], device="cuda")).logits[0, -1]
         gap, tol = (logits[exp[j]] - logits[out[j]]).abs().item(), tie(logits)
         assert gap < tol, (
-            f"prompt of {len(prompt)} tokens diverges at {j} with logit gap {gap:.4f} (near tie < {tol:.4f})"
+            f"prompt of {len(prompt)} tokens diverges at {j} with logit gap {gap:.4f} "
+            f"(near tie < {tol:.4f})"
         )
 
 
@@ -346,7 +348,8 @@ def test_sampling_controls_with_graphs_match_torch_reference(
 
 def test_fused_draw_matches_torch():
     """The Triton Gumbel-max kernel draws the same tokens as the torch path on real-sized bf16
-    logits (vocabulary 151936, greedy rows included), apart from score near-ties (fp32 log rounding)."""
+    logits (vocabulary 151936, greedy rows included), apart from score near-ties (fp32 log
+    rounding)."""
     from nanovllm.sampling import torch_ops, triton_draw
 
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -68,7 +68,8 @@ def test_gpu_fp8_decode(num_splits, block_size, dtype):
     assert result["rel_err"] < GPU_TOL, result
 
 
-# every case in bf16; float32 once (its kernel variants take 20-40 s each to compile on an H100 host)
+# every case in bf16; float32 once (its kernel variants take 20-40 s each to compile on an H100
+# host)
 PREFILL_GRID = [
     (case, block_size, heads, torch.bfloat16)
     for case in GPU_PREFILL
@@ -100,7 +101,7 @@ def test_gpu_fp8_prefill(case, block_size, heads, dtype):
     assert result["rel_err"] < GPU_TOL, result
 
 
-# ---- engines --------------------------------------------------------------------------------------
+# ---- engines -------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +125,8 @@ def model_dir(tmp_path_factory):
 
 
 def make_prompts() -> list[list[int]]:
-    """Short and long prompts (several prefill tiles), and prefixes shared across 256-token blocks."""
+    """Short and long prompts (several prefill tiles), and prefixes shared across 256-token
+    blocks."""
     rng = random.Random(0)
     shared = [rng.randrange(VOCAB) for _ in range(600)]
     prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (1, 9, 130, 257, 700)]
@@ -132,7 +134,8 @@ def make_prompts() -> list[list[int]]:
 
 
 def generate(model_dir, **kwargs) -> list[dict]:
-    """Two greedy passes (the second partly from the prefix cache), with the top-2 log-probabilities."""
+    """Two greedy passes (the second partly from the prefix cache), with the top-2
+    log-probabilities."""
     from nanovllm import LLM, SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=16, logprobs=2)

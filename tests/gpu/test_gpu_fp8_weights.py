@@ -57,7 +57,8 @@ def test_gpu_quantization_equals_cpu():
 def test_gpu_fp8_linear_equals_cpu(m):
     """``precise``: the CPU's numbers to float32 rounding. By default the tensor cores sum each
     k-block's 128 products with fewer bits than float32 (about 14 on Hopper) before the block's
-    result is promoted: within 1e-3 of the output's magnitude, under a bf16 output's rounding step."""
+    result is promoted: within 1e-3 of the output's magnitude, under a bf16 output's rounding
+    step."""
     g = torch.Generator().manual_seed(m)
     x = torch.randn(m, 640, generator=g)
     wq, ws = quantize_weight_blocks(torch.randn(300, 640, generator=g) * 0.05)
@@ -117,7 +118,8 @@ def _same_rows(got, want) -> None:
 
 @pytest.mark.parametrize("m", [5, 300])
 def test_gpu_fused_quantization_equals_cpu(m):
-    """RMSNorm (with the residual) and SiLU-and-mul quantizing their output for the next FP8 linear."""
+    """RMSNorm (with the residual) and SiLU-and-mul quantizing their output for the next FP8
+    linear."""
     from nanovllm.quantization.fp8_fused import rms_norm_quantized, silu_and_mul_quantized
 
     g = torch.Generator().manual_seed(m)
@@ -163,12 +165,12 @@ def run(path: str, params: SamplingParams = GREEDY, prompts=PROMPTS, **kwargs):
 
 
 # W8A8 quantizes every activation, and with these random weights one activation that rounds to the
-# neighbouring e4m3 value (1/16 away) moves later logits by up to ~0.4: a float32 rounding difference
-# between the devices (cuBLAS and the CPU sum in other orders) does that to one activation in ~10^5.
-# Measured on an H100, a 300-token prefill had 5 such flips in its first layer and logprobs 0.4 apart
-# after three, while a 25-token sequence had none and agreed within 2e-6. So the engines are compared
-# on short sequences: the tokens equal up to a near-tie, the logprobs by their median (as the CPU's
-# tests/models/test_fp8_models.py compares with its reference).
+# neighbouring e4m3 value (1/16 away) moves later logits by up to ~0.4: a float32 rounding
+# difference between the devices (cuBLAS and the CPU sum in other orders) does that to one
+# activation in ~10^5. Measured on an H100, a 300-token prefill had 5 such flips in its first layer
+# and logprobs 0.4 apart after three, while a 25-token sequence had none and agreed within 2e-6. So
+# the engines are compared on short sequences: the tokens equal up to a near-tie, the logprobs by
+# their median (as the CPU's tests/models/test_fp8_models.py compares with its reference).
 SHORT = [[(7 * i + 3 * n) % 4096 for i in range(n)] for n in (5, 9, 13, 17)]
 TIE = 1e-3  # the CPU's top two closer than this: either token is right
 
@@ -208,7 +210,8 @@ def test_gpu_fp8_engine_equals_cpu(tmp_path, family, monkeypatch):
             ]  # the runners-up may differ at a tie
     assert len(errors) >= 40
     print(
-        f"{len(errors)} logprobs, median error {statistics.median(errors):.1e}, largest {max(errors):.1e}"
+        f"{len(errors)} logprobs, median error {statistics.median(errors):.1e}, "
+        f"largest {max(errors):.1e}"
     )
     assert statistics.median(errors) < 1e-5, errors
 
@@ -216,8 +219,9 @@ def test_gpu_fp8_engine_equals_cpu(tmp_path, family, monkeypatch):
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
 def test_gpu_new_token_counts_compile_nothing(tmp_path, family, monkeypatch):
     """Once a call has run, a prefill of a new token count (61 after 48: the same tiles, but not a
-    multiple of 16) compiles no Triton kernel, as the kernels do not specialise on row counts. Before,
-    the 8B benchmark's GPU sat 0.6 s idle in its first prefill steps while two kernels compiled."""
+    multiple of 16) compiles no Triton kernel, as the kernels do not specialise on row counts.
+    Before, the 8B benchmark's GPU sat 0.6 s idle in its first prefill steps while two kernels
+    compiled."""
     shape, config = ("tiny", SHAPE) if family == "qwen3" else ("qwen3-30b-a3b", MOE)
     path = make_random_checkpoint(
         str(tmp_path / family),
@@ -245,7 +249,8 @@ def test_gpu_new_token_counts_compile_nothing(tmp_path, family, monkeypatch):
 def test_gpu_dependent_launches_change_nothing(tmp_path, enforce_eager, monkeypatch):
     """A kernel that read or wrote before its wait (``utils/dependent_launch.py``) would race the
     kernel before it; through the FP8 cache a wrong value changes later tokens. 64 prompts of 5-700
-    tokens, FP8 weights and cache, greedy: tokens and logprobs the same with dependent launches off."""
+    tokens, FP8 weights and cache, greedy: tokens and logprobs the same with dependent launches
+    off."""
     if not dependent_launch.pdl(torch.device("cuda")):
         pytest.skip("dependent launches need compute capability 9.0 and a Triton that has them")
     path = make_random_checkpoint(

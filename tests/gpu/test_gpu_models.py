@@ -1,12 +1,12 @@
 """The architectures beyond Qwen3 dense on a CUDA GPU (skipped without one): Qwen2 with biases,
-Llama 3 with the ``llama3`` RoPE scaling and Qwen3-MoE (the fused Triton MoE kernel), greedy, against
-transformers' float32 greedy tokens on the same GPU. In float32 (Triton attention, with and without
-CUDA graphs, and over two GPUs where there are two; head_dim 128 and prompts of up to 700 tokens,
-so the prefill tiles must fit shared memory at 4 bytes an element) a divergence must be a float32 tie. In bf16
-(Triton and flash-attn, graphs) it must be a bf16 near-tie as in ``test_gpu.py``; for the dense
-models only: in an MoE a bf16 rounding can swap one of the router's top-k experts, after which the
-logits move by more than any rounding bound (the kernel's bf16 accuracy is checked in
-``test_fused_moe.py``)."""
+Llama 3 with the ``llama3`` RoPE scaling and Qwen3-MoE (the fused Triton MoE kernel), greedy,
+against transformers' float32 greedy tokens on the same GPU. In float32 (Triton attention, with and
+without CUDA graphs, and over two GPUs where there are two; head_dim 128 and prompts of up to 700
+tokens, so the prefill tiles must fit shared memory at 4 bytes an element) a divergence must be a
+float32 tie. In bf16 (Triton and flash-attn, graphs) it must be a bf16 near-tie as in
+``test_gpu.py``; for the dense models only: in an MoE a bf16 rounding can swap one of the router's
+top-k experts, after which the logits move by more than any rounding bound (the kernel's bf16
+accuracy is checked in ``test_fused_moe.py``)."""
 
 import pytest
 import torch
@@ -72,7 +72,8 @@ BACKENDS = [
 
 @pytest.fixture(scope="module", params=list(MODELS))
 def model(request, tmp_path_factory):
-    """(name, checkpoint folder, transformers float32 model on the GPU, its greedy tokens for make_prompts())."""
+    """(name, checkpoint folder, transformers float32 model on the GPU, its greedy tokens for
+    make_prompts())."""
     from transformers import AutoModelForCausalLM
 
     spec = dict(MODELS[request.param])

@@ -1,7 +1,7 @@
-"""The MoE routing and grouping Triton kernels on a CUDA GPU (skipped without one), at Qwen3-30B-A3B's
-sizes (128 experts, top-8) from one decode token to a 16k-token prefill: the same ids and layouts as
-the torch references, and one MoE step (routing, grouping, grouped GEMMs) captured in a CUDA graph
-and replayed with new router logits."""
+"""The MoE routing and grouping Triton kernels on a CUDA GPU (skipped without one), at
+Qwen3-30B-A3B's sizes (128 experts, top-8) from one decode token to a 16k-token prefill: the same
+ids and layouts as the torch references, and one MoE step (routing, grouping, grouped GEMMs)
+captured in a CUDA graph and replayed with new router logits."""
 
 import pytest
 import torch

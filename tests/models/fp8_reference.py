@@ -32,7 +32,8 @@ def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def fake_quant_groups(x: torch.Tensor) -> torch.Tensor:
-    """x [..., k] (k a multiple of 128) through e4m3 per group of 128: quantized, then dequantized."""
+    """x [..., k] (k a multiple of 128) through e4m3 per group of 128: quantized, then
+    dequantized."""
     groups = x.float().unflatten(-1, (-1, 128))
     scale = groups.abs().amax(dim=-1, keepdim=True) / 448.0
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))

@@ -3,7 +3,8 @@ the greedy tokens and log-probabilities of an independent reference (``fp8_refer
 transformers on the dequantized weights with per-token, per-128-channel activation quantization),
 which a weight-only reference misses by far more; ``quantization="fp8"`` on a float checkpoint
 equals the FP8 checkpoint written from it; two ranks equal one, and ``update_weights`` takes float
-or float8+scale tensors on both; Qwen3-MoE; bad formats and combinations fail before any weight loads."""
+or float8+scale tensors on both; Qwen3-MoE; bad formats and combinations fail before any weight
+loads."""
 
 import os
 import statistics
@@ -72,7 +73,8 @@ def logprob_errors(model, tokens, logprobs) -> list[float]:
         for j, tok in enumerate(toks):
             if tok != argmax[j]:
                 assert gaps[j] < TIE, (
-                    f"token {j} of prompt {prompt}: {tok}, reference {argmax[j]} (gap {gaps[j]:.3g})"
+                    f"token {j} of prompt {prompt}: {tok}, reference {argmax[j]} "
+                    f"(gap {gaps[j]:.3g})"
                 )
                 break
             errors.append(abs(lps[j] - ref[j]))
@@ -326,7 +328,8 @@ def test_a_float8_weight_and_its_scales_come_as_a_pair(fp8_folder, tmp_path):
     cases = {
         "no-scale": (
             {k: v for k, v in tensors.items() if k != name + "_scale_inv"},
-            rf"weight '{name}' in .*no-scale is float8_e4m3fn without its scales '{name}_scale_inv'",
+            rf"weight '{name}' in .*no-scale is float8_e4m3fn "
+            rf"without its scales '{name}_scale_inv'",
         ),
         "float-weight": (
             tensors | {name: tensors[name].float()},

@@ -2,7 +2,8 @@
 Face transformers token for token (CPU, float32) for Qwen2 (q/k/v biases), Llama 3 (the ``llama3``
 RoPE scaling, tied and untied heads) and Qwen3-MoE (several experts per token, ``norm_topk_prob``
 true and false, a dense layer in ``mlp_only_layers``), through chunked prefill, preemption and
-prefix-cache hits; the MoE also over two CPU ranks. Plus the expert loading and ``load_format="dummy"``."""
+prefix-cache hits; the MoE also over two CPU ranks. Plus the expert loading and
+``load_format="dummy"``."""
 
 import json
 import os
@@ -77,8 +78,8 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
 
 
 def make_llm(path: str, **kwargs) -> LLM:
-    # the CPU even where a GPU exists: float32 there is exact enough for TIE_GAP (the GPU's fused MoE
-    # kernel is checked against the torch reference in tests/layers/test_fused_moe.py)
+    # the CPU even where a GPU exists: float32 there is exact enough for TIE_GAP (the GPU's fused
+    # MoE kernel is checked against the torch reference in tests/layers/test_fused_moe.py)
     kwargs = (
         dict(device="cpu", kvcache_block_size=BLOCK_SIZE, num_kvcache_blocks=256, max_model_len=256)
         | kwargs
@@ -118,7 +119,8 @@ def test_greedy_matches_transformers(name, checkpoints, hf_ref):
 
 
 def test_transformers_sees_the_variants(checkpoints, hf_ref):
-    """The reference runs what the parity tests claim: biases, the scaled RoPE, experts, dense layers."""
+    """The reference runs what the parity tests claim: biases, the scaled RoPE, experts, dense
+    layers."""
     qwen2 = hf_ref.model(checkpoints["qwen2"]).model.layers[0].self_attn
     assert qwen2.q_proj.bias is not None and qwen2.o_proj.bias is None
     llama = hf_ref.model(checkpoints["llama_tied"])
