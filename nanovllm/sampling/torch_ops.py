@@ -136,17 +136,29 @@ def sample_filtered(
     tokens = ids.gather(1, scores.argmax(dim=-1, keepdim=True)).squeeze(1)
     if num_candidates < vocab and not all_top_k and not bool(complete.all()):
         redo = (~complete).nonzero().squeeze(1)
-        tokens[redo] = sample_filtered(
-            logits[redo],
-            temperatures[redo],
-            seeds[redo],
-            top_k[redo],
-            top_p[redo],
-            None if min_p is None else min_p[redo],
-            vocab,
-            all_top_k,
-        )
+        args = [logits[redo], temperatures[redo], seeds[redo], top_k[redo], top_p[redo]]
+        args.append(None if min_p is None else min_p[redo])
+        more = vocab if logits.is_cuda else _enough_candidates(args[0], args[1], *args[4:])
+        tokens[redo] = sample_filtered(*args, vocab if more <= num_candidates else more, False)
     return tokens
+
+
+def _enough_candidates(logits, temperatures, top_p, min_p, buckets=1024, depth=32.0) -> int:
+    # (CPU) how many most likely tokens hold each row's top-p set and one more, from the mass per
+    # bucket of values (below max - depth, or below min-p: the last bucket); a short count only
+    # costs a full sort (the candidates' own check finds it)
+    x = logits.float() / temperatures.unsqueeze(1)
+    top = x.max(dim=1, keepdim=True).values
+    if not bool(top.isfinite().all()):
+        return logits.size(1)
+    if min_p is not None:
+        depth = (-torch.log(min_p)).clamp_(1e-6, depth).unsqueeze(1)
+    bucket = ((top - x) * (buckets / depth)).clamp_(max=buckets).long()
+    mass = torch.zeros(x.size(0), buckets + 1, dtype=torch.float64)
+    mass = mass.scatter_add_(1, bucket, torch.exp(x - top).double())[:, :buckets].cumsum_(dim=1)
+    target = (top_p.double() + 1e-4).unsqueeze(1) * mass[:, -1:]  # a margin for rounding
+    last = (mass < target).sum(dim=1).clamp_(max=buckets - 1)  # the bucket that reaches it
+    return int((bucket <= last.unsqueeze(1)).sum(dim=1).max()) + 1
 
 
 def top_logprobs(

@@ -16,6 +16,7 @@ from sampling_helpers import (
     seed_tensor,
 )
 
+from nanovllm.sampling import torch_ops
 from nanovllm.sampling.extras import NUM_CANDIDATES, Filters
 from nanovllm.sampling.sampler import Sampler, SamplingBatch
 
@@ -176,3 +177,30 @@ def test_sampler_mixed_batch(model_logits):
         if len(params) > 1:
             assert_filters_bite(expected, what)
         check_draws(drawn, expected, what)
+
+
+@pytest.mark.parametrize(
+    "settings", [dict(top_p=0.9), dict(top_p=0.5, min_p=0.01), dict(min_p=0.05), dict(top_p=0.999)]
+)
+@pytest.mark.parametrize("scale", [0.5, 3.0])
+def test_past_the_candidates_the_tokens_of_a_full_sort(settings, scale):
+    """Rows whose kept set reaches past the candidates draw, seed for seed, what they draw with the
+    whole vocabulary as candidates (on the CPU the second look takes only as many as needed)."""
+    g = torch.Generator().manual_seed(7)
+    rows, vocab = 64, 20000
+    logits = torch.randn(rows, vocab, generator=g) * scale
+    seeds = seed_tensor(rows, 8)
+
+    def draw(num_candidates: int) -> list[int]:
+        return torch_ops.sample_filtered(
+            logits,
+            torch.full((rows,), 0.8),
+            seeds,
+            torch.zeros(rows, dtype=torch.int64),
+            torch.full((rows,), settings.get("top_p", 1.0)),
+            torch.full((rows,), settings["min_p"]) if "min_p" in settings else None,
+            num_candidates,
+            False,
+        ).tolist()
+
+    assert draw(NUM_CANDIDATES) == draw(vocab)
