@@ -1,6 +1,4 @@
-"""Weight updates in place (RL rollouts between training steps): ``update_weights(engine,
-weights)``. Every tensor is checked before any is written; the update then runs whole on every
-rank and replica, Ctrl-C held until its end."""
+"""Weights updated in place on every rank and replica, Ctrl-C held until the end."""
 
 from contextlib import suppress
 
@@ -17,8 +15,7 @@ def _helpers():
 
 
 def plan_rank(runner, tensors: list[tuple[str, tuple, bool]]):
-    """The ``WeightEntry`` list for ``(name, shape, is float8)`` triples, or the ValueError that
-    refuses them (returned, not raised: a worker's loop must go on)."""
+    # the WeightEntry list, or the ValueError (returned: a worker's loop must go on)
     w = _helpers()
     try:
         entries = w.plan_weights(runner.model, [t[:2] for t in tensors], WHERE)
@@ -29,18 +26,18 @@ def plan_rank(runner, tensors: list[tuple[str, tuple, bool]]):
 
 
 def _go_on(runner, error: BaseException | None) -> bool:
-    """Rank 0 tells every rank whether the load goes on (no rank is left in a broadcast)."""
+    # rank 0 tells every rank whether the load goes on: none is left in a broadcast
     import torch.distributed as dist
 
     flag = torch.tensor([error is None], dtype=torch.int32, device=runner.device)
     dist.broadcast(flag, 0)
+    runner.sync()  # polls on a GPU: a dead rank is an error, not a hang
     return bool(flag.item())
 
 
 @torch.no_grad()
 def load_rank(runner, entries: list, tensors: list[torch.Tensor] | None = None) -> None:
-    """Copy planned tensors in place, each rank its shard. With tensor parallelism rank 0 (which
-    alone has ``tensors``) broadcasts each; a failure on rank 0 stops every rank at one entry."""
+    """Copy planned tensors in place, each rank its shard (rank 0 broadcasts them)."""
     w = _helpers()
     params = dict(runner.model.named_parameters(remove_duplicate=False))
     error = None
@@ -75,8 +72,7 @@ def load_rank(runner, entries: list, tensors: list[torch.Tensor] | None = None) 
 
 
 def update_weights(engine, weights) -> None:
-    """Copy ``(checkpoint name, tensor)`` pairs (or a mapping) into the model on every rank and
-    replica, then drop the prefix cache. Only between requests (``engine.check_idle``)."""
+    """Copy ``(name, tensor)`` pairs into the model, all or none, then drop the prefix cache."""
     from nanovllm.parallel.shield import shielded
     from nanovllm.runner.model_runner import RankZeroOnly
 

@@ -9,7 +9,7 @@ CDF_GROUP = 1 << 19  # logits per pass (rows at a time): 2 MB of float32 stay in
 
 
 def row_uniform_bits(draw_seed: int) -> int:
-    """The 64-bit uniform of one row: splitmix64 of its draw seed (a bijection)."""
+    # the row's 64-bit uniform: splitmix64 of its draw seed
     x = (draw_seed + 0x9E3779B97F4A7C15) & _MASK64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
@@ -17,8 +17,8 @@ def row_uniform_bits(draw_seed: int) -> int:
 
 
 def cdf_draw(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
-    """One token per row of logits [rows, vocab], ``v`` with probability ``floor(p_v * 2**60) / S``
-    (p = softmax(logits / T)); T = 0: the argmax. Non-finite rows: docs/sampling.md."""
+    """One token per row, ``v`` with probability ``floor(p_v * 2**60) / S`` (p = softmax(logits /
+    T)); T = 0: the argmax."""
     rows, vocab = logits.shape
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
     temps = temperatures.tolist()
@@ -44,7 +44,7 @@ def cdf_draw(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tens
 
 
 def _cdf_search(x: torch.Tensor, inv_t: torch.Tensor, uniforms: list[int]) -> torch.Tensor:
-    """``cdf_draw`` on a few rows: x [g, vocab] logits, inv_t [g, 1] float32 (1 / T)."""
+    # cdf_draw on a few rows: x [g, vocab] logits, inv_t [g, 1] float32 (1 / T)
     g, vocab = x.shape
     scaled = x.float() * inv_t
     q = torch.softmax(scaled, dim=1).mul_(2.0**CDF_BITS)  # whole once truncated
@@ -79,7 +79,6 @@ def _non_finite(scaled: torch.Tensor, uniforms: list[int]) -> torch.Tensor:
 
 
 def plain_draw(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor):
-    """Each row's temperature draw (T = 0: argmax)."""
     if logits.is_cuda:
         from nanovllm.sampling.triton_draw import gumbel_argmax
 

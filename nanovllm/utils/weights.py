@@ -1,6 +1,4 @@
-"""Weights given in memory (``update_weights``): read them once (``named_tensors``), plan and
-check every one before any is written (``plan_weights``, ``check_fp8_tensors``), then copy each
-in place (``copy_weight``). The planning is the checkpoint loader's (``utils/loader.py``)."""
+"""The loader's parts that ``update_weights`` uses."""
 
 from collections.abc import Mapping
 
@@ -20,9 +18,8 @@ __all__ = [
 
 
 def named_tensors(weights) -> list[tuple[str, torch.Tensor]]:
-    """``update_weights``' argument as a list, read once (it may be a generator): ``(name,
-    tensor)`` pairs, or a mapping of them; each tensor detached. Anything else, or a tensor that
-    cannot be copied (meta, sparse, nested, a dispatching subclass), is refused naming the item."""
+    """``(name, tensor)`` pairs (or a mapping) as a list of detached tensors; anything that could
+    not be copied is refused, naming it."""
     items = weights.items() if isinstance(weights, Mapping) else weights
     try:
         items = list(items)

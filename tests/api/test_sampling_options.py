@@ -177,7 +177,8 @@ def test_n_completions_share_prompt_blocks(ckpt_tied):
         )
         assert_idle(llm)
 
-        # the same request through generate: the same completions, in order, the prompt from the cache
+        # the same request through generate: the same completions, in order, the prompt from the
+        # cache
         out = llm.generate([prompt], params, use_tqdm=False)[0]
         assert [c["index"] for c in out["outputs"]] == [0, 1, 2]
         assert [c["token_ids"] for c in out["outputs"]] == [finished[rid + i] for i in range(3)]
