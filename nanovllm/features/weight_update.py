@@ -1,6 +1,6 @@
-"""Weight updates in place (RL rollouts between training steps): ``update_weights(engine,
-weights)``. Rank 0 plans every tensor first (a ValueError leaves every rank unchanged), then each
-batch of the plan goes to every rank through ``collective_rpc``; rank 0 broadcasts the tensors."""
+"""Weights updated in place on every rank and replica, Ctrl-C held until the end."""
+
+from contextlib import suppress
 
 import torch
 
@@ -15,8 +15,7 @@ def _helpers():
 
 
 def plan_rank(runner, tensors: list[tuple[str, tuple, bool]]):
-    """Where each ``(name, shape, is float8)`` goes (``WeightEntry`` list), or the ValueError
-    that refuses them (returned, not raised: a worker's loop must go on)."""
+    # the WeightEntry list, or the ValueError (returned: a worker's loop must go on)
     w = _helpers()
     try:
         entries = w.plan_weights(runner.model, [t[:2] for t in tensors], WHERE)
@@ -26,13 +25,22 @@ def plan_rank(runner, tensors: list[tuple[str, tuple, bool]]):
         return e
 
 
+def _go_on(runner, error: BaseException | None) -> bool:
+    # rank 0 tells every rank whether the load goes on: none is left in a broadcast
+    import torch.distributed as dist
+
+    flag = torch.tensor([error is None], dtype=torch.int32, device=runner.device)
+    dist.broadcast(flag, 0)
+    runner.sync()  # polls on a GPU: a dead rank is an error, not a hang
+    return bool(flag.item())
+
+
 @torch.no_grad()
 def load_rank(runner, entries: list, tensors: list[torch.Tensor] | None = None) -> None:
-    """Copy planned tensors into the parameters in place, each rank its shard. Rank 0 has the
-    ``tensors``; with tensor parallelism it broadcasts each (float8 as bytes, else in the
-    parameter's dtype, float32 for an FP8 parameter) and the others receive it."""
+    """Copy planned tensors in place, each rank its shard (rank 0 broadcasts them)."""
     w = _helpers()
     params = dict(runner.model.named_parameters(remove_duplicate=False))
+    error = None
     for i, entry in enumerate(entries):
         param = params[entry.target]
         tensor = None if tensors is None else tensors[i]
@@ -42,19 +50,30 @@ def load_rank(runner, entries: list, tensors: list[torch.Tensor] | None = None) 
             dtype = param.dtype
             if dtype == torch.float8_e4m3fn and not entry.fp8:
                 dtype = torch.float32
+            if tensor is not None and error is None:
+                try:
+                    tensor = tensor.to(runner.device, dtype).contiguous()
+                except Exception as e:
+                    error = e
+            if not _go_on(runner, error):
+                break
             if tensor is None:
                 tensor = torch.empty(entry.shape, dtype=dtype, device=runner.device)
-            else:
-                tensor = tensor.to(runner.device, dtype).contiguous()
             dist.broadcast(tensor.view(torch.uint8) if entry.fp8 else tensor, 0)  # gloo: no fp8
-        w.copy_weight(param, entry, tensor, WHERE)
+        try:
+            w.copy_weight(param, entry, tensor, WHERE)
+        except Exception as e:
+            if runner.world_size == 1 or tensors is None:
+                raise
+            error = e  # the next entry's flag stops the other ranks
     runner.sync()
+    if error is not None:
+        raise error
 
 
 def update_weights(engine, weights) -> None:
-    """Copy ``(checkpoint name, tensor)`` pairs (or a mapping) into the model on every rank and
-    replica, then drop the prefix cache. All or nothing: every tensor is checked before any is
-    written. Only between requests (``engine.check_idle``)."""
+    """Copy ``(name, tensor)`` pairs into the model, all or none, then drop the prefix cache."""
+    from nanovllm.parallel.shield import shielded
     from nanovllm.runner.model_runner import RankZeroOnly
 
     named = _helpers().named_tensors(weights)
@@ -63,11 +82,17 @@ def update_weights(engine, weights) -> None:
         named = [(name, tensor.cpu()) for name, tensor in named]  # pickled to each replica
     core = engine.core
     described = [(n, tuple(t.shape), t.dtype == torch.float8_e4m3fn) for n, t in named]
-    entries = core.collective_rpc(plan_rank, (described,))[0]
-    if isinstance(entries, ValueError):
-        raise entries
-    for start in range(0, len(entries), UPDATE_BATCH):
-        batch = entries[start : start + UPDATE_BATCH]
-        tensors = [named[entry.index][1] for entry in batch]
-        core.collective_rpc(load_rank, (batch, RankZeroOnly(tensors)))
-    core.reset_prefix_cache()
+    with shielded():  # every rank and replica ends with all of it or none
+        entries = core.collective_rpc(plan_rank, (described,))[0]
+        if isinstance(entries, ValueError):
+            raise entries
+        try:
+            for start in range(0, len(entries), UPDATE_BATCH):
+                batch = entries[start : start + UPDATE_BATCH]
+                tensors = [named[entry.index][1] for entry in batch]
+                core.collective_rpc(load_rank, (batch, RankZeroOnly(tensors)))
+        except BaseException:
+            with suppress(Exception):  # the update's own error matters more
+                core.reset_prefix_cache()
+            raise
+        core.reset_prefix_cache()

@@ -1,5 +1,4 @@
-"""The plain temperature draw: fused Gumbel-max on a GPU (``triton_draw``); on the CPU one 64-bit
-uniform per row inverts the row's cumulative distribution, held as exact integers."""
+"""The plain temperature draw: Gumbel-max on a GPU (``triton_draw``), inverse CDF on the CPU."""
 
 import torch
 
@@ -10,7 +9,7 @@ CDF_GROUP = 1 << 19  # logits per pass (rows at a time): 2 MB of float32 stay in
 
 
 def row_uniform_bits(draw_seed: int) -> int:
-    """The 64-bit uniform of one row: splitmix64 of its draw seed (a bijection)."""
+    # the row's 64-bit uniform: splitmix64 of its draw seed
     x = (draw_seed + 0x9E3779B97F4A7C15) & _MASK64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
@@ -18,8 +17,8 @@ def row_uniform_bits(draw_seed: int) -> int:
 
 
 def cdf_draw(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
-    """One token per row of logits [rows, vocab], ``v`` with probability ``floor(p_v * 2**60) / S``
-    (p = softmax(logits / T)); rows with T = 0 take the argmax."""
+    """One token per row, ``v`` with probability ``floor(p_v * 2**60) / S`` (p = softmax(logits /
+    T)); T = 0: the argmax."""
     rows, vocab = logits.shape
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
     temps = temperatures.tolist()
@@ -45,9 +44,10 @@ def cdf_draw(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tens
 
 
 def _cdf_search(x: torch.Tensor, inv_t: torch.Tensor, uniforms: list[int]) -> torch.Tensor:
-    """``cdf_draw`` on a few rows: x [g, vocab] logits, inv_t [g, 1] float32 (1 / T)."""
+    # cdf_draw on a few rows: x [g, vocab] logits, inv_t [g, 1] float32 (1 / T)
     g, vocab = x.shape
-    q = torch.softmax(x.float() * inv_t, dim=1).mul_(2.0**CDF_BITS)  # whole once truncated
+    scaled = x.float() * inv_t
+    q = torch.softmax(scaled, dim=1).mul_(2.0**CDF_BITS)  # whole once truncated
     full = vocab - vocab % CDF_BLOCK
     blocks = q[:, :full].view(g, full // CDF_BLOCK, CDF_BLOCK).sum(dim=2, dtype=torch.int64)
     if full < vocab:  # a last, shorter block
@@ -62,12 +62,23 @@ def _cdf_search(x: torch.Tensor, inv_t: torch.Tensor, uniforms: list[int]) -> to
     inside = q.gather(1, cols.clamp(max=vocab - 1)).to(torch.int64)
     inside = inside.masked_fill_(cols >= vocab, 0).cumsum_(dim=1)
     offset = torch.searchsorted(inside, targets - before, right=True)
-    return (block * CDF_BLOCK + offset).squeeze(1)
+    tokens = (block * CDF_BLOCK + offset).squeeze(1)
+    if bad := q[:, 0].isnan().nonzero().squeeze(1).tolist():  # a NaN or inf: all of q is NaN
+        tokens[bad] = _non_finite(scaled[bad], [uniforms[i] for i in bad])
+    return tokens
+
+
+def _non_finite(scaled: torch.Tensor, uniforms: list[int]) -> torch.Tensor:
+    # NaN counts as -inf; the lowest +inf id wins, token 0 where all are -inf; else draw again
+    scaled = scaled.masked_fill(scaled.isnan(), float("-inf"))
+    top, tokens = scaled.max(dim=1)
+    if rows := top.isfinite().nonzero().squeeze(1).tolist():
+        ones = torch.ones(len(rows), 1)
+        tokens[rows] = _cdf_search(scaled[rows], ones, [uniforms[i] for i in rows])
+    return tokens
 
 
 def plain_draw(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor):
-    """Each row's temperature draw (T = 0: argmax): fused Gumbel-max on a GPU, inverse CDF on
-    the CPU."""
     if logits.is_cuda:
         from nanovllm.sampling.triton_draw import gumbel_argmax
 

@@ -1,7 +1,5 @@
-"""What a step's request processors add to sampling (``features.processors.RowExtras``), as the
-sampler's tensors, and the sampler's full path: min_tokens suppression, penalties, the grammar's
-token mask, then greedy or temperature with min-p, top-k and top-p (vLLM's order); log-probabilities
-come from the raw logits."""
+"""The sampler's full path (vLLM's order: suppression, penalties, grammar mask, then the draw
+with min-p, top-k, top-p), and the tensors a step's ``RowExtras`` become."""
 
 from dataclasses import dataclass
 
@@ -41,7 +39,6 @@ def _used(values: list | None) -> list[int]:
 
 
 def add_extras(batch, extra, vocab_size: int, to_device) -> None:
-    """Fill ``batch``'s optional fields from ``extra`` (a ``RowExtras``)."""
     pairs = [(i, t) for i in _used(extra.suppressed) for t in extra.suppressed[i] if t < vocab_size]
     if pairs:
         rows, ids = zip(*pairs)
@@ -93,7 +90,7 @@ def _filters(values: list, rows: list[int], vocab_size: int, to_device) -> Filte
 
 
 def sample(logits: torch.Tensor, batch) -> tuple:
-    """``batch`` (a ``SamplingBatch`` that is not plain): token ids [B], and the logprobs."""
+    """Token ids [B] and the logprobs of a ``batch`` that is not plain."""
     raw = logits
     if batch.suppress is not None or batch.penalties is not None or batch.token_bitmask is not None:
         logits = logits.to(torch.float32, copy=True)  # never modify the raw logits in place
@@ -132,7 +129,7 @@ def _to_host(tensors) -> list | None:
 
 
 class ExtraOutputs:
-    """A step's log-probabilities on their way to the host (queued before its tokens' copy)."""
+    """A step's log-probabilities on their way to the host."""
 
     def __init__(self, out, extra, scoring, prompt):
         self.num_logprobs = None if extra is None else extra.logprobs
@@ -165,8 +162,7 @@ class ExtraOutputs:
 
 
 def heaviest_sampling(num_rows: int, vocab_size: int):
-    """Sampling rows on the sampler's heaviest path (GPU memory sizing): penalties, top-p past
-    its candidates, logprobs, suppression and a grammar's mask on every row."""
+    """Rows on the sampler's heaviest path, every extra on every row (memory sizing)."""
     from nanovllm.engine.step import SamplingRows
     from nanovllm.features.processors import RowExtras
 

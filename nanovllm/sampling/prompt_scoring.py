@@ -1,6 +1,3 @@
-"""Prompt log-probabilities on the rank that samples: the LM head over the prompt positions a
-prefill scores, in chunks, then log_softmax of the raw logits."""
-
 import torch
 
 from nanovllm.sampling.torch_ops import top_logprobs
@@ -11,9 +8,7 @@ CHUNK = 512  # positions per LM-head pass: bounds the [positions, vocab] float32
 
 @torch.inference_mode()
 def score_prompt(model, hidden_states: torch.Tensor, scoring, vocab_size: int):
-    """For ``scoring`` (``features.prompt_logprobs.PromptScoring``): each target's log-probability
-    [T], and the ``scoring.num`` largest [T, num] with their ids. Every tensor-parallel rank calls
-    this (the LM head gathers on rank 0); the others get None."""
+    """Each target's logprob [T], the ``scoring.num`` top [T, num] and ids; None off rank 0."""
     device = hidden_states.device
     indices = torch.tensor(scoring.indices, dtype=torch.int64, device=device)
     targets = torch.tensor(scoring.targets, dtype=torch.int64, device=device)

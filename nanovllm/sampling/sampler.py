@@ -1,5 +1,4 @@
-"""The sampler: one token per row from the logits. A plain batch (temperatures and draw seeds
-alone) is a greedy argmax or one temperature draw (``draw``); any other goes through ``extras``."""
+"""One token per row: a plain batch draws here (``draw``), any other through ``extras``."""
 
 from dataclasses import dataclass
 
@@ -11,8 +10,6 @@ from nanovllm.sampling.draw import plain_draw
 
 @dataclass
 class SamplingBatch:
-    """One step's sampling settings as tensors, one row per sequence (``make_sampling_batch``)."""
-
     temperatures: torch.Tensor  # [B] float32, 0 = greedy
     seeds: torch.Tensor | None  # [B] int64 draw seeds in [0, 2**32); None when all are greedy
     all_greedy: bool
@@ -37,8 +34,7 @@ class SamplerOutput:
 
 
 def make_sampling_batch(rows, vocab_size: int, to_device) -> SamplingBatch:
-    """A step's ``SamplingRows`` as tensors (``to_device(values, dtype)``); what no row uses adds
-    nothing."""
+    """A step's ``SamplingRows`` as tensors (``to_device(values, dtype)``)."""
     all_greedy = not any(rows.temperatures)
     seeds = None if all_greedy else to_device(rows.seeds, torch.int64)
     batch = SamplingBatch(to_device(rows.temperatures, torch.float32), seeds, all_greedy)

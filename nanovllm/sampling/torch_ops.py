@@ -1,6 +1,4 @@
-"""The sampling math beyond the plain draw, in torch: counter-based Gumbel noise (a hash of the
-row's draw seed and the token id: the batch around a row does not change its draw), penalties,
-token masks, the filtered draw and log-probabilities."""
+"""The sampling math beyond the plain draw, in torch (docs/sampling.md)."""
 
 import torch
 
@@ -9,32 +7,27 @@ _MIX = 0x45D9F3B  # < 2**31: the int64 products below never overflow
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (xor-shift-multiply), on int64 tensors holding values in [0, 2**32)."""
+    # a 32-bit xor-shift-multiply hash, on int64 tensors holding values in [0, 2**32)
     x = ((x ^ (x >> 16)) * _MIX) & _MASK32
     x = ((x ^ (x >> 16)) * _MIX) & _MASK32
     return x ^ (x >> 16)
 
 
 def uniform_noise(seeds: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """Uniform draws in (0, 1), 24-bit, one per (row seed, token id): ``seeds`` [rows] int64 in
-    [0, 2**32); ``token_ids`` [vocab] (the same ids for every row) or [rows, k]."""
+    """24-bit uniforms in (0, 1) per (seed [rows], token id [vocab] or [rows, k])."""
     ids = token_ids if token_ids.dim() == 2 else token_ids.unsqueeze(0)
     x = _mix32(_mix32(ids.long()) ^ seeds.unsqueeze(1))
     return ((x >> 8).float() + 0.5) * 2.0**-24
 
 
 def gumbel(seeds: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """Standard Gumbel noise ``-log(-log(u))``: argmax(logits / T + gumbel) draws a token with
-    probability softmax(logits / T) (the Gumbel-max trick; no softmax needed)."""
     return -torch.log(-torch.log(uniform_noise(seeds, token_ids)))
 
 
 def gumbel_argmax(
     logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor
 ) -> torch.Tensor:
-    """One token per row: argmax(logits / T + gumbel); rows with T = 0 take the plain argmax. The
-    reference of ``triton_draw.gumbel_argmax`` (the CPU draws with ``draw.cdf_draw``).
-    logits [rows, vocab] (any float dtype), temperatures [rows] float32, seeds [rows] int64."""
+    """argmax(logits / T + gumbel) per row (T = 0: argmax): ``triton_draw``'s reference."""
     logits = logits.float()
     greedy = (temperatures == 0).unsqueeze(1)
     noise = gumbel(seeds, torch.arange(logits.size(1), device=logits.device))
@@ -51,10 +44,7 @@ def apply_penalties(
     prompt_tokens: tuple[torch.Tensor, torch.Tensor],
     output_tokens: tuple[torch.Tensor, torch.Tensor],
 ) -> None:
-    """In place on float32 ``logits`` [batch, vocab], the penalised ``rows`` only. Over prompt and
-    output tokens, positive logits are divided by the repetition penalty, negative ones multiplied;
-    over output tokens, ``logits -= frequency * count + presence * (count > 0)``. The tokens are
-    (index into ``rows``, token id) pairs, one per occurrence."""
+    """In place on ``rows``; tokens are (index into rows, id) pairs, one per occurrence."""
     shape = (rows.numel(), logits.size(1))
     counts = torch.zeros(shape, device=logits.device).index_put_(
         output_tokens, torch.ones(output_tokens[0].numel(), device=logits.device), accumulate=True
@@ -69,9 +59,7 @@ def apply_penalties(
 
 
 def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """In place on float32 ``logits`` [batch, vocab]: in each of ``rows`` [G], the tokens its
-    ``bitmask`` row [G, words] int32 does not allow become -inf. Token ``t`` is allowed when bit
-    ``t % 32`` of word ``t // 32`` is set (xgrammar's layout); tokens past the bitmask are not."""
+    """In place: -inf where bit ``t % 32`` of word ``t // 32`` is clear (xgrammar's layout)."""
     vocab = logits.size(1)
     # the words' bytes, least significant first (little-endian), then each byte's bits: [G, 32 * W]
     as_bytes = bitmask.contiguous().view(torch.uint8)
@@ -83,9 +71,8 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch
 
 
 def _candidates(logits, temperatures, top_k, top_p, min_p, num_candidates, all_top_k):
-    """The ``num_candidates`` most likely tokens of each row (scaled by its temperature), and which
-    of them top-k, top-p and min-p keep. ``complete`` is False for a row whose kept set may reach
-    past the candidates (no top-k, and top-p did not cut inside them)."""
+    # the most likely tokens (scaled by 1 / T), which of them the filters keep, and whether
+    # that kept set may reach past them (complete False)
     vocab = logits.size(1)
     vals, ids = logits.topk(num_candidates, dim=-1)  # sorted, most likely first
     t = temperatures.unsqueeze(1)
@@ -123,10 +110,7 @@ def sample_filtered(
     num_candidates: int,
     all_top_k: bool,
 ) -> torch.Tensor:
-    """One token per row among those min-p, top-k and top-p keep, with ``gumbel_argmax``'s noise,
-    from the ``num_candidates`` most likely (a row whose kept set reaches past them: the whole
-    vocabulary). top_k [rows] int64 (0 = off), top_p [rows] (1 = off), min_p [rows] or None; T > 0.
-    ``all_top_k``: every row has top-k, so the candidates suffice (no device sync)."""
+    """A token per row among those min-p, top-k and top-p keep (top_k 0, top_p 1: off)."""
     vocab = logits.size(1)
     num_candidates = min(num_candidates, vocab)
     vals, ids, keep, complete = _candidates(
@@ -136,24 +120,35 @@ def sample_filtered(
     tokens = ids.gather(1, scores.argmax(dim=-1, keepdim=True)).squeeze(1)
     if num_candidates < vocab and not all_top_k and not bool(complete.all()):
         redo = (~complete).nonzero().squeeze(1)
-        tokens[redo] = sample_filtered(
-            logits[redo],
-            temperatures[redo],
-            seeds[redo],
-            top_k[redo],
-            top_p[redo],
-            None if min_p is None else min_p[redo],
-            vocab,
-            all_top_k,
-        )
+        args = [logits[redo], temperatures[redo], seeds[redo], top_k[redo], top_p[redo]]
+        args.append(None if min_p is None else min_p[redo])
+        more = vocab if logits.is_cuda else _enough_candidates(args[0], args[1], *args[4:])
+        tokens[redo] = sample_filtered(*args, vocab if more <= num_candidates else more, False)
     return tokens
+
+
+def _enough_candidates(logits, temperatures, top_p, min_p, buckets=1024, depth=32.0) -> int:
+    # (CPU) how many most likely tokens hold each row's top-p set and one more, from the mass per
+    # bucket of values (below max - depth, or below min-p: the last bucket); a short count only
+    # costs a full sort (the candidates' own check finds it)
+    x = logits.float() / temperatures.unsqueeze(1)
+    top = x.max(dim=1, keepdim=True).values
+    if not bool(top.isfinite().all()):
+        return logits.size(1)
+    if min_p is not None:
+        depth = (-torch.log(min_p)).clamp_(1e-6, depth).unsqueeze(1)
+    bucket = ((top - x) * (buckets / depth)).clamp_(max=buckets).long()
+    mass = torch.zeros(x.size(0), buckets + 1, dtype=torch.float64)
+    mass = mass.scatter_add_(1, bucket, torch.exp(x - top).double())[:, :buckets].cumsum_(dim=1)
+    target = (top_p.double() + 1e-4).unsqueeze(1) * mass[:, -1:]  # a margin for rounding
+    last = (mass < target).sum(dim=1).clamp_(max=buckets - 1)  # the bucket that reaches it
+    return int((bucket <= last.unsqueeze(1)).sum(dim=1).max()) + 1
 
 
 def top_logprobs(
     logits: torch.Tensor, tokens: torch.Tensor, num: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """log_softmax of the raw ``logits`` [rows, vocab]: the sampled ``tokens``' log-probabilities
-    [rows], and the ``num`` largest ones [rows, num] with their token ids."""
+    """The ``tokens``' log_softmax [rows], and the ``num`` largest [rows, num] with their ids."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     sampled = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
     top_vals, top_ids = logprobs.topk(num, dim=-1)

@@ -1,6 +1,4 @@
-"""The plain temperature draw fused into one pass over the logits (GPU): per row,
-argmax(logits / T + gumbel) with ``torch_ops.gumbel_argmax``'s noise, or the argmax when T = 0
-(see docs/sampling.md)."""
+"""The plain draw in one pass over the logits on a GPU: argmax(logits / T + gumbel) per row."""
 
 import torch
 import torch.distributed as dist
@@ -35,10 +33,8 @@ def _gumbel_argmax_kernel(
     TO_PARTS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """One program: one chunk of one row, whose logits are the vocabulary's ids ``id_offset`` to
-    ``id_offset + vocab`` (a tensor-parallel rank's share). With one chunk per row and not
-    ``TO_PARTS`` it writes the token id; otherwise the chunk's best score and id, for
-    ``_best_of_parts_kernel``. grid: (rows, NUM_CHUNKS)"""
+    # one program: one chunk of one row (ids from id_offset); writes the token, or the chunk's
+    # best score and id for _best_of_parts_kernel. grid: (rows, NUM_CHUNKS)
     row = tl.program_id(0)
     part = tl.program_id(1)
     t = tl.load(temperatures_ptr + row)
@@ -87,9 +83,7 @@ def _best_of_parts_kernel(
     GROUPS: tl.constexpr,
     PARTS_PAD: tl.constexpr,
 ):
-    """Each row's token: the best of its parts' winners (``GROUPS`` groups of ``NUM_PARTS`` chunks,
-    ``group_stride`` apart), the lowest id among equal scores (the parts cover increasing ids, so
-    this is the lowest id of the whole row). grid: (rows,)"""
+    # each row's token: the best of its parts' winners, the lowest id among equals. grid: (rows,)
     row = tl.program_id(0)
     if tl.load(temperatures_ptr + row) < 0:
         return
@@ -109,10 +103,7 @@ def gumbel_argmax(
     out: torch.Tensor | None = None,
     chunk: int = CHUNK,
 ) -> torch.Tensor:
-    """logits [rows, vocab] (last dim contiguous, any float dtype), temperatures [rows] float32 (0 =
-    greedy; below 0: the row is skipped, its ``out`` entry left as it was), seeds [rows] int64 in
-    [0, 2**32). ``chunk``: logits per program, a multiple of BLOCK. Returns ``out`` (or a new [rows]
-    int64 tensor) holding the token ids."""
+    """Token ids into ``out`` [rows] int64; T = 0: argmax, T < 0: the row is skipped."""
     rows, vocab = logits.shape
     if out is None:
         out = torch.empty(rows, dtype=torch.int64, device=logits.device)
@@ -149,9 +140,7 @@ def gumbel_parts(
     vocab_start: int,
     chunk: int = CHUNK,
 ) -> torch.Tensor:
-    """The first half of ``gumbel_argmax`` over logits of the vocabulary's ids ``vocab_start`` on
-    (a tensor-parallel rank's share): each chunk's best score and id, as int32 [2, rows, chunks]
-    (row 0: the scores' float32 bits). A skipped row's entries are left unwritten."""
+    """Each chunk's best score bits and id, int32 [2, rows, chunks], ids from ``vocab_start``."""
     _check(logits, temperatures, seeds, chunk)
     rows, vocab = logits.shape
     num_chunks = triton.cdiv(vocab, chunk)
@@ -179,8 +168,7 @@ def gumbel_parts(
 def best_of_parts(
     parts: torch.Tensor, temperatures: torch.Tensor, vocab_size: int, out: torch.Tensor
 ) -> torch.Tensor:
-    """The second half: ``parts`` [groups, 2, rows, chunks] int32 (``gumbel_parts`` of each share of
-    the vocabulary, in the order of their ids) into each row's token id, into ``out`` [rows]."""
+    """``gumbel_parts`` of each share [groups, 2, rows, chunks], in id order, into ``out``."""
     groups, _, rows, num_chunks = parts.shape
     assert parts.is_contiguous() and parts.dtype == torch.int32
     if rows:
@@ -207,11 +195,7 @@ def sharded_gumbel_argmax(
     vocab_size: int,
     out: torch.Tensor,
 ) -> torch.Tensor:
-    """``gumbel_argmax`` under tensor parallelism, every rank of the default process group
-    holding ``logits`` of its share of the vocabulary (ids ``vocab_start`` on, in rank order):
-    each rank finds its chunks' winners, the ranks exchange them (a few bytes a row), and every rank
-    picks the same token per row into ``out``. The scores are the same per id as over the whole
-    vocabulary, so are the tokens."""
+    """``gumbel_argmax`` over the ranks' vocabulary shares: every rank gets the same tokens."""
     parts = gumbel_parts(logits, temperatures, seeds, vocab_start)
     gathered = parts.new_empty(dist.get_world_size(), *parts.shape)
     dist.all_gather_into_tensor(gathered, parts)

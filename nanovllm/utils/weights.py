@@ -1,6 +1,4 @@
-"""Weights given in memory (``update_weights``): read them once (``named_tensors``), plan and
-check every one before any is written (``plan_weights``, ``check_fp8_tensors``), then copy each
-in place (``copy_weight``). The planning is the checkpoint loader's (``utils/loader.py``)."""
+"""The loader's parts that ``update_weights`` uses."""
 
 from collections.abc import Mapping
 
@@ -20,9 +18,8 @@ __all__ = [
 
 
 def named_tensors(weights) -> list[tuple[str, torch.Tensor]]:
-    """``update_weights``' argument as a list, read once (it may be a generator): ``(name,
-    tensor)`` pairs, or a mapping of them; each tensor detached. Anything else is a TypeError
-    naming the item."""
+    """``(name, tensor)`` pairs (or a mapping) as a list of detached tensors; anything that could
+    not be copied is refused, naming it."""
     items = weights.items() if isinstance(weights, Mapping) else weights
     try:
         items = list(items)
@@ -41,5 +38,20 @@ def named_tensors(weights) -> list[tuple[str, torch.Tensor]]:
             raise TypeError(f"weight {name!r} must be a torch.Tensor, got {type(tensor).__name__}")
         if not tensor.is_floating_point():
             raise TypeError(f"weight {name!r} must be a floating-point tensor, got {tensor.dtype}")
+        _check_copyable(name, tensor)
         named.append((name, tensor.detach()))
     return named
+
+
+def _check_copyable(name: str, tensor: torch.Tensor) -> None:
+    if tensor.is_meta:
+        raise ValueError(f"weight {name!r} is on the meta device: it holds no values to copy")
+    if tensor.layout != torch.strided or tensor.is_nested or tensor.is_quantized:
+        layout = "nested" if tensor.is_nested else tensor.layout
+        raise TypeError(f"weight {name!r} must be a dense (strided) tensor, got {layout}")
+    dispatch = getattr(type(tensor), "__torch_dispatch__", None)
+    if dispatch is not None and dispatch is not torch.Tensor.__torch_dispatch__:
+        raise TypeError(
+            f"weight {name!r} must be a plain tensor, got a {type(tensor).__name__} (a tensor "
+            "subclass with its own dispatch: pass its full local tensor)"
+        )

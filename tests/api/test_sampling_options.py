@@ -19,7 +19,7 @@ from api_helpers import (
     repetition_penalty,
     run_to_completion,
 )
-from hf_reference import TIE_GAP, assert_greedy_match, random_prompts
+from hf_reference import TIE_GAP, VOCAB_SIZE, assert_greedy_match, random_prompts
 
 from nanovllm import SamplingParams
 
@@ -177,7 +177,8 @@ def test_n_completions_share_prompt_blocks(ckpt_tied):
         )
         assert_idle(llm)
 
-        # the same request through generate: the same completions, in order, the prompt from the cache
+        # the same request through generate: the same completions, in order, the prompt from the
+        # cache
         out = llm.generate([prompt], params, use_tqdm=False)[0]
         assert [c["index"] for c in out["outputs"]] == [0, 1, 2]
         assert [c["token_ids"] for c in out["outputs"]] == [finished[rid + i] for i in range(3)]
@@ -227,3 +228,15 @@ def test_seeded_request_independent_of_batch(llm):
     assert llm.generate([prompt], greedy(16), use_tqdm=False)[0]["token_ids"] != alone, (
         "the draw is not greedy"
     )
+
+
+def test_an_overflowing_penalty_draws_inside_the_vocabulary(llm):
+    """repetition_penalty=1e-40 turns the repeated tokens' positive logits into +inf: the draw then
+    takes the lowest such id (docs/sampling.md), an id of the vocabulary, plain or filtered."""
+    prompt = random_prompts(52, [12])[0]
+    for extra in (dict(), dict(top_p=0.9), dict(min_p=0.1)):
+        params = SamplingParams(temperature=0.8, repetition_penalty=1e-40, max_tokens=8, **extra)
+        out = llm.generate([prompt, prompt], params, use_tqdm=False)
+        for o in out:
+            assert len(o["token_ids"]) == 8
+            assert max(o["token_ids"]) < VOCAB_SIZE

@@ -5,8 +5,11 @@ loaded from that checkpoint, for Qwen3 (tied and untied), Qwen3-MoE and Llama, o
 nothing after it. Tensors in bfloat16, from a generator, from a transformers model's
 ``state_dict()``, or a subset; bad ones change nothing; an engine with requests queued refuses."""
 
+import json
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -243,6 +246,38 @@ BAD = {
 }
 
 
+UNCOPYABLE = {
+    "meta tensor": (
+        torch.zeros(64, device="meta"),
+        ValueError,
+        r"'model\.norm\.weight' is on the meta device",
+    ),
+    "sparse tensor": (
+        torch.zeros(64).to_sparse(),
+        TypeError,
+        r"'model\.norm\.weight' must be a dense \(strided\) tensor, got torch\.sparse_coo",
+    ),
+}
+
+
+def test_uncopyable_tensors_after_good_ones_change_nothing(family, tp2, dp):
+    """A whole checkpoint's good tensors, then one that passes the name, shape and dtype checks but
+    holds no copyable data: refused before any is written, on one rank, two and two replicas; each
+    engine then gives its own greedy tokens and takes a good update (no rank left waiting)."""
+    engines = [family.llm_a, tp2] + ([dp] if dp is not None else [])
+    for llm in engines:
+        assert generate(llm)[0] == family.out_a
+        for tensor, error, message in UNCOPYABLE.values():
+            with pytest.raises(error, match=message):
+                llm.update_weights([*tensors(family.b).items(), ("model.norm.weight", tensor)])
+            assert generate(llm)[0] == family.out_a
+    assert_params(family.llm_a, as_params(tensors(family.a)))
+    for llm in engines:
+        llm.update_weights(tensors(family.b))
+        assert generate(llm) == (family.out_b, COLD)
+        llm.update_weights(tensors(family.a))
+
+
 def test_bad_tensors_change_nothing(family, tp2):
     """A good tensor first, then a bad one: refused before anything is written, on one rank and
     two; the engines keep their weights and prefix caches and go on serving."""
@@ -291,9 +326,11 @@ def test_reset_prefix_cache(family):
 
 @pytest.fixture(scope="module")
 def dp(family):
-    """The family's checkpoint A on two data-parallel replicas (processes of this host)."""
+    """The family's checkpoint A on two data-parallel replicas (processes of this host); None but
+    for one family (one through the replicas is enough)."""
     if family.name != "qwen3_tied":
-        pytest.skip("one family through the replicas is enough")
+        yield None
+        return
     llm = LLM(family.a, data_parallel_size=2, **CPU)
     yield llm
     llm.exit()
@@ -303,6 +340,8 @@ def test_data_parallel_replicas_all_take_the_update(family, dp):
     """Both replicas serve (and cache) the prompts; after the update each gives B's tokens with no
     stale hit; bad tensors change no replica; a queued request refuses the update;
     ``reset_prefix_cache`` reaches every replica."""
+    if dp is None:
+        pytest.skip("one family through the replicas is enough")
     check_update(dp, (item for item in tensors(family.b).items()), family.out_b)
     assert all(r["generation_tokens"] > 0 for r in dp.get_stats()["replicas"])
     bad, error, message = BAD["wrong shape"]
@@ -317,3 +356,108 @@ def test_data_parallel_replicas_all_take_the_update(family, dp):
     assert generate(dp) == (family.out_b, COLD)
     dp.update_weights(tensors(family.a))
     assert generate(dp) == (family.out_a, COLD)
+
+
+class _FailsToMove(torch.Tensor):
+    """A tensor whose ``to`` fails: a failure inside rank 0's load, after the checks."""
+
+    def to(self, *args, **kwargs):
+        raise RuntimeError("this tensor cannot move")
+
+
+def test_a_failure_in_rank_zeros_load_leaves_no_worker_waiting(family, tp2):
+    """Rank 0 fails while it loads (after every check): the error reaches the caller, and the next
+    update and ``generate`` run on every rank (no worker left in a broadcast)."""
+    failing = torch.zeros(64).as_subclass(_FailsToMove)
+    with pytest.raises(RuntimeError, match="this tensor cannot move"):
+        tp2.update_weights([*tensors(family.b).items(), ("model.norm.weight", failing)])
+    tp2.update_weights(tensors(family.b))
+    assert generate(tp2) == (family.out_b, COLD)
+    tp2.update_weights(tensors(family.a))
+    assert generate(tp2) == (family.out_a, COLD)
+
+
+CTRL_C = """
+import json, os, signal, sys, threading, time
+from safetensors.torch import load_file
+from nanovllm import LLM, SamplingParams
+from nanovllm.features import weight_update
+
+load_rank = weight_update.load_rank
+
+def slow_load(runner, *args):  # one tensor a call, each a while: presses land between calls
+    time.sleep(0.02)
+    return load_rank(runner, *args)
+
+def ctrl_c(started, delays):  # as a terminal does: SIGINT to every process of the group
+    started.wait()
+    for delay in delays:
+        time.sleep(delay)
+        os.killpg(os.getpgid(0), signal.SIGINT)
+
+if __name__ == "__main__":
+    weight_update.UPDATE_BATCH = 1
+    weight_update.load_rank = slow_load
+    a, b, kwargs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    llm = LLM(a, device="cpu", kvcache_block_size=16, num_kvcache_blocks=64, max_model_len=256,
+              **kwargs)
+    weights = {p: load_file(os.path.join(p, "model.safetensors")) for p in (a, b)}
+    prompts = [[1 + i, 2, 3] * 5 for i in range(4)]
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    def run():
+        return [o["token_ids"] for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    out = {a: run()}
+    llm.update_weights(weights[b])
+    out[b] = run()
+    result = {"distinct": out[a] != out[b], "interrupted": [], "served": []}
+    now = b
+    for delays in ([0.05], [0.15], [0.1, 0.05], [0.2, 0.0]):  # once, then twice
+        target = a if now == b else b
+        started = threading.Event()
+        threading.Thread(target=ctrl_c, args=(started, delays), daemon=True).start()
+        try:
+            started.set()
+            llm.update_weights(weights[target])
+            time.sleep(1.0)  # the presses come within it
+            result["interrupted"].append(False)
+        except KeyboardInterrupt:
+            result["interrupted"].append(True)
+        try:
+            time.sleep(0.5)  # a second press held until the update's end
+        except KeyboardInterrupt:
+            pass
+        tokens = run()
+        result["served"].append("new" if tokens == out[target] else
+                                "old" if tokens == out[now] else "mixed")
+        now = target if tokens == out[target] else now
+        llm.update_weights(weights[now])  # every rank takes a whole update after it
+        result["served"][-1] += "+" + ("ok" if run() == out[now] else "wrong")
+    llm.exit()
+    print(json.dumps(result))
+"""
+
+
+@pytest.mark.parametrize("parallel", ["tp2", "dp2"])
+def test_ctrl_c_during_an_update(family, parallel, tmp_path):
+    """Ctrl-C, once or twice, while ``update_weights`` runs on two ranks or two replicas: every
+    rank and replica ends on one checkpoint's weights whole (the update goes through), and the
+    engine serves its greedy tokens and takes the next update; nothing is leaked at exit."""
+    if family.name != "qwen3_tied":
+        pytest.skip("one family is enough")
+    kwargs = {"tp2": dict(tensor_parallel_size=2), "dp2": dict(data_parallel_size=2)}[parallel]
+    script = tmp_path / "ctrl_c_update.py"
+    script.write_text(CTRL_C)
+    proc = subprocess.run(
+        [sys.executable, str(script), family.a, family.b, json.dumps(kwargs)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        start_new_session=True,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "leaked" not in proc.stderr, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["distinct"]
+    assert result["interrupted"] == [True] * 4
+    assert result["served"] == ["new+ok"] * 4

@@ -82,8 +82,8 @@ def test_update_in_place_under_cuda_graphs(checkpoints, family, tp):
         runner = llm.core.executor.runner
         assert runner.graphs is not None, "the decode steps should run as CUDA graphs"
         before, _ = generate(llm)
-        # the prefix cache now holds the prompts' full blocks (in bfloat16 a hit may move a near-tie:
-        # the tokens themselves are compared where no prompt hits the cache)
+        # the prefix cache now holds the prompts' full blocks (in bfloat16 a hit may move a
+        # near-tie: the tokens themselves are compared where no prompt hits the cache)
         assert generate(llm)[1] == [256, 0, 512, 0]
         storage = {name: p.data_ptr() for name, p in runner.model.named_parameters()}
         llm.update_weights(weights.items())

@@ -65,8 +65,8 @@ def reference(
     row: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0
 ) -> Expected:
     """Sort the probabilities of softmax(row / temperature) (float64), then min-p (probability >=
-    min_p * the largest), top-k (the first top_k), top-p (renormalised over what is left, keep a token
-    while the mass before it is < top_p: the token that crosses top_p stays)."""
+    min_p * the largest), top-k (the first top_k), top-p (renormalised over what is left, keep a
+    token while the mass before it is < top_p: the token that crosses top_p stays)."""
     x = row.double() / temperature
     order = torch.sort(x, descending=True, stable=True).indices
     xs = x[order]
@@ -123,12 +123,14 @@ def check_draws(tokens: torch.Tensor, expected: Expected, what: str) -> None:
     allowed = expected.allowed
     outside = {t: c for t, c in counts.items() if t not in allowed}
     assert not outside, (
-        f"{what}: drew tokens outside the allowed set ({expected.num_kept} tokens) {{token: draws}}: {outside}"
+        f"{what}: drew tokens outside the allowed set ({expected.num_kept} tokens) "
+        f"{{token: draws}}: {outside}"
     )
     for level in expected.levels:
         drawn = sorted(set(level.tokens) & counts.keys())
         assert len(drawn) <= level.kept, (
-            f"{what}: {len(drawn)} distinct tokens drawn from a level of {len(level.tokens)} equal logits "
+            f"{what}: {len(drawn)} distinct tokens drawn from a level of {len(level.tokens)} "
+            "equal logits "
             f"of which {level.kept} are kept: {drawn}"
         )
     bins = []  # [observed, expected, first level's tokens]
@@ -148,8 +150,9 @@ def check_draws(tokens: torch.Tensor, expected: Expected, what: str) -> None:
     p = chi_square_p_value([b[0] for b in bins], [b[1] for b in bins])
     worst = sorted(bins, key=lambda b: -((b[0] - b[1]) ** 2) / b[1])[:5]
     assert p >= P_VALUE, (
-        f"{what}: the draws do not follow the reference distribution (chi-square p = {p:.3g} over {len(bins)} "
-        f"bins); worst bins (drawn, expected, tokens): {[(b[0], round(b[1], 1), b[2]) for b in worst]}"
+        f"{what}: the draws do not follow the reference distribution (chi-square p = {p:.3g} "
+        f"over {len(bins)} bins); worst bins (drawn, expected, tokens): "
+        f"{[(b[0], round(b[1], 1), b[2]) for b in worst]}"
     )
 
 
@@ -162,9 +165,9 @@ def filtered_draws(
     min_p: float = 0.0,
     beside_top_p: bool = False,
 ) -> torch.Tensor:
-    """``sample_filtered`` on copies of ``row``, one per seed, with the candidates the engine would use:
-    for a top-k row, top_k of them and no vocabulary pass, unless ``beside_top_p`` (the batch also
-    holds a row without top-k); else NUM_CANDIDATES."""
+    """``sample_filtered`` on copies of ``row``, one per seed, with the candidates the engine would
+    use: for a top-k row, top_k of them and no vocabulary pass, unless ``beside_top_p`` (the batch
+    also holds a row without top-k); else NUM_CANDIDATES."""
     n = seeds.numel()
     logits = row.unsqueeze(0).repeat(n, 1)
     all_top_k = top_k > 0 and not beside_top_p
@@ -198,7 +201,8 @@ def step_rows(seqs: list[Sequence], rng: Random | None = None) -> SamplingRows:
 
 
 def make_batch(seqs: list[Sequence], vocab: int) -> SamplingBatch:
-    """The engine's rows of ``seqs`` (unseeded rows draw from a fixed generator) as the sampler's tensors."""
+    """The engine's rows of ``seqs`` (unseeded rows draw from a fixed generator) as the sampler's
+    tensors."""
     rows = step_rows(seqs)
     return make_sampling_batch(rows, vocab, lambda values, dtype: torch.tensor(values, dtype=dtype))
 

@@ -1,7 +1,7 @@
 """The plain temperature draw on the CPU (``draw.cdf_draw``): the token the row's seeded uniform
-selects from the exact cumulative distribution, so draws follow softmax(logits / T); greedy rows take
-the argmax; a row draws the same token alone, in any batch and in any group of rows; the sampler's
-CPU path is this draw."""
+selects from the exact cumulative distribution, so draws follow softmax(logits / T); greedy rows
+take the argmax; a row draws the same token alone, in any batch and in any group of rows; the
+sampler's CPU path is this draw."""
 
 import pytest
 import torch
@@ -55,8 +55,9 @@ def test_distribution_with_a_short_last_block(temperature):
 
 
 def test_the_token_is_where_the_uniform_falls_in_the_cumulative_distribution():
-    """For every seed, the token is the first whose cumulative probability (float64, from the logits)
-    exceeds u = row_uniform_bits(seed) / 2**64; seeds whose u is within 1e-9 of a boundary are skipped."""
+    """For every seed, the token is the first whose cumulative probability (float64, from the
+    logits) exceeds u = row_uniform_bits(seed) / 2**64; seeds whose u is within 1e-9 of a boundary
+    are skipped."""
     g = torch.Generator().manual_seed(5)
     for vocab, temperature in [(3, 1.0), (300, 0.8), (1000, 2.0)]:
         row = 2.0 * torch.randn(vocab, generator=g)

@@ -19,7 +19,7 @@ from nanovllm.sampling_params import SamplingParams
 TIE_GAP = 1e-5  # Triton vs torch: two tokens' Gumbel scores this close are a rounding near-tie
 
 
-# ---- the plain temperature draw -------------------------------------------------------------------
+# ---- the plain temperature draw ------------------------------------------------------------------
 
 
 def test_gumbel_argmax_distribution(model_logits):
@@ -58,9 +58,10 @@ def test_gumbel_argmax_greedy_rows_are_argmax():
 
 @pytest.mark.parametrize("temperature", [1e-39, 1e-38])
 def test_tiny_temperature_draws_the_argmax(temperature):
-    """SamplingParams accepts any finite temperature > 0, and softmax(logits / T) at such a T (float64)
-    puts all its mass on the argmax: every draw must be the argmax (or the temperature refused), also
-    when logits / T overflows float32 (the second row's positive logits reach 3.5e39)."""
+    """SamplingParams accepts any finite temperature > 0, and softmax(logits / T) at such a T
+    (float64) puts all its mass on the argmax: every draw must be the argmax (or the temperature
+    refused), also when logits / T overflows float32 (the second row's positive logits reach
+    3.5e39)."""
     try:
         SamplingParams(temperature=temperature)
     except ValueError:
@@ -77,7 +78,7 @@ def test_tiny_temperature_draws_the_argmax(temperature):
         )
 
 
-# ---- seeds ------------------------------------------------------------------------------------------
+# ---- seeds ---------------------------------------------------------------------------------------
 
 VOCAB = 2000
 
@@ -87,7 +88,8 @@ SEEDED_TARGETS = {
     "top_p": SamplingParams(temperature=1.1, top_p=0.8),
     "all_three": SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.02),
 }
-OTHER_ROWS = [  # batch neighbours: greedy, unseeded, a top-k past NUM_CANDIDATES, min-p, another seed
+# batch neighbours: greedy, unseeded, a top-k past NUM_CANDIDATES, min-p, another seed
+OTHER_ROWS = [
     SamplingParams(temperature=0.0),
     SamplingParams(temperature=1.0),
     SamplingParams(temperature=1.0, top_k=700),
@@ -101,8 +103,8 @@ NUM_SEEDS = 60
 
 @pytest.mark.parametrize("target", list(SEEDED_TARGETS))
 def test_seeded_row_independent_of_batch(target):
-    """NUM_SEEDS seeded copies of one row (their seeds and steps differ), each drawn alone, then all in
-    one batch, then scattered in random order among twice as many other rows (other logits, other
+    """NUM_SEEDS seeded copies of one row (their seeds and steps differ), each drawn alone, then all
+    in one batch, then scattered in random order among twice as many other rows (other logits, other
     settings): each copy draws the same token every time."""
     g = torch.Generator().manual_seed(12)
     target_logits = 2.0 * torch.randn(VOCAB, generator=g)
@@ -124,7 +126,8 @@ def test_seeded_row_independent_of_batch(target):
     ).token_ids
     scattered = [int(out[order.index(k)]) for k in range(NUM_SEEDS)]
     assert scattered == alone, (
-        f"{target}: copies scattered among other rows draw {scattered}, alone {alone}; differing copies "
+        f"{target}: copies scattered among other rows draw {scattered}, alone {alone}; "
+        "differing copies "
         f"{[k for k in range(NUM_SEEDS) if scattered[k] != alone[k]]}"
     )
 
@@ -136,7 +139,7 @@ def test_draw_seed_range_and_spread():
     assert draw_seed(5, 0) == draw_seed(5, 0) and draw_seed(-3, 2) >= 0
 
 
-# ---- the Triton draw under the interpreter ----------------------------------------------------------
+# ---- the Triton draw under the interpreter -------------------------------------------------------
 
 
 def triton_case(
@@ -149,10 +152,10 @@ def triton_case(
     shift: float = 0.0,
     chunk_blocks: int | None = None,
 ) -> dict:
-    """``triton_draw.gumbel_argmax`` against ``torch_ops.gumbel_argmax`` on the same inputs
-    (logits around ``shift``); a differing token is a near-tie when the two tokens' Gumbel scores are
-    within TIE_GAP. ``chunk_blocks``: programs of that many BLOCKs each (default: the kernel's CHUNK),
-    so that a small vocabulary spans several programs."""
+    """``triton_draw.gumbel_argmax`` against ``torch_ops.gumbel_argmax`` on the same inputs (logits
+    around ``shift``); a differing token is a near-tie when the two tokens' Gumbel scores are within
+    TIE_GAP. ``chunk_blocks``: programs of that many BLOCKs each (default: the kernel's CHUNK), so
+    that a small vocabulary spans several programs."""
     from nanovllm.sampling import triton_draw
 
     g = torch.Generator().manual_seed(seed)
@@ -209,8 +212,8 @@ def triton_sharded_case(
     vocab: int, shards: int, seed: int, chunk_blocks: int | None = None
 ) -> dict:
     """Tensor parallelism's draw: each share of the vocabulary's chunk winners (``gumbel_parts``
-    with its first id), stacked in rank order, then ``best_of_parts``, against ``gumbel_argmax`` over
-    the whole row. Equal maxima sit in different shares, and some rows are skipped."""
+    with its first id), stacked in rank order, then ``best_of_parts``, against ``gumbel_argmax``
+    over the whole row. Equal maxima sit in different shares, and some rows are skipped."""
     from nanovllm.sampling import triton_draw
 
     g = torch.Generator().manual_seed(seed)

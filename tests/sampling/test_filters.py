@@ -1,9 +1,8 @@
-"""Filtered draws (temperature, then min-p, top-k and top-p, in vLLM's order) against the
-float64 reference of ``sampling_helpers``: the set of tokens a draw may return and the distribution of
+"""Filtered draws (temperature, then min-p, top-k and top-p, in vLLM's order) against the float64
+reference of ``sampling_helpers``: the set of tokens a draw may return and the distribution of
 thousands of draws. Each setting is picked so that every filter removes tokens, and away from its
-thresholds (a float32 rounding cannot move a token across). Also the Sampler on a batch of
-filtered, plain and greedy rows.
-"""
+thresholds (a float32 rounding cannot move a token across). Also the Sampler on a batch of filtered,
+plain and greedy rows."""
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from sampling_helpers import (
     seed_tensor,
 )
 
+from nanovllm.sampling import torch_ops
 from nanovllm.sampling.extras import NUM_CANDIDATES, Filters
 from nanovllm.sampling.sampler import Sampler, SamplingBatch
 
@@ -85,8 +85,8 @@ TIE_SETTINGS = {
     + [(name, True) for name, p in TIE_SETTINGS.items() if p.get("top_k")],
 )
 def test_filtered_draws_with_ties(setting, beside_top_p):
-    """Top-k rows also as in a batch that holds a row without top-k (NUM_CANDIDATES candidates out of
-    600 tokens, and top-p normalises over what top-k kept, not over the vocabulary)."""
+    """Top-k rows also as in a batch that holds a row without top-k (NUM_CANDIDATES candidates out
+    of 600 tokens, and top-p normalises over what top-k kept, not over the vocabulary)."""
     params = TIE_SETTINGS[setting]
     row = tie_row()
     what = f"tie row, {params}" + (", beside a top-p row" if beside_top_p else "")
@@ -123,8 +123,8 @@ def test_filtered_draws_past_the_candidates(setting):
 
 
 def test_filtered_draws_exactly_flat_row():
-    """2000 equal logits, top_p 0.3002: 601 tokens are kept (the mass before the 601st is 0.3), so at
-    most 601 distinct tokens may be drawn out of 4000 draws."""
+    """2000 equal logits, top_p 0.3002: 601 tokens are kept (the mass before the 601st is 0.3), so
+    at most 601 distinct tokens may be drawn out of 4000 draws."""
     row = torch.zeros(2000)
     expected = reference(row, 1.0, top_p=0.3002)
     assert expected.num_kept == 601
@@ -132,7 +132,7 @@ def test_filtered_draws_exactly_flat_row():
     check_draws(tokens, expected, "exactly flat row, top_p=0.3002")
 
 
-# ---- the Sampler on a batch of filtered, plain and greedy rows -------------------------------------
+# ---- the Sampler on a batch of filtered, plain and greedy rows -----------------------------------
 
 MIXED_ROWS = [  # (model row, settings)
     (0, dict(temperature=0.8, top_k=25, top_p=0.6, min_p=0.01)),
@@ -176,3 +176,30 @@ def test_sampler_mixed_batch(model_logits):
         if len(params) > 1:
             assert_filters_bite(expected, what)
         check_draws(drawn, expected, what)
+
+
+@pytest.mark.parametrize(
+    "settings", [dict(top_p=0.9), dict(top_p=0.5, min_p=0.01), dict(min_p=0.05), dict(top_p=0.999)]
+)
+@pytest.mark.parametrize("scale", [0.5, 3.0])
+def test_past_the_candidates_the_tokens_of_a_full_sort(settings, scale):
+    """Rows whose kept set reaches past the candidates draw, seed for seed, what they draw with the
+    whole vocabulary as candidates (on the CPU the second look takes only as many as needed)."""
+    g = torch.Generator().manual_seed(7)
+    rows, vocab = 64, 20000
+    logits = torch.randn(rows, vocab, generator=g) * scale
+    seeds = seed_tensor(rows, 8)
+
+    def draw(num_candidates: int) -> list[int]:
+        return torch_ops.sample_filtered(
+            logits,
+            torch.full((rows,), 0.8),
+            seeds,
+            torch.zeros(rows, dtype=torch.int64),
+            torch.full((rows,), settings.get("top_p", 1.0)),
+            torch.full((rows,), settings["min_p"]) if "min_p" in settings else None,
+            num_candidates,
+            False,
+        ).tolist()
+
+    assert draw(NUM_CANDIDATES) == draw(vocab)

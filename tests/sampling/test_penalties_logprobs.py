@@ -10,7 +10,7 @@ from sampling_helpers import sample_seqs, seq_with
 from nanovllm.sampling import torch_ops
 from nanovllm.sampling_params import SamplingParams
 
-# ---- penalties --------------------------------------------------------------------------------------
+# ---- penalties -----------------------------------------------------------------------------------
 
 
 def penalised_reference(
@@ -105,7 +105,7 @@ def test_sampler_greedy_after_penalties_and_suppression():
     assert out.logprobs is None
 
 
-# ---- log-probabilities ------------------------------------------------------------------------------
+# ---- log-probabilities ---------------------------------------------------------------------------
 
 
 def check_logprobs(
@@ -144,8 +144,8 @@ def test_top_logprobs(model_logits):
 
 
 def test_sampler_logprobs_from_raw_logits(model_logits):
-    """Rows with penalties and min_tokens suppression still report log_softmax of the raw logits, for
-    their sampled token; rows that asked for none are left out."""
+    """Rows with penalties and min_tokens suppression still report log_softmax of the raw logits,
+    for their sampled token; rows that asked for none are left out."""
     logits = model_logits.clone()
     suppressed = int(model_logits[0].argmax())
     seqs = [

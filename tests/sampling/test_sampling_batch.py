@@ -12,7 +12,7 @@ from nanovllm.features.attach import attach_processors
 from nanovllm.sampling.extras import NUM_CANDIDATES
 from nanovllm.sampling_params import SamplingParams
 
-# ---- make_sampling_batch ----------------------------------------------------------------------------
+# ---- make_sampling_batch -------------------------------------------------------------------------
 
 EOS = 0
 
@@ -37,10 +37,12 @@ def pairs(t: tuple[torch.Tensor, torch.Tensor] | None) -> list[tuple[int, int]]:
 
 
 def test_make_sampling_batch_mixed():
-    """Six sequences of five requests (one with n=2), each row using a different part of the batch."""
+    """Six sequences of five requests (one with n=2), each row using a different part of the
+    batch."""
     vocab = 1000
     seqs = [
-        # 0: seeded, top-p (top_k -1 = off), below min_tokens: suppresses 7 and EOS, not 5000 (past the vocabulary)
+        # 0: seeded, top-p (top_k -1 = off), below min_tokens: suppresses 7 and EOS, not 5000
+        # (past the vocabulary)
         *request_seqs(
             [1, 2, 3, 2],
             SamplingParams(
@@ -54,7 +56,8 @@ def test_make_sampling_batch_mixed():
             ),
             [4],
         ),
-        # 1: greedy with a repetition penalty, min_tokens reached: nothing suppressed; top_k ignored (greedy)
+        # 1: greedy with a repetition penalty, min_tokens reached: nothing suppressed; top_k
+        # ignored (greedy)
         *request_seqs(
             [8, 8],
             SamplingParams(temperature=0.0, repetition_penalty=1.2, min_tokens=1, top_k=3),
@@ -149,7 +152,7 @@ def test_make_sampling_batch_candidates(top_ks, vocab, num_candidates, all_top_k
     assert f.num_candidates >= max(f.top_k.tolist())
 
 
-# ---- plain rows: what the fused draw serves by itself -----------------------------------------------
+# ---- plain rows: what the fused draw serves by itself --------------------------------------------
 
 
 def plain_sampling(seqs: list[Sequence]):
@@ -192,7 +195,8 @@ def test_plain_sampling_temperatures_and_seeds():
     ],
 )
 def test_plain_sampling_refuses_any_other_setting(params, completion):
-    """One row that needs more than a temperature and a seed sends the whole batch to the sampler."""
+    """One row that needs more than a temperature and a seed sends the whole batch to the
+    sampler."""
     seqs = request_seqs([1], SamplingParams(temperature=0.5), []) + request_seqs(
         [2, 3], params, completion
     )
