@@ -122,27 +122,44 @@ def sample_filtered(
         redo = (~complete).nonzero().squeeze(1)
         args = [logits[redo], temperatures[redo], seeds[redo], top_k[redo], top_p[redo]]
         args.append(None if min_p is None else min_p[redo])
-        more = vocab if logits.is_cuda else _enough_candidates(args[0], args[1], *args[4:])
-        tokens[redo] = sample_filtered(*args, vocab if more <= num_candidates else more, False)
+        drawn = vocab if logits.is_cuda else _cpu_draw(*args[:3], *args[4:])
+        if isinstance(drawn, int):  # how many candidates hold every kept token, and one more
+            drawn = sample_filtered(*args, vocab if drawn <= num_candidates else drawn, False)
+        tokens[redo] = drawn
     return tokens
 
 
-def _enough_candidates(logits, temperatures, top_p, min_p, buckets=1024, depth=32.0) -> int:
-    # (CPU) how many most likely tokens hold each row's top-p set and one more, from the mass per
-    # bucket of values (below max - depth, or below min-p: the last bucket); a short count only
-    # costs a full sort (the candidates' own check finds it)
+def _cpu_draw(logits, temperatures, seeds, top_p, min_p, buckets: int = 2048):
+    # (CPU) for rows without top-k: how many candidates suffice, where they are few; else the
+    # draw over the whole vocabulary, sorting only the tokens in the value buckets near the cut
     x = logits.float() / temperatures.unsqueeze(1)
     top = x.max(dim=1, keepdim=True).values
     if not bool(top.isfinite().all()):
-        return logits.size(1)
+        return x.size(1)
+    keep = torch.isfinite(x)
     if min_p is not None:
-        depth = (-torch.log(min_p)).clamp_(1e-6, depth).unsqueeze(1)
-    bucket = ((top - x) * (buckets / depth)).clamp_(max=buckets).long()
-    mass = torch.zeros(x.size(0), buckets + 1, dtype=torch.float64)
-    mass = mass.scatter_add_(1, bucket, torch.exp(x - top).double())[:, :buckets].cumsum_(dim=1)
-    target = (top_p.double() + 1e-4).unsqueeze(1) * mass[:, -1:]  # a margin for rounding
-    last = (mass < target).sum(dim=1).clamp_(max=buckets - 1)  # the bucket that reaches it
-    return int((bucket <= last.unsqueeze(1)).sum(dim=1).max()) + 1
+        keep &= x >= top + torch.log(min_p).unsqueeze(1)
+    p = torch.exp(x - top).masked_fill_(~keep, 0).double()
+    p /= p.sum(dim=1, keepdim=True)
+    low = x.masked_fill(~keep, float("inf")).min(dim=1, keepdim=True).values
+    scale = buckets / (top - low).clamp_(min=1e-30)
+    bucket = ((top - x) * scale).clamp_(0, buckets - 1).long()
+    mass = p.new_zeros(p.size(0), buckets).scatter_add_(1, bucket, p).cumsum_(dim=1)
+    top_p = top_p.double().unsqueeze(1)
+    cut = top_p < 1
+    sure = (mass < top_p - 1e-4).sum(dim=1, keepdim=True)  # buckets below: kept, whatever rounds
+    keep &= (bucket <= (mass < top_p + 1e-4).sum(dim=1, keepdim=True)) | ~cut
+    if (needed := int(keep.sum(dim=1).max()) + 1) * 4 <= x.size(1):
+        return needed
+    unsure = keep & (bucket >= sure) & cut
+    if n := int(unsure.sum(dim=1).max()):
+        vals, ids = x.masked_fill(~unsure, float("-inf")).topk(n, dim=1)
+        q = p.gather(1, ids).masked_fill_(vals == float("-inf"), 0)
+        before = torch.where(sure > 0, mass.gather(1, (sure - 1).clamp(min=0)), 0.0)
+        drop = (before + q.cumsum(dim=1) - q >= top_p) & (vals > float("-inf"))
+        keep.scatter_(1, ids, keep.gather(1, ids) & ~drop)
+    scores = x + gumbel(seeds, torch.arange(x.size(1)))
+    return scores.masked_fill_(~keep, float("-inf")).argmax(dim=1)
 
 
 def top_logprobs(

@@ -181,7 +181,7 @@ def test_sampler_mixed_batch(model_logits):
 @pytest.mark.parametrize(
     "settings", [dict(top_p=0.9), dict(top_p=0.5, min_p=0.01), dict(min_p=0.05), dict(top_p=0.999)]
 )
-@pytest.mark.parametrize("scale", [0.5, 3.0])
+@pytest.mark.parametrize("scale", [0.05, 0.5, 3.0])
 def test_past_the_candidates_the_tokens_of_a_full_sort(settings, scale):
     """Rows whose kept set reaches past the candidates draw, seed for seed, what they draw with the
     whole vocabulary as candidates (on the CPU the second look takes only as many as needed)."""
