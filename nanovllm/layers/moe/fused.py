@@ -6,13 +6,12 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from nanovllm.layers.moe.groups import ExpertGroups, group_by_expert, max_padded_rows
+from nanovllm.layers.moe.groups import ID_DTYPES, ExpertGroups, group_by_expert, max_padded_rows
 
 __all__ = ["ExpertGroups", "MoeTile", "fused_moe", "fused_moe_torch", "group_by_expert"]
 __all__ += ["max_padded_rows", "moe_tile"]
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-ID_DTYPES = (torch.int32, torch.int64)
 
 
 class MoeTile(NamedTuple):

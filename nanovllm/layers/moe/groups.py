@@ -4,6 +4,8 @@ from typing import NamedTuple
 
 import torch
 
+ID_DTYPES = (torch.int32, torch.int64)  # the expert ids' accepted dtypes
+
 
 def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
     # every pair plus under block_m padding rows per used expert, in whole blocks

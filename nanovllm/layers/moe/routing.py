@@ -5,11 +5,10 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.layers.moe.groups import ExpertGroups, max_padded_rows
+from nanovllm.layers.moe.groups import ID_DTYPES, ExpertGroups, max_padded_rows
 
 MAX_ROUTED_EXPERTS = 256  # one program holds a token's logits, or a tile of pairs x experts
 MAX_CHUNKS = 256  # programs of the grouping launches; each one sums the counts of all chunks
-ID_DTYPES = (torch.int32, torch.int64)
 
 
 @triton.jit
