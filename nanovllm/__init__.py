@@ -1,18 +1,23 @@
 """nano-vllm: a small, fast offline LLM inference engine. ``import nanovllm`` loads no torch."""
 
-from nanovllm.sampling_params import SamplingParams
+from importlib import import_module
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams"]
+from nanovllm.sampling_params import RequestOutputKind, SamplingParams
+
 __version__ = "0.1.0"
+LAZY = {  # name: the module that defines it, imported on first use
+    "LLM": "nanovllm.llm",
+    "StructuredOutputsParams": "nanovllm.features.structured_outputs.params",
+    "RequestOutput": "nanovllm.outputs",
+    "CompletionOutput": "nanovllm.outputs",
+    "Logprob": "nanovllm.logprobs",
+    "TextPrompt": "nanovllm.entrypoints.prompts",
+    "TokensPrompt": "nanovllm.entrypoints.prompts",
+}
+__all__ = ["RequestOutputKind", "SamplingParams", *LAZY]
 
 
 def __getattr__(name: str):
-    if name == "LLM":
-        from nanovllm.llm import LLM
-
-        return LLM
-    if name == "StructuredOutputsParams":
-        from nanovllm.features.structured_outputs.params import StructuredOutputsParams
-
-        return StructuredOutputsParams
+    if name in LAZY:
+        return getattr(import_module(LAZY[name]), name)
     raise AttributeError(f"module 'nanovllm' has no attribute {name!r}")

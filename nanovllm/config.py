@@ -19,8 +19,10 @@ INTS = {  # name: (lowest, highest)
     "data_parallel_size": (1, None),
     "kvcache_block_size": (1, None),
     "num_kvcache_blocks": (-1, None),
+    "max_logprobs": (-1, None),  # -1: no limit
 }
 BOOLS = ("enforce_eager", "async_scheduling", "enable_sleep_mode", "disable_custom_all_reduce")
+BOOLS += ("enable_prefix_caching",)
 # config.json keys every supported model reads, and those only some architectures read
 MODEL_CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_hidden_layers")
 MODEL_CONFIG_KEYS += ("vocab_size",)
@@ -53,6 +55,11 @@ class Config:
     quantization: str | None = None  # "fp8": quantize a float checkpoint's linear layers at load
     enable_sleep_mode: bool = False  # allow llm.sleep(level) / llm.wake_up()
     disable_custom_all_reduce: bool = False  # True: NCCL sums every all-reduce
+    seed: int | None = 0  # of unseeded requests' sampling (None: a new draw each run)
+    enable_prefix_caching: bool = True
+    tokenizer: str | None = None  # a folder with the tokenizer files (None: the model's)
+    max_logprobs: int = 20  # the most ``logprobs`` / ``prompt_logprobs`` a request may ask for
+    profiler_config: dict | None = None  # {"profiler": "torch", "torch_profiler_dir": path}
     hf_config: object = field(default=None, init=False, repr=False)
     # an FP8 checkpoint's "fp8" whatever ``quantization`` says, else ``quantization``
     weight_quantization: str | None = field(default=None, init=False)

@@ -2,8 +2,9 @@
 
 import copy
 from dataclasses import dataclass, fields, replace
+from enum import IntEnum
 
-__all__ = ["SamplingParams"]  # and StructuredOutputsParams, loaded when asked for
+__all__ = ["RequestOutputKind", "SamplingParams"]  # and StructuredOutputsParams, when asked for
 
 GREEDY_BELOW = 1e-5  # a temperature under this samples greedily (as in vLLM)
 
@@ -14,6 +15,14 @@ def __getattr__(name: str):
 
         return StructuredOutputsParams
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class RequestOutputKind(IntEnum):
+    """What a stream hands out each step: everything so far, the new part, or the end alone."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 def _is_int(x) -> bool:
@@ -49,6 +58,9 @@ def _checked(values: dict) -> dict:
         from nanovllm.features.structured_outputs.params import check_sampling_params
 
         check_sampling_params(v)
+    if not isinstance(v["output_kind"], RequestOutputKind):
+        kind = v["output_kind"]
+        raise TypeError(f"SamplingParams.output_kind must be a RequestOutputKind, got {kind!r}")
     v["stop"] = _string_list(v["stop"])
     v["stop_token_ids"] = _id_list(v["stop_token_ids"])
     if v["top_k"] == -1:
@@ -123,6 +135,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None
     structured_outputs: "StructuredOutputsParams | None" = None  # noqa: F821
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # streams (LLMEngine, AsyncLLM)
 
     def __post_init__(self) -> None:
         self.__dict__.update(_checked({name: self.__dict__[name] for name in _FIELDS}))

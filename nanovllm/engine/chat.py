@@ -25,3 +25,10 @@ def chat_prompts(tokenizer, messages, chat_template_kwargs: dict | None) -> list
         encoded = tokenizer.apply_chat_template(list(conversation), **opts)
         prompts.append(list(encoded["input_ids"]))
     return prompts
+
+
+def chat(llm, messages, sampling_params=None, use_tqdm=True, chat_template_kwargs=None) -> list:
+    """``generate`` on conversations rendered by the tokenizer's chat template."""
+    llm._check_running()
+    prompts = chat_prompts(llm.tokenizer, messages, chat_template_kwargs)
+    return llm.generate(prompts, sampling_params, use_tqdm)

@@ -47,6 +47,15 @@ class IncrementalDetokenizer:
         self.stopped_text = self.text[: i + len(s) if self.include_stop else i]
         return s
 
+    def stop_string(self, c, new_token_ids: list[int]) -> bool:
+        """Whether a stop string ends completion ``c`` (counted after ``min_tokens``)."""
+        check = c.finish_reason in (None, "length") and len(c.token_ids) > c.params.min_tokens
+        stop = self.add_tokens(new_token_ids, check, c.num_text_tokens < len(c.token_ids))
+        if stop is None:
+            return False
+        c.finish_reason, c.stop_reason = "stop", stop
+        return True
+
     def final_text(self) -> str:
         if self.stopped_text is not None:
             return self.stopped_text

@@ -12,16 +12,20 @@ def _is_token_sequence(x) -> bool:
 
 
 def as_prompt_list(prompts) -> list:
-    if isinstance(prompts, str) or _is_token_sequence(prompts):
+    if isinstance(prompts, (str, dict)) or _is_token_sequence(prompts):
         return [prompts]
     if getattr(prompts, "ndim", None) == 2 or isinstance(prompts, (list, tuple)):
         return list(prompts)
-    msg = "a str, a sequence of token ids, or a list of them"
+    msg = "a str, a sequence of token ids, a prompt dict, or a list of them"
     raise TypeError(f"prompts must be {msg}, got {type(prompts).__name__}")
 
 
 def prompt_token_ids(prompt, tokenizer, vocab_size: int, where: str) -> list[int]:
     """One prompt's token ids, checked against the vocabulary (``where`` names it in errors)."""
+    if isinstance(prompt, dict):
+        from nanovllm.entrypoints.prompts import unpack
+
+        prompt = unpack(prompt, where)
     if isinstance(prompt, str):
         try:
             token_ids = tokenizer.encode(prompt)
@@ -74,11 +78,13 @@ class InputProcessor:
         self.block_size = config.kvcache_block_size
         self.num_kvcache_blocks = num_kvcache_blocks
 
-    def check(self, prompt, sp: SamplingParams, where: str) -> tuple[list[int], SamplingParams]:
+    def check(self, prompt, sp: SamplingParams, where: str) -> tuple:
+        """``(token_ids, params, text)``: the prompt's text when it was given as text."""
         return self._check(prompt, _snapshot(sp, where), where)
 
-    def _check(self, prompt, sp: SamplingParams, where: str) -> tuple[list[int], SamplingParams]:
+    def _check(self, prompt, sp: SamplingParams, where: str) -> tuple:
         token_ids = prompt_token_ids(prompt, self.tokenizer, self.vocab_size, where)
+        text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
         if sp.n > self.max_num_seqs:
             msg = (
                 f"more completions than the engine runs at once (max_num_seqs={self.max_num_seqs})"
@@ -101,11 +107,9 @@ class InputProcessor:
                 f"needs up to {blocks} KV-cache blocks of {self.block_size} tokens, but the whole "
                 f"cache holds {self.num_kvcache_blocks}"
             )
-        return token_ids, sp
+        return token_ids, sp, text if isinstance(text, str) else None
 
-    def check_all(
-        self, prompts, sampling_params, default
-    ) -> list[tuple[list[int], SamplingParams]]:
+    def check_all(self, prompts, sampling_params, default) -> list[tuple]:
         """Every prompt of a call with its params, checked before any is queued."""
         prompts = as_prompt_list(prompts)
         if sampling_params is None:
@@ -121,8 +125,3 @@ class InputProcessor:
                 snapshots[id(sp)] = _snapshot(sp, f"prompts[{i}]")
             checked.append(self._check(prompt, snapshots[id(sp)], f"prompts[{i}]"))
         return checked
-
-    def chat_prompts(self, messages, chat_template_kwargs: dict | None) -> list[list[int]]:
-        from nanovllm.engine.chat import chat_prompts
-
-        return chat_prompts(self.tokenizer, messages, chat_template_kwargs)

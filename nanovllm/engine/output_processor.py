@@ -1,8 +1,9 @@
-"""The front end's output side: completions as the core reports tokens; the result dicts."""
+"""The front end's output side: completions as the core reports tokens; ``RequestOutput``s."""
 
 from dataclasses import dataclass, field
 
 from nanovllm.engine.core import SeqOutput
+from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -29,6 +30,7 @@ class Completion:
 class RequestState:
     prompt_token_ids: list[int]
     completions: list[Completion]
+    prompt: str | None = None  # the prompt's text, when it was given as text
     prompt_logprobs: list | None = None  # once the core sends them
     prompt_logprobs_sent: bool = False  # a stream sends them in completion 0's first increment
 
@@ -41,8 +43,9 @@ class OutputProcessor:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.requests: dict[int, RequestState] = {}
+        self.token_texts: dict[int, str] = {}  # decoded tokens of logprobs, as they are asked for
 
-    def add_request(self, request_id: int, prompt_token_ids, sp: SamplingParams, stream) -> bool:
+    def add_request(self, request_id: int, prompt_token_ids, sp, stream, prompt=None) -> bool:
         """Whether the core must report the request's tokens every step."""
         text_each_step = stream or bool(sp.stop)
         completions = [Completion(sp) for _ in range(sp.n)]
@@ -53,7 +56,7 @@ class OutputProcessor:
                 c.detokenizer = IncrementalDetokenizer(self.tokenizer, sp)
             if sp.logprobs is not None:
                 c.logprobs, c.cumulative_logprob = [], 0.0
-        self.requests[request_id] = RequestState(prompt_token_ids, completions)
+        self.requests[request_id] = RequestState(prompt_token_ids, completions, prompt)
         return text_each_step or sp.logprobs is not None
 
     def process(self, outputs: list[SeqOutput]) -> tuple[list, list]:
@@ -76,24 +79,17 @@ class OutputProcessor:
             if out.finish_reason is not None:
                 c.finished, c.finish_reason = True, out.finish_reason
                 c.stop_reason = out.stop_reason
-            if c.detokenizer is not None and out.new_token_ids and self._stop_string(c, out):
+            if (
+                c.detokenizer is not None
+                and out.new_token_ids
+                and c.detokenizer.stop_string(c, out.new_token_ids)
+            ):
                 if out.finish_reason is None:
                     stopped.append((out.request_id, out.seq_id))
                     c.finished = True
             if c.finished:
                 finished.append((out.request_id, out.seq_id))
         return finished, stopped
-
-    @staticmethod
-    def _stop_string(c: Completion, out: SeqOutput) -> bool:
-        """Whether a stop string ends the completion (counted after ``min_tokens``)."""
-        check = c.finish_reason in (None, "length") and len(c.token_ids) > c.params.min_tokens
-        hide_last = c.num_text_tokens < len(c.token_ids)
-        stop = c.detokenizer.add_tokens(out.new_token_ids, check, hide_last)
-        if stop is None:
-            return False
-        c.finish_reason, c.stop_reason = "stop", stop
-        return True
 
     def abort(self, request_id: int) -> None:
         for c in self.requests[request_id].completions:
@@ -107,29 +103,30 @@ class OutputProcessor:
     def pop(self, request_id: int) -> RequestState | None:
         return self.requests.pop(request_id, None)
 
-    def request_output(self, request_id: int) -> dict:
+    def request_output(self, request_id: int) -> RequestOutput:
         request = self.requests[request_id]
-        completions = [self._completion(i, c) for i, c in enumerate(request.completions)]
-        return {
-            **{k: v for k, v in completions[0].items() if k != "index"},
-            "prompt_token_ids": request.prompt_token_ids,
-            "prompt_logprobs": request.prompt_logprobs,
-            "num_cached_tokens": request.completions[0].num_cached_tokens,
-            "outputs": completions,
-        }
+        return RequestOutput(
+            str(request_id),
+            request.prompt,
+            request.prompt_token_ids,
+            self._ranked(request.prompt_logprobs),
+            [self._completion(i, c) for i, c in enumerate(request.completions)],
+            request.finished,
+            request.completions[0].num_cached_tokens,
+        )
 
-    def _completion(self, index: int, c: Completion) -> dict:
+    def _completion(self, index: int, c: Completion) -> CompletionOutput:
         if c.detokenizer is not None:
             text = c.detokenizer.final_text()
         else:
             skip = c.params.skip_special_tokens
             text = self.tokenizer.decode(c.token_ids[: c.num_text_tokens], skip_special_tokens=skip)
-        return {
-            "index": index,
-            "text": text,
-            "token_ids": list(c.token_ids),
-            "finish_reason": c.finish_reason,
-            "stop_reason": c.stop_reason,
-            "logprobs": c.logprobs,
-            "cumulative_logprob": c.cumulative_logprob,
-        }
+        args = (c.cumulative_logprob, self._ranked(c.logprobs), c.finish_reason, c.stop_reason)
+        return CompletionOutput(index, text, list(c.token_ids), *args)
+
+    def _ranked(self, entries: list | None) -> list | None:
+        if entries is None:
+            return None
+        from nanovllm.logprobs import with_ranks
+
+        return [e and with_ranks(e, self.tokenizer, self.token_texts) for e in entries]

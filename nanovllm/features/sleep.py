@@ -4,6 +4,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from nanovllm.features.idle import check_idle
+from nanovllm.layers.attention import Attention
+
 logger = logging.getLogger(__name__)
 
 SLEEP_LEVELS = (1, 2)
@@ -102,12 +105,25 @@ def log_device_memory(device: torch.device, what: str) -> None:
         )
 
 
+def free_cache(runner) -> None:
+    """Free what ``ModelRunner.allocate_cache`` made, between steps."""
+    runner.sync()
+    runner.graphs = None
+    for module in runner.model.modules():
+        if isinstance(module, Attention):
+            module.k_cache = module.v_cache = torch.tensor([])
+            module.k_scale = module.v_scale = None
+    runner.kv_cache = runner.sampled = runner.decode_buffer = None
+    if runner.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def sleep_rank(runner, level: int) -> None:
     runner.sync()
     if getattr(runner, "host_arena", None) is None:
         runner.host_arena = HostArena()
     runner.offloaded = offload(runner.model, level, runner.host_arena)
-    runner.free_cache()
+    free_cache(runner)
     log_device_memory(runner.device, f"rank {runner.rank} asleep (level {level})")
 
 
@@ -119,8 +135,9 @@ def wake_rank(runner) -> None:
     log_device_memory(runner.device, f"rank {runner.rank} awake")
 
 
-def sleep(engine, level: int) -> None:
+def sleep(engine, level: int = 1) -> None:
     """Free device memory on every rank (level 1 keeps the weights on the host; 2 drops them)."""
+    engine._check_running(asleep_ok=True)
     if not engine.config.enable_sleep_mode:
         raise RuntimeError("sleep() needs sleep mode: create the LLM with enable_sleep_mode=True")
     level = check_level(level)
@@ -128,7 +145,7 @@ def sleep(engine, level: int) -> None:
         raise RuntimeError(
             f"the engine is already asleep (level {engine.sleep_level}); call wake_up() first"
         )
-    engine.check_idle("sleep")
+    check_idle(engine, "sleep")
     engine.core.collective_rpc(sleep_rank, (level,))
     engine.sleep_level = level
     engine.core.reset_prefix_cache()
@@ -136,6 +153,11 @@ def sleep(engine, level: int) -> None:
 
 def wake_up(engine) -> None:
     """Reallocate what ``sleep`` freed; a no-op while awake."""
+    engine._check_running(asleep_ok=True)
     if engine.sleep_level:
         engine.core.collective_rpc(wake_rank)
         engine.sleep_level = 0
+
+
+def is_sleeping(engine) -> bool:
+    return engine.sleep_level != 0

@@ -73,11 +73,13 @@ def load_rank(runner, entries: list, tensors: list[torch.Tensor] | None = None) 
 
 def update_weights(engine, weights) -> None:
     """Copy ``(name, tensor)`` pairs into the model, all or none, then drop the prefix cache."""
+    from nanovllm.features.idle import check_idle
     from nanovllm.parallel.shield import shielded
     from nanovllm.runner.model_runner import RankZeroOnly
 
+    engine._check_running()
     named = _helpers().named_tensors(weights)
-    engine.check_idle("update_weights")
+    check_idle(engine, "update_weights")
     if engine.config.data_parallel_size > 1 or engine.config.data_parallel_backend == "ray":
         named = [(name, tensor.cpu()) for name, tensor in named]  # pickled to each replica
     core = engine.core

@@ -1,5 +1,3 @@
-import math
-
 import torch
 from torch import nn
 
@@ -50,22 +48,9 @@ def rope_parameters(config) -> tuple[float, dict]:
         raise ValueError("the model config has no rope_theta (in rope_parameters or at top level)")
     if rope_type == "default":
         return float(theta), {}
-    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    missing = [k for k in keys if k not in params]
-    if missing:
-        msg = f"needs {', '.join(keys)}; the config lacks {', '.join(missing)}"
-        raise ValueError(f"rope scaling 'llama3' {msg}")
-    return float(theta), {k: float(params[k]) for k in keys}
+    from nanovllm.layers.rope_scaling import llama3_parameters
 
-
-def llama3_inv_freq(
-    inv_freq, factor, low_freq_factor, high_freq_factor, original_max_position_embeddings
-) -> torch.Tensor:
-    """Short wavelengths kept, long ones divided by ``factor``, those between blended."""
-    wavelen = 2 * math.pi / inv_freq
-    ratio = original_max_position_embeddings / wavelen  # the context holds this many wavelengths
-    smooth = ((ratio - low_freq_factor) / (high_freq_factor - low_freq_factor)).clamp(0.0, 1.0)
-    return (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    return float(theta), llama3_parameters(params)
 
 
 class RotaryEmbedding(nn.Module):
@@ -73,6 +58,8 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
         if scaling:
+            from nanovllm.layers.rope_scaling import llama3_inv_freq
+
             inv_freq = llama3_inv_freq(inv_freq, **scaling)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float), inv_freq)
         cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).unsqueeze(1)  # [max_pos, 1, head_dim]

@@ -13,6 +13,7 @@ except ImportError as e:  # the optional extra is missing
         'nanovllm.ray needs Ray Data: pip install -e ".[ray]" (or pip install "ray[data]>=2.40")'
     ) from e
 
+from nanovllm.engine.chat import chat_prompts
 from nanovllm.ray.processor_config import ProcessorConfig
 from nanovllm.sampling_params import SamplingParams
 
@@ -78,7 +79,7 @@ class _EngineReplica:
         if not requests:
             return _with_outputs(batch, [])
         outputs = self.llm.generate(
-            [ids for ids, _ in requests], [sp for _, sp in requests], use_tqdm=False
+            [r[0] for r in requests], [r[1] for r in requests], use_tqdm=False
         )
         return _with_outputs(batch, outputs)
 
@@ -144,9 +145,9 @@ class _EngineReplica:
             raise TypeError(
                 f"'chat_template_kwargs' must be a dict or None, got {template_kwargs!r}"
             )
-        return self.llm.inputs.chat_prompts([conversation], _without_nulls(template_kwargs or {}))[
-            0
-        ]
+        return chat_prompts(
+            self.llm.tokenizer, [conversation], _without_nulls(template_kwargs or {})
+        )[0]
 
 
 def _with_outputs(batch: pa.Table, outputs: list[dict]) -> pa.Table:

@@ -121,18 +121,6 @@ class ModelRunner:
             self.graphs = self.capture_graphs()
         self.sync()
 
-    def free_cache(self) -> None:
-        """Free what ``allocate_cache`` made, between steps."""
-        self.sync()
-        self.graphs = None
-        for module in self.model.modules():
-            if isinstance(module, Attention):
-                module.k_cache = module.v_cache = torch.tensor([])
-                module.k_scale = module.v_scale = None
-        self.kv_cache = self.sampled = self.decode_buffer = None
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-
     @torch.inference_mode()
     def run(self, step: Step) -> StepOutput | None:
         """Launch one step; rank 0 returns its output. Every rank keeps the tokens in ``sampled``
