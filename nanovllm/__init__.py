@@ -7,6 +7,7 @@ from nanovllm.sampling_params import RequestOutputKind, SamplingParams
 __version__ = "0.1.0"
 LAZY = {  # name: the module that defines it, imported on first use
     "LLM": "nanovllm.llm",
+    "AsyncLLM": "nanovllm.entrypoints.async_llm",
     "StructuredOutputsParams": "nanovllm.features.structured_outputs.params",
     "RequestOutput": "nanovllm.outputs",
     "CompletionOutput": "nanovllm.outputs",
