@@ -6,12 +6,8 @@ import atexit
 import dataclasses
 from collections.abc import AsyncGenerator, Iterable
 
-from nanovllm.entrypoints.engine_thread import (
-    PAUSE_MODES,
-    EngineThread,
-    Live,
-    RetryableRequestError,
-)
+from nanovllm.entrypoints.async_outputs import Live
+from nanovllm.entrypoints.engine_thread import PAUSE_MODES, EngineThread, RetryableRequestError
 from nanovllm.llm import LLM
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import RequestOutputKind, SamplingParams

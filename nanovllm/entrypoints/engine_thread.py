@@ -2,10 +2,8 @@
 
 import queue
 import threading
-from dataclasses import dataclass, field, replace
 
-from nanovllm.engine.detokenizer import increments
-from nanovllm.outputs import CompletionOutput, RequestOutput
+from nanovllm.entrypoints.async_outputs import Live, aborted_output, request_output
 from nanovllm.sampling_params import RequestOutputKind
 
 PAUSE_MODES = ("abort", "wait", "keep")
@@ -14,19 +12,6 @@ STOP = object()  # the command that ends the thread
 
 class RetryableRequestError(RuntimeError):
     """A request refused while generation is paused (mode "abort" or "wait"); retry later."""
-
-
-@dataclass
-class Live:
-    key: str  # the caller's request id
-    stream: object  # the consumer's collector: ``put(RequestOutput | BaseException)``
-    loop: object  # the consumer's event loop
-    kind: RequestOutputKind
-    n: int
-    rid: int | None = None  # the engine's id, once queued
-    queued: tuple | None = None  # (token_ids, params, text) held while paused with mode "keep"
-    sent: list = field(default_factory=list)  # CUMULATIVE: each completion so far
-    prompt_logprobs: list | None = None
 
 
 def post_to(loop, fn, *args) -> None:
@@ -193,7 +178,7 @@ class EngineThread:
             if not llm.outputs.is_finished(live.rid):
                 llm.core.abort_request(live.rid)
                 llm.outputs.abort(live.rid)
-            out = self._output(live) if error is None else None
+            out = request_output(self.llm, live) if error is None else None
             llm._owned.discard(live.rid)
             llm.outputs.pop(live.rid)
         post_to(live.loop, live.stream.put, error if error is not None else out)
@@ -203,46 +188,13 @@ class EngineThread:
             live = self.live[key]
             if live.rid is None:
                 continue
-            out = self._output(live)
+            out = request_output(self.llm, live)
             if out is not None:
                 post_to(live.loop, live.stream.put, out)
             if self.llm.outputs.is_finished(live.rid):
                 del self.live[key]
                 self.llm._owned.discard(live.rid)
                 self.llm.outputs.pop(live.rid)
-
-    def _output(self, live: Live) -> RequestOutput | None:
-        outputs = self.llm.outputs
-        request = outputs.requests[live.rid]
-        if live.kind == RequestOutputKind.FINAL_ONLY:
-            if not request.finished:
-                return None
-            return replace(outputs.request_output(live.rid), request_id=live.key)
-        new = increments(request)
-        if not new:
-            return None
-        if new[0][0] == 0 and new[0][1]["prompt_logprobs"] is not None:
-            live.prompt_logprobs = outputs._ranked(new[0][1]["prompt_logprobs"])
-        changed = [self._completion(request.completions[i], i, inc) for i, inc in new]
-        prompt_logprobs = live.prompt_logprobs
-        if live.kind == RequestOutputKind.DELTA:
-            prompt_logprobs = live.prompt_logprobs if new[0][1]["prompt_logprobs"] else None
-        else:
-            if not live.sent:
-                live.sent = [CompletionOutput(i, "", [], None, None) for i in range(live.n)]
-            for c in changed:
-                live.sent[c.index] = accumulate(live.sent[c.index], c)
-            changed = [replace(c, token_ids=list(c.token_ids), logprobs=copy(c)) for c in live.sent]
-        cached = request.completions[0].num_cached_tokens
-        args = (request.prompt, request.prompt_token_ids, prompt_logprobs, changed)
-        return RequestOutput(live.key, *args, request.finished, cached)
-
-    def _completion(self, c, index: int, inc: dict) -> CompletionOutput:
-        logprobs = self.llm.outputs._ranked(inc["logprobs"])
-        reason = (inc.get("finish_reason"), inc.get("stop_reason"))
-        return CompletionOutput(
-            index, inc["text"], inc["token_ids"], c.cumulative_logprob, logprobs, *reason
-        )
 
     # ---- pause and resume --------------------------------------------------------------------
 
@@ -319,22 +271,3 @@ class EngineThread:
         (running, waiting), self.parked = self.parked, None
         scheduler.running.extendleft(reversed([s for s in running if not s.is_finished]))
         scheduler.waiting.extendleft(reversed([s for s in waiting if not s.is_finished]))
-
-
-def accumulate(so_far: CompletionOutput, new: CompletionOutput) -> CompletionOutput:
-    logprobs = None if new.logprobs is None else (so_far.logprobs or []) + new.logprobs
-    return replace(
-        new, text=so_far.text + new.text, token_ids=so_far.token_ids + new.token_ids,
-        logprobs=logprobs,
-    )  # fmt: skip
-
-
-def copy(c: CompletionOutput) -> list | None:
-    return None if c.logprobs is None else list(c.logprobs)
-
-
-def aborted_output(live: Live) -> RequestOutput:
-    """A request aborted before it was queued (held by a pause with mode "keep")."""
-    token_ids, _, text = live.queued
-    completions = [CompletionOutput(i, "", [], None, None, "abort") for i in range(live.n)]
-    return RequestOutput(live.key, text, token_ids, None, completions, True)
