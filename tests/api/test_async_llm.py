@@ -336,3 +336,27 @@ def test_shutdown_then_calls_raise(ckpt_tied):
             await engine.pause_generation(mode="keep")
 
     asyncio.run(main())
+
+
+# ---- data parallel -------------------------------------------------------------------------------
+
+
+def test_two_replicas_serve_streams(ckpt_tied, llm):
+    prompts = random_prompts(41, [5, 12, 20, 33])
+    expected = llm.generate(prompts, greedy(10), use_tqdm=False)
+    engine = AsyncLLM(ckpt_tied.path, **make_kwargs(data_parallel_size=2))
+
+    async def main():
+        params = greedy(10, output_kind=DELTA)
+        jobs = [collect(engine, p, params, f"dp{i}") for i, p in enumerate(prompts)]
+        results = await asyncio.gather(*jobs)
+        return results, await wait_idle(engine)
+
+    try:
+        results, stats = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    for outs, ref in zip(results, expected):
+        assert [t for o in outs for t in o.outputs[0].token_ids] == ref.outputs[0].token_ids
+    assert_idle_stats(stats)
+    assert [r["num_requests_running"] for r in stats["replicas"]] == [0, 0]
