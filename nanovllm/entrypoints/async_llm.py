@@ -80,7 +80,9 @@ class AsyncLLM:
             _refuse("start_engine_loop", start_engine_loop, "the engine thread always starts")
         if stat_loggers is not None:
             _refuse("stat_loggers", stat_loggers, "use get_stats(); only None is accepted")
-        if dataclasses.is_dataclass(engine_args):
+        if callable(getattr(engine_args, "llm_kwargs", None)):  # EngineArgs: its LLM() keywords
+            kwargs = dict(engine_args.llm_kwargs())
+        elif dataclasses.is_dataclass(engine_args):
             kwargs = {f.name: getattr(engine_args, f.name) for f in dataclasses.fields(engine_args)}
         else:
             kwargs = dict(vars(engine_args))

@@ -322,8 +322,18 @@ def test_pause_keep_update_weights_resume(ckpt_tied, tmp_path):
 # ---- shutdown ----------------------------------------------------------------------------------
 
 
-def test_shutdown_then_calls_raise(ckpt_tied):
-    engine = AsyncLLM(ckpt_tied.path, **make_kwargs(num_kvcache_blocks=16))
+@dataclasses.dataclass
+class Args:  # fields: ``model`` and LLM()'s keywords, as EngineArgs has them
+    model: str
+    device: str = "cpu"
+    num_kvcache_blocks: int = 16
+    kvcache_block_size: int = 16
+    max_model_len: int = 256
+
+
+def test_from_engine_args_then_shutdown_then_calls_raise(ckpt_tied):
+    engine = AsyncLLM.from_engine_args(Args(ckpt_tied.path))
+    assert engine.llm.config.num_kvcache_blocks == 16 and engine.get_tokenizer() is not None
     thread = engine._engine.thread
     engine.shutdown()
     engine.shutdown()  # idempotent
