@@ -1,7 +1,7 @@
 """Per-request sampling settings, with vLLM's names and meaning (pure Python)."""
 
 import copy
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from enum import IntEnum
 
 __all__ = ["RequestOutputKind", "SamplingParams"]  # and StructuredOutputsParams, when asked for
@@ -50,14 +50,18 @@ def _checked(values: dict) -> dict:
         raise TypeError(f"SamplingParams.seed must be an int or None, got {seed!r} ({_type(seed)})")
     for name in ("logprobs", "prompt_logprobs"):
         if v[name] is not None:
-            _int(v, name, 0, " or None")
-    for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            _int(v, name, -1, " or None (-1: the whole vocabulary)")
+    for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
         if not isinstance(v[name], bool):
             raise TypeError(f"SamplingParams.{name} must be a bool, got {v[name]!r}")
     if v["structured_outputs"] is not None:
         from nanovllm.features.structured_outputs.params import check_sampling_params
 
         check_sampling_params(v)
+    if not v["detokenize"] or any(v[name] is not None for name in _OPTIONS):
+        from nanovllm.features.token_rules import check_options
+
+        check_options(v)
     if not isinstance(v["output_kind"], RequestOutputKind):
         kind = v["output_kind"]
         raise TypeError(f"SamplingParams.output_kind must be a RequestOutputKind, got {kind!r}")
@@ -136,6 +140,12 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     structured_outputs: "StructuredOutputsParams | None" = None  # noqa: F821
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # streams (LLMEngine, AsyncLLM)
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    detokenize: bool = True
+    extra_args: dict | None = None  # kept for custom code; no effect here
+    _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)  # front end's
 
     def __post_init__(self) -> None:
         self.__dict__.update(_checked({name: self.__dict__[name] for name in _FIELDS}))
@@ -151,6 +161,8 @@ class SamplingParams:
 
     def __delattr__(self, name: str) -> None:
         raise AttributeError(f"SamplingParams fields cannot be deleted (tried {name!r})")
+
+    clone = copy.deepcopy
 
     def snapshot(self) -> "SamplingParams":
         """What a queued request reads: a checked copy, ``stop``/``stop_token_ids`` as tuples."""
@@ -172,10 +184,13 @@ class SamplingParams:
 
     @property
     def has_filters(self) -> bool:
-        return not self.is_greedy and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)
+        """top-k, top-p or min-p on a drawn row, or logit_bias, allowed_token_ids, bad_words."""
+        drawn = not self.is_greedy and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)
+        return drawn or any(getattr(self, name) for name in _OPTIONS[:3])
 
     def for_completion(self, index: int) -> "SamplingParams":
         return replace(self, n=1, seed=None if self.seed is None else self.seed + index)
 
 
 _FIELDS = tuple(f.name for f in fields(SamplingParams))
+_OPTIONS = ("logit_bias", "allowed_token_ids", "bad_words", "extra_args", "_bad_words_token_ids")
