@@ -61,7 +61,7 @@ def _vocab_check(name: str, ids, vocab_size: int, where: str) -> None:
 
 def bad_words_token_ids(words: list[str], tokenizer, vocab_size: int, where: str) -> list:
     """Each word as tokens alone and after a space (vLLM's rule: the spaced form only when it is
-    a different word of as many tokens); ValueError if one is outside the vocabulary."""
+    a different word of as many tokens)."""
     out = []
     for word in words:
         plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
@@ -74,8 +74,7 @@ def bad_words_token_ids(words: list[str], tokenizer, vocab_size: int, where: str
     if len(out) > MAX_BAD_WORDS:
         msg = f"{len(out)} token sequences, more than {MAX_BAD_WORDS}"
         raise ValueError(f"{where}: SamplingParams.bad_words tokenizes to {msg}")
-    _vocab_check("bad_words", [t for w in out for t in w], vocab_size, where)
-    return out
+    return [w for w in out if max(w) < vocab_size]  # one the model cannot produce never appears
 
 
 def resolve(sp, tokenizer, vocab_size: int, where: str) -> None:
