@@ -66,8 +66,7 @@ def _snapshot(sp, where: str, inputs) -> SamplingParams:
     if not isinstance(sp, SamplingParams):
         got = type(sp).__name__
         raise TypeError(f"{where}: sampling_params must be a SamplingParams, got {got}")
-    snap = sp.snapshot()
-    if snap.logit_bias or snap.allowed_token_ids or snap.bad_words:
+    if (snap := sp.snapshot()).has_filters:  # bad_words tokenized, ids checked
         from nanovllm.features.token_rules import resolve
 
         resolve(snap, inputs.tokenizer, inputs.vocab_size, where)
@@ -117,8 +116,7 @@ class InputProcessor:
     def check_all(self, prompts, sampling_params, default) -> list[tuple]:
         """Every prompt of a call with its params, checked before any is queued."""
         prompts = as_prompt_list(prompts)
-        if sampling_params is None:
-            sampling_params = default()
+        sampling_params = default() if sampling_params is None else sampling_params
         if not isinstance(sampling_params, (list, tuple)):
             sampling_params = [sampling_params] * len(prompts)
         elif len(sampling_params) != len(prompts):

@@ -116,13 +116,11 @@ class OutputProcessor:
         )
 
     def _completion(self, index: int, c: Completion) -> CompletionOutput:
-        skip, ids = c.params.skip_special_tokens, c.token_ids[: c.num_text_tokens]
         if c.detokenizer is not None:
             text = c.detokenizer.final_text()
         else:
-            text = (
-                self.tokenizer.decode(ids, skip_special_tokens=skip) if c.params.detokenize else ""
-            )
+            ids = c.token_ids[: c.num_text_tokens if c.params.detokenize else 0]  # False: no text
+            text = self.tokenizer.decode(ids, skip_special_tokens=c.params.skip_special_tokens)
         args = (c.cumulative_logprob, self._ranked(c.logprobs, c.params), c.finish_reason)
         return CompletionOutput(index, text, list(c.token_ids), *args, c.stop_reason)
 

@@ -16,6 +16,10 @@ def _fail(name: str, value, allowed: str, error=ValueError):
 
 def check_options(v: dict) -> None:
     """The options' types and values, normalised in ``v`` (the dict ``_checked`` builds)."""
+    if v["structured_outputs"] is not None:
+        from nanovllm.features.structured_outputs.params import check_sampling_params
+
+        check_sampling_params(v)
     bias = v["logit_bias"]
     if bias is not None:
         what = "a dict of token id (int) to a finite number, or None"

@@ -30,8 +30,7 @@ class SamplingBatch:
 @dataclass
 class SamplerOutput:
     token_ids: torch.Tensor  # [B] int64
-    # for ``logprob_rows``: the sampled token's logprob [L], the top ones [L, num], their ids and
-    # the sampled token's rank [L]
+    # for ``logprob_rows``: the sampled token's logprob [L], the top [L, num], ids, its rank [L]
     logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
