@@ -26,9 +26,19 @@ class Logprob(float):
         return Logprob, (float(self), self.rank, self.decoded_token)
 
 
-def with_ranks(entry: dict[int, float], tokenizer, texts: dict[int, str]) -> dict[int, Logprob]:
-    """The top entries in rank order, then the chosen token when it is not among them;
-    ``texts`` caches each token's decoded text."""
+def with_ranks(entry: dict[int, tuple], tokenizer, texts: dict[int, str]) -> dict[int, Logprob]:
+    """``{token_id: (logprob, rank)}`` as ``Logprob``s, in its order; ``texts`` caches each token's
+    decoded text; no tokenizer: no text (``detokenize=False``)."""
+    if tokenizer is None:
+        return {t: Logprob(v, r) for t, (v, r) in entry.items()}
     if missing := [t for t in entry if t not in texts]:
         texts.update(zip(missing, tokenizer.batch_decode([[t] for t in missing])))
-    return {t: Logprob(v, r, texts[t]) for r, (t, v) in enumerate(entry.items(), 1)}
+    return {t: Logprob(v, r, texts[t]) for t, (v, r) in entry.items()}
+
+
+def ranked(entries: list | None, tokenizer, texts: dict | None = None) -> list | None:
+    """Entries ``{token_id: (logprob, rank)}`` (None for a prompt's first token) as ``Logprob``s."""
+    if entries is None:
+        return None
+    texts = {} if texts is None else texts
+    return [e and with_ranks(e, tokenizer, texts) for e in entries]

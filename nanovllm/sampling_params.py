@@ -1,7 +1,7 @@
 """Per-request sampling settings, with vLLM's names and meaning (pure Python)."""
 
 import copy
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from enum import IntEnum
 
 __all__ = ["RequestOutputKind", "SamplingParams"]  # and StructuredOutputsParams, when asked for
@@ -50,21 +50,20 @@ def _checked(values: dict) -> dict:
         raise TypeError(f"SamplingParams.seed must be an int or None, got {seed!r} ({_type(seed)})")
     for name in ("logprobs", "prompt_logprobs"):
         if v[name] is not None:
-            _int(v, name, 0, " or None")
-    for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            _int(v, name, -1, " or None (-1: the whole vocabulary)")
+    for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
         if not isinstance(v[name], bool):
             raise TypeError(f"SamplingParams.{name} must be a bool, got {v[name]!r}")
-    if v["structured_outputs"] is not None:
-        from nanovllm.features.structured_outputs.params import check_sampling_params
+    if not v["detokenize"] or any(v[name] is not None for name in _OPTIONS):
+        from nanovllm.features.token_rules import check_options
 
-        check_sampling_params(v)
+        check_options(v)
     if not isinstance(v["output_kind"], RequestOutputKind):
         kind = v["output_kind"]
         raise TypeError(f"SamplingParams.output_kind must be a RequestOutputKind, got {kind!r}")
     v["stop"] = _string_list(v["stop"])
     v["stop_token_ids"] = _id_list(v["stop_token_ids"])
-    if v["top_k"] == -1:
-        v["top_k"] = 0
+    v["top_k"] = max(v["top_k"], 0)  # -1 is 0 (off)
     return v
 
 
@@ -91,9 +90,7 @@ def _int(v: dict, name: str, low: int, extra: str = "") -> None:
 
 
 def _string_list(stop) -> list[str]:
-    if stop is None:
-        return []
-    items = [stop] if isinstance(stop, str) else stop
+    items = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) for s in items):
         raise TypeError(f"SamplingParams.stop must be a str, a list of str or None, got {stop!r}")
     if any(not s for s in items):
@@ -102,8 +99,7 @@ def _string_list(stop) -> list[str]:
 
 
 def _id_list(ids) -> list[int]:
-    if ids is None:
-        return []
+    ids = [] if ids is None else ids
     if not isinstance(ids, (list, tuple)) or not all(_is_int(i) for i in ids):
         raise TypeError(f"SamplingParams.stop_token_ids must be a list of int or None, got {ids!r}")
     if any(i < 0 for i in ids):
@@ -136,6 +132,12 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     structured_outputs: "StructuredOutputsParams | None" = None  # noqa: F821
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # streams (LLMEngine, AsyncLLM)
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    detokenize: bool = True
+    extra_args: dict | None = None  # kept for custom code; no effect here
+    _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)  # bad_words' ids
 
     def __post_init__(self) -> None:
         self.__dict__.update(_checked({name: self.__dict__[name] for name in _FIELDS}))
@@ -145,18 +147,18 @@ class SamplingParams:
             msg = f"SamplingParams has no field {name!r}; fields: {', '.join(_FIELDS)}"
             raise AttributeError(msg)
         if name not in self.__dict__:  # the dataclass __init__ sets each field once
-            object.__setattr__(self, name, value)
-            return
+            return object.__setattr__(self, name, value)
         self.__dict__.update(_checked({**{f: self.__dict__[f] for f in _FIELDS}, name: value}))
 
     def __delattr__(self, name: str) -> None:
         raise AttributeError(f"SamplingParams fields cannot be deleted (tried {name!r})")
 
+    clone = copy.deepcopy
+
     def snapshot(self) -> "SamplingParams":
         """What a queued request reads: a checked copy, ``stop``/``stop_token_ids`` as tuples."""
         values = _checked(copy.deepcopy({f: self.__dict__[f] for f in _FIELDS}))
-        values["stop"] = tuple(values["stop"])
-        values["stop_token_ids"] = tuple(values["stop_token_ids"])
+        values.update(stop=tuple(values["stop"]), stop_token_ids=tuple(values["stop_token_ids"]))
         snap = object.__new__(SamplingParams)
         snap.__dict__.update(values)
         return snap
@@ -172,10 +174,12 @@ class SamplingParams:
 
     @property
     def has_filters(self) -> bool:
-        return not self.is_greedy and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)
+        drawn = not self.is_greedy and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)
+        return drawn or any(getattr(self, name) for name in _OPTIONS[:3])
 
     def for_completion(self, index: int) -> "SamplingParams":
         return replace(self, n=1, seed=None if self.seed is None else self.seed + index)
 
 
 _FIELDS = tuple(f.name for f in fields(SamplingParams))
+_OPTIONS = ("logit_bias", "allowed_token_ids", "bad_words", "structured_outputs", "extra_args")

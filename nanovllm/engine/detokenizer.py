@@ -1,5 +1,7 @@
 """A completion's text token by token, for stop strings and streams (docs/frontend.md)."""
 
+from nanovllm.logprobs import ranked
+
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, sampling_params):
@@ -8,6 +10,7 @@ class IncrementalDetokenizer:
         self.stop = sp.stop
         self.include_stop = sp.include_stop_str_in_output
         self.skip_special_tokens = sp.skip_special_tokens
+        self.detokenize = sp.detokenize  # False: no text at all (and no stop strings)
         self.token_ids: list[int] = []
         self.num_text_tokens = 0
         self.text = ""
@@ -19,6 +22,8 @@ class IncrementalDetokenizer:
         self.sent_final = False  # a stream has handed out the finished completion's last increment
 
     def _decode(self, ids: list[int]) -> str:
+        if not self.detokenize:
+            return ""
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add_tokens(self, token_ids: list[int], check_stop=True, hide_last=False) -> str | None:
@@ -83,7 +88,8 @@ def increments(request) -> list[tuple[int, dict]]:
             continue  # done, or nothing new
         start = d.sent_tokens
         token_ids, text = d.take_increment(c.finished)
-        logprobs = None if c.logprobs is None else c.logprobs[start : start + len(token_ids)]
+        tokenizer = d.tokenizer if d.detokenize else None
+        logprobs = ranked(c.logprobs and c.logprobs[start : start + len(token_ids)], tokenizer)
         inc = {
             "token_ids": token_ids,
             "text": text,
@@ -92,7 +98,8 @@ def increments(request) -> list[tuple[int, dict]]:
             "prompt_logprobs": None,
         }
         if i == 0 and not request.prompt_logprobs_sent:
-            inc["prompt_logprobs"], request.prompt_logprobs_sent = request.prompt_logprobs, True
+            inc["prompt_logprobs"] = ranked(request.prompt_logprobs, tokenizer)
+            request.prompt_logprobs_sent = True
         if c.finished:
             inc["finish_reason"], inc["stop_reason"] = c.finish_reason, c.stop_reason
         out.append((i, inc))

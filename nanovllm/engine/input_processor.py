@@ -62,11 +62,15 @@ def _token_id(t, i: int, where: str) -> int:
     return int(t)
 
 
-def _snapshot(sp, where: str) -> SamplingParams:
+def _snapshot(sp, where: str, inputs) -> SamplingParams:
     if not isinstance(sp, SamplingParams):
         got = type(sp).__name__
         raise TypeError(f"{where}: sampling_params must be a SamplingParams, got {got}")
-    return sp.snapshot()
+    if (snap := sp.snapshot()).has_filters:  # bad_words tokenized, ids checked
+        from nanovllm.features.token_rules import resolve
+
+        resolve(snap, inputs.tokenizer, inputs.vocab_size, where)
+    return snap
 
 
 class InputProcessor:
@@ -80,7 +84,7 @@ class InputProcessor:
 
     def check(self, prompt, sp: SamplingParams, where: str) -> tuple:
         """``(token_ids, params, text)``: the prompt's text when it was given as text."""
-        return self._check(prompt, _snapshot(sp, where), where)
+        return self._check(prompt, _snapshot(sp, where, self), where)
 
     def _check(self, prompt, sp: SamplingParams, where: str) -> tuple:
         token_ids = prompt_token_ids(prompt, self.tokenizer, self.vocab_size, where)
@@ -112,8 +116,7 @@ class InputProcessor:
     def check_all(self, prompts, sampling_params, default) -> list[tuple]:
         """Every prompt of a call with its params, checked before any is queued."""
         prompts = as_prompt_list(prompts)
-        if sampling_params is None:
-            sampling_params = default()
+        sampling_params = default() if sampling_params is None else sampling_params
         if not isinstance(sampling_params, (list, tuple)):
             sampling_params = [sampling_params] * len(prompts)
         elif len(sampling_params) != len(prompts):
@@ -122,6 +125,6 @@ class InputProcessor:
         snapshots, checked = {}, []
         for i, (prompt, sp) in enumerate(zip(prompts, sampling_params)):
             if id(sp) not in snapshots:  # one snapshot per params object of the call
-                snapshots[id(sp)] = _snapshot(sp, f"prompts[{i}]")
+                snapshots[id(sp)] = _snapshot(sp, f"prompts[{i}]", self)
             checked.append(self._check(prompt, snapshots[id(sp)], f"prompts[{i}]"))
         return checked

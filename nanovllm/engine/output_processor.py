@@ -109,7 +109,7 @@ class OutputProcessor:
             str(request_id),
             request.prompt,
             request.prompt_token_ids,
-            self._ranked(request.prompt_logprobs),
+            self._ranked(request.prompt_logprobs, request.completions[0].params),
             [self._completion(i, c) for i, c in enumerate(request.completions)],
             request.finished,
             request.completions[0].num_cached_tokens,
@@ -119,14 +119,14 @@ class OutputProcessor:
         if c.detokenizer is not None:
             text = c.detokenizer.final_text()
         else:
-            skip = c.params.skip_special_tokens
-            text = self.tokenizer.decode(c.token_ids[: c.num_text_tokens], skip_special_tokens=skip)
-        args = (c.cumulative_logprob, self._ranked(c.logprobs), c.finish_reason, c.stop_reason)
-        return CompletionOutput(index, text, list(c.token_ids), *args)
+            ids = c.token_ids[: c.num_text_tokens if c.params.detokenize else 0]  # False: no text
+            text = self.tokenizer.decode(ids, skip_special_tokens=c.params.skip_special_tokens)
+        args = (c.cumulative_logprob, self._ranked(c.logprobs, c.params), c.finish_reason)
+        return CompletionOutput(index, text, list(c.token_ids), *args, c.stop_reason)
 
-    def _ranked(self, entries: list | None) -> list | None:
+    def _ranked(self, entries: list | None, params) -> list | None:
         if entries is None:
             return None
-        from nanovllm.logprobs import with_ranks
+        from nanovllm.logprobs import ranked
 
-        return [e and with_ranks(e, self.tokenizer, self.token_texts) for e in entries]
+        return ranked(entries, self.tokenizer if params.detokenize else None, self.token_texts)

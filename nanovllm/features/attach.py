@@ -13,9 +13,9 @@ def attach_processors(seqs: list, eos_token_ids: list[int], core=None) -> None:
         if sp.has_penalties:
             procs.append(lp.Penalties(sp))
         if sp.has_filters:
-            procs.append(lp.Filters(sp))
+            procs += token_rules(sp, core)
         if sp.logprobs is not None:
-            procs.append(lp.Logprobs(sp.logprobs))
+            procs.append(lp.Logprobs(sp.logprobs if sp.logprobs >= 0 else _vocab_size(core)))
         if sp.structured_outputs is not None:
             from nanovllm.features.structured_outputs.processor import grammar_processor
 
@@ -23,5 +23,22 @@ def attach_processors(seqs: list, eos_token_ids: list[int], core=None) -> None:
         if i == 0 and sp.prompt_logprobs is not None:
             from nanovllm.features.prompt_logprobs import PromptLogprobs
 
-            procs.append(PromptLogprobs(seq, sp.prompt_logprobs))
+            num = sp.prompt_logprobs
+            procs.append(PromptLogprobs(seq, num if num >= 0 else _vocab_size(core)))
         seq.processors = procs
+
+
+def _vocab_size(core) -> int:
+    return core.config.hf_config.vocab_size
+
+
+def token_rules(sp, core) -> list:
+    """The processors of top-k/top-p/min-p, allowed_token_ids, bad_words and logit_bias."""
+    procs = [lp.Filters(sp)] if lp.truncates(sp) else []
+    if sp.allowed_token_ids:
+        procs.append(lp.AllowedTokens(sp.allowed_token_ids))
+    if sp.bad_words:
+        procs.append(lp.BadWords(sp._bad_words_token_ids))
+    if sp.logit_bias:
+        procs.append(lp.LogitBias(sp.logit_bias))
+    return procs

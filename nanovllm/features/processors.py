@@ -7,6 +7,7 @@ class RowExtras:
 
     num_rows: int
     suppressed: list | None = None  # token ids masked to -inf
+    bias: list | None = None  # (token ids, values) added to the logits
     penalties: list | None = None  # (repetition, presence, frequency, prompt ids, output ids)
     filters: list | None = None  # (top_k, top_p, min_p)
     logprobs: list | None = None  # top tokens to return
@@ -20,6 +21,23 @@ class RowExtras:
             values = [None] * self.num_rows
             setattr(self, kind, values)
         values[row] = value
+
+    def add(self, kind: str, row: int, ids: list) -> None:
+        """More ids for the row (suppressed ids from several processors)."""
+        values = getattr(self, kind)
+        before = [] if values is None or values[row] is None else values[row]
+        self.set(kind, row, before + list(ids))
+
+    def mask(self, row: int, bitmask) -> None:
+        """A [1, words] int32 token bitmask for the row, and-ed with one it already has (over the
+        narrower width: the ids past it are not allowed)."""
+        if row in self.bitmask_rows:
+            i = self.bitmask_rows.index(row)
+            width = min(self.bitmasks[i].shape[1], bitmask.shape[1])
+            self.bitmasks[i] = self.bitmasks[i][:, :width] & bitmask[:, :width]
+        else:
+            self.bitmask_rows.append(row)
+            self.bitmasks.append(bitmask)
 
 
 def row_extras(step) -> RowExtras:

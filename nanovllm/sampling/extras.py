@@ -43,12 +43,18 @@ def add_extras(batch, extra, vocab_size: int, to_device) -> None:
     if pairs:
         rows, ids = zip(*pairs)
         batch.suppress = (to_device(list(rows), torch.int64), to_device(list(ids), torch.int64))
+    if rows := _used(extra.bias):
+        rows, ids, values = zip(*[(i, t, b) for i in rows for t, b in zip(*extra.bias[i])])
+        index = (to_device(list(rows), torch.int64), to_device(list(ids), torch.int64))
+        batch.bias = (index, to_device(list(values), torch.float32))  # ids checked: in the vocab
     if rows := _used(extra.penalties):
         batch.penalties = _penalties([extra.penalties[i] for i in rows], rows, to_device)
     if rows := _used(extra.filters):
         batch.filters = _filters([extra.filters[i] for i in rows], rows, vocab_size, to_device)
     if extra.bitmask_rows:
-        bitmask = np.concatenate(extra.bitmasks)
+        width = max(m.shape[1] for m in extra.bitmasks)  # zero words past a mask: not allowed
+        padded = [np.pad(m, ((0, 0), (0, width - m.shape[1]))) for m in extra.bitmasks]
+        bitmask = np.concatenate(padded)
         rows = to_device(extra.bitmask_rows, torch.int64)
         batch.token_bitmask = (rows, to_device(bitmask, torch.int32))
     if rows := _used(extra.logprobs):
@@ -92,10 +98,13 @@ def _filters(values: list, rows: list[int], vocab_size: int, to_device) -> Filte
 def sample(logits: torch.Tensor, batch) -> tuple:
     """Token ids [B] and the logprobs of a ``batch`` that is not plain."""
     raw = logits
-    if batch.suppress is not None or batch.penalties is not None or batch.token_bitmask is not None:
+    shaping = (batch.suppress, batch.bias, batch.penalties, batch.token_bitmask)
+    if shaping != (None,) * 4:
         logits = logits.to(torch.float32, copy=True)  # never modify the raw logits in place
         if batch.suppress is not None:
             logits[batch.suppress] = float("-inf")
+        if batch.bias is not None:
+            logits.index_put_(*batch.bias, accumulate=True)
         if (p := batch.penalties) is not None:
             args = (p.repetition, p.presence, p.frequency, p.prompt_tokens, p.output_tokens)
             torch_ops.apply_penalties(logits, p.rows, *args)
@@ -137,28 +146,34 @@ class ExtraOutputs:
         self.scoring, self.prompt = scoring, _to_host(prompt)
 
     def rows(self, token_ids: list[int]) -> list[dict | None]:
-        """Per row: ``{"logprobs": (logprob, {token_id: logprob})}`` and ``{"prompt_logprobs":
-        (position of its first scored token, [{token_id: logprob}, ...])}``, or None."""
+        """Per row: ``{"logprobs": (logprob, {token_id: (logprob, rank)})}`` and
+        ``{"prompt_logprobs": (its first scored position, [{token_id: (logprob, rank)}, ...])}``,
+        or None."""
         out = [None] * len(token_ids)
         if self.logprobs is not None:
-            sampled, top_values, top_ids = (t.tolist() for t in self.logprobs)
-            for i, lp, values, ids in zip(_used(self.num_logprobs), sampled, top_values, top_ids):
-                n = self.num_logprobs[i]
-                entry = dict(zip(ids[:n], values[:n]))
-                entry[token_ids[i]] = lp
+            sampled, top_values, top_ids, ranks = (t.tolist() for t in self.logprobs)
+            rows = _used(self.num_logprobs)
+            for i, lp, values, ids, rank in zip(rows, sampled, top_values, top_ids, ranks):
+                entry = _entry(token_ids[i], lp, rank, ids, values, self.num_logprobs[i])
                 out[i] = {"logprobs": (lp, entry)}
         if self.prompt is not None:
-            scored, top_values, top_ids = (t.tolist() for t in self.prompt)
+            scored, top_values, top_ids, ranks = (t.tolist() for t in self.prompt)
             s, j = self.scoring, 0
             for row, first, count, n in zip(s.rows, s.firsts, s.counts, s.nums):
                 entries = []
                 for k in range(j, j + count):
-                    entry = dict(zip(top_ids[k][:n], top_values[k][:n]))
-                    entry[s.targets[k]] = scored[k]
-                    entries.append(entry)
+                    args = (top_ids[k], top_values[k], n)
+                    entries.append(_entry(s.targets[k], scored[k], ranks[k], *args))
                 out[row] = {**(out[row] or {}), "prompt_logprobs": (first, entries)}
                 j += count
         return out
+
+
+def _entry(token: int, logprob: float, rank: int, ids: list, values: list, n: int) -> dict:
+    # vLLM's order: the chosen token first, then the top n; a top token's rank is its place
+    entry = {token: (logprob, rank)}
+    entry.update((t, (v, r)) for r, (t, v) in enumerate(zip(ids[:n], values[:n]), 1))
+    return entry
 
 
 def heaviest_sampling(num_rows: int, vocab_size: int):

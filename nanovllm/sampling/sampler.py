@@ -14,6 +14,7 @@ class SamplingBatch:
     seeds: torch.Tensor | None  # [B] int64 draw seeds in [0, 2**32); None when all are greedy
     all_greedy: bool
     suppress: tuple[torch.Tensor, torch.Tensor] | None = None  # (row, token id) pairs to -inf
+    bias: tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # pairs, values
     penalties: object | None = None  # extras.Penalties
     token_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows [G], [G, words] int32)
     filters: object | None = None  # extras.Filters
@@ -22,15 +23,15 @@ class SamplingBatch:
 
     @property
     def plain(self) -> bool:
-        extras = (self.suppress, self.penalties, self.token_bitmask, self.filters)
-        return extras == (None,) * 4 and self.logprob_rows is None
+        extras = (self.suppress, self.bias, self.penalties, self.token_bitmask, self.filters)
+        return extras == (None,) * 5 and self.logprob_rows is None
 
 
 @dataclass
 class SamplerOutput:
     token_ids: torch.Tensor  # [B] int64
-    # for ``logprob_rows``: the sampled token's logprob [L], the top ones [L, num] and their ids
-    logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # for ``logprob_rows``: the sampled token's logprob [L], the top [L, num], ids, its rank [L]
+    logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 def make_sampling_batch(rows, vocab_size: int, to_device) -> SamplingBatch:

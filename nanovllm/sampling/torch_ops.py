@@ -164,9 +164,11 @@ def _cpu_draw(logits, temperatures, seeds, top_p, min_p, buckets: int = 2048):
 
 def top_logprobs(
     logits: torch.Tensor, tokens: torch.Tensor, num: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The ``tokens``' log_softmax [rows], and the ``num`` largest [rows, num] with their ids."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ``tokens``' log_softmax [rows], the ``num`` largest [rows, num] with their ids, and
+    the ``tokens``' ranks [rows]: how many tokens are at least as likely (itself included)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     sampled = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
     top_vals, top_ids = logprobs.topk(num, dim=-1)
-    return sampled, top_vals, top_ids
+    ranks = (logprobs >= sampled.unsqueeze(1)).sum(dim=1)
+    return sampled, top_vals, top_ids, ranks

@@ -84,3 +84,101 @@ def test_chat_rejects_non_list(full_vocab):
     with pytest.raises(TypeError, match="messages"):
         full_vocab.llm.chat("Name a prime number.", greedy(2), use_tqdm=False)
     assert_idle(full_vocab.llm)
+
+
+# ---- vLLM's chat options -------------------------------------------------------------------
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+TOOL_CONVERSATION = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "sunny"},
+]
+
+
+def rendered(tok, conversation, **kwargs) -> str:
+    kwargs = {"add_generation_prompt": True} | kwargs
+    return tok.apply_chat_template(conversation, tokenize=False, **kwargs)
+
+
+def test_chat_options_render_as_the_template(full_vocab):
+    llm, tok = full_vocab.llm, full_vocab.tokenizer
+    out = llm.chat(CONVERSATION, greedy(1), use_tqdm=False)[0]
+    assert out.prompt == rendered(tok, CONVERSATION)
+
+    out = llm.chat(CONVERSATION, greedy(1), use_tqdm=False, tools=TOOLS)[0]
+    assert out.prompt == rendered(tok, CONVERSATION, tools=TOOLS) and "get_weather" in out.prompt
+
+    tool_calls = [dict(m) for m in TOOL_CONVERSATION]
+    tool_calls[1] = {**tool_calls[1], "content": ""}
+    tool_calls[1]["tool_calls"] = [
+        {**c, "function": {**c["function"], "arguments": {"city": "Paris"}}}
+        for c in TOOL_CONVERSATION[1]["tool_calls"]
+    ]
+    out = llm.chat(TOOL_CONVERSATION, greedy(1), use_tqdm=False, tools=TOOLS)[0]
+    assert out.prompt == rendered(tok, tool_calls, tools=TOOLS) and "sunny" in out.prompt
+
+    out = llm.chat(OTHER_CONVERSATION, greedy(1), use_tqdm=False, add_generation_prompt=False)[0]
+    assert out.prompt == rendered(tok, OTHER_CONVERSATION, add_generation_prompt=False)
+
+    partial = CONVERSATION + [{"role": "assistant", "content": "Seven is"}]
+    kwargs = dict(add_generation_prompt=False, continue_final_message=True)
+    out = llm.chat(partial, greedy(1), use_tqdm=False, **kwargs)[0]
+    assert out.prompt == rendered(tok, partial, **kwargs) and out.prompt.endswith("Seven is")
+    assert out.prompt_token_ids == tok.encode(out.prompt, add_special_tokens=False)
+
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+    out = llm.chat(CONVERSATION, greedy(1), use_tqdm=False, chat_template=template)[0]
+    assert out.prompt == "[system] You are terse.\n[user] Name a prime number.\n"
+
+    parts = [
+        {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "!"}]}
+    ]
+    out = llm.chat(parts, greedy(1), use_tqdm=False)[0]
+    assert out.prompt == rendered(tok, [{"role": "user", "content": "Hi\n!"}])
+    assert_idle(llm)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, words",
+    [
+        (dict(continue_final_message=True), ValueError, "add_generation_prompt"),
+        (dict(lora_request=object()), ValueError, "lora_request"),
+        (dict(mm_processor_kwargs={"a": 1}), ValueError, "mm_processor_kwargs"),
+        (dict(tokenization_kwargs={"truncation": True}), ValueError, "tokenization_kwargs"),
+        (dict(priority=1), ValueError, "priority"),
+        (dict(chat_template_content_format="xml"), ValueError, "chat_template_content_format"),
+    ],
+)
+def test_chat_refuses_options(full_vocab, kwargs, error, words):
+    llm = full_vocab.llm
+    with pytest.raises(error, match=words):
+        llm.chat(CONVERSATION, greedy(1), use_tqdm=False, **kwargs)
+    assert_idle(llm)
+
+
+def test_chat_refuses_other_content_parts(full_vocab):
+    image = {"type": "image_url", "image_url": {"url": "http://x"}}
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Hi"}, image]}]
+    with pytest.raises(ValueError, match="image_url"):
+        full_vocab.llm.chat(messages, greedy(1), use_tqdm=False)
+    assert_idle(full_vocab.llm)

@@ -132,7 +132,7 @@ def test_prompt_logprobs_after_preemption(ckpt_tied, model):
 
 
 @pytest.mark.parametrize(
-    "value, error", [(-1, ValueError), (1.5, TypeError), ("3", TypeError), (True, TypeError)]
+    "value, error", [(-2, ValueError), (1.5, TypeError), ("3", TypeError), (True, TypeError)]
 )
 def test_bad_prompt_logprobs(llm, value, error):
     with pytest.raises(error, match=r"SamplingParams\.prompt_logprobs must be"):

@@ -43,7 +43,7 @@ from nanovllm import SamplingParams
         ("repetition_penalty", math.inf, ValueError),
         ("presence_penalty", 2.5, ValueError),
         ("frequency_penalty", -3, ValueError),
-        ("logprobs", -1, ValueError),
+        ("logprobs", -2, ValueError),
         ("logprobs", 1.5, TypeError),
         ("n", 0, ValueError),
         ("n", 2.0, TypeError),

@@ -42,7 +42,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
         ("repetition_penalty", 0, ValueError),
         ("presence_penalty", 3.0, ValueError),
         ("frequency_penalty", math.nan, ValueError),
-        ("logprobs", -1, ValueError),
+        ("logprobs", -2, ValueError),
         ("ignore_eos", "no", TypeError),
         ("skip_special_tokens", 1, TypeError),
         ("include_stop_str_in_output", None, TypeError),

@@ -113,7 +113,7 @@ def check_logprobs(
 ) -> None:
     """Against log_softmax of ``raw`` in float64. ``exact_ids``: the top ids are the reference's (no
     equal logits among them); otherwise any ids whose log-probabilities are the largest."""
-    sampled, top_values, top_ids = got
+    sampled, top_values, top_ids, _ = got
     want = torch.log_softmax(raw.double(), dim=-1)
     assert top_values.shape == top_ids.shape == (raw.size(0), num), (what, top_values.shape)
     assert (sampled.double() - want.gather(1, tokens.unsqueeze(1)).squeeze(1)).abs().max() < 1e-5, (

@@ -16,8 +16,7 @@ class GrammarProcessor(RequestProcessor):
         bitmask = np.empty((1, self.grammar.bitmask_width), dtype=np.int32)
         self.grammar.fill_bitmask(bitmask, 0)
         extra = row_extras(step)
-        extra.bitmask_rows.append(row)
-        extra.bitmasks.append(bitmask)
+        extra.mask(row, bitmask)
         extra.sync = True
 
     def accept(self, seq, token_id):
