@@ -31,7 +31,7 @@ def request_output(llm, live: Live) -> RequestOutput | None:
     if not new:
         return None
     if new[0][0] == 0 and new[0][1]["prompt_logprobs"] is not None:
-        live.prompt_logprobs = outputs._ranked(new[0][1]["prompt_logprobs"])
+        live.prompt_logprobs = new[0][1]["prompt_logprobs"]  # Logprob entries
     changed = [_completion(llm, request.completions[i], i, inc) for i, inc in new]
     prompt_logprobs = live.prompt_logprobs
     if live.kind == RequestOutputKind.DELTA:
@@ -48,7 +48,7 @@ def request_output(llm, live: Live) -> RequestOutput | None:
 
 
 def _completion(llm, c, index: int, inc: dict) -> CompletionOutput:
-    logprobs = llm.outputs._ranked(inc["logprobs"])
+    logprobs = inc["logprobs"]  # Logprob entries (detokenizer.increments ranks them)
     reason = (inc.get("finish_reason"), inc.get("stop_reason"))
     return CompletionOutput(
         index, inc["text"], inc["token_ids"], c.cumulative_logprob, logprobs, *reason
