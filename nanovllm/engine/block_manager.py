@@ -36,6 +36,7 @@ class BlockManager:
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.used_block_ids: set[int] = set()
         self.num_queried_tokens = self.num_hit_tokens = 0  # admitted tokens, and cache hits
+        self.caching = True  # False: no prefix is looked up or hashed
 
     @staticmethod
     def compute_hash(token_ids: list[int], prefix: int = -1) -> int:
@@ -61,7 +62,7 @@ class BlockManager:
 
     def cached_prefix(self, seq: Sequence) -> list[int]:
         """The longest cached prefix's blocks, never the last block: a prefill computes a token."""
-        if not seq.uses_prefix_cache:
+        if not (seq.uses_prefix_cache and self.caching):
             return []
         hits, h = [], -1
         for i in range(seq.num_blocks - 1):
@@ -121,7 +122,8 @@ class BlockManager:
 
     def hash_blocks(self, seq: Sequence) -> None:
         """A block is hashed once computed, known tokens fill it."""
-        num_full = min(seq.num_cached_tokens, seq.num_known_tokens) // self.block_size
+        known = min(seq.num_cached_tokens, seq.num_known_tokens) * self.caching
+        num_full = known // self.block_size
         start = num_full
         while start > 0 and self.blocks[seq.block_table[start - 1]].hash == -1:
             start -= 1

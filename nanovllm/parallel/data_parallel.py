@@ -43,7 +43,9 @@ def start_replicas(config, eos_token_ids: list[int]) -> list:
     replicas = []
     try:
         for i, placement in enumerate(cls.placements(config)):
-            replicas.append(cls(i, config, eos_token_ids, placement))
+            replica_config = copy.copy(config)
+            replica_config.data_parallel_rank = i
+            replicas.append(cls(i, replica_config, eos_token_ids, placement))
         for replica in replicas:
             replica.wait_ready()
     except BaseException:
@@ -180,6 +182,9 @@ class DataParallelCore:
 
     def reset_prefix_cache(self) -> bool:
         return all(self._control("reset_prefix_cache"))
+
+    def preempt_all(self) -> None:
+        self._control("preempt_all")
 
     def _control(self, method: str, *args) -> list:
         results, error = [], None

@@ -1,5 +1,6 @@
 """One tensor-parallel rank: ``run(step) -> StepOutput`` (docs/runner.md)."""
 
+import random
 from collections.abc import Callable
 from functools import partial
 
@@ -57,6 +58,9 @@ class ModelRunner:
         self.head_dim = head_dim(hf_config)
         self.vocab_size = hf_config.vocab_size
         self.num_kv_heads = hf_config.num_key_value_heads // self.world_size  # per rank
+        if config.seed is not None:  # the process's own generators too, as vLLM seeds them
+            seed = (config.seed + config.data_parallel_rank) % 2**32
+            random.seed(seed), np.random.seed(seed), torch.manual_seed(seed)
         self.device = torch.device(config.resolved_device())
         if self.device.type == "cuda":
             torch.cuda.set_device(self.rank)
@@ -87,7 +91,7 @@ class ModelRunner:
         if config.load_format == "dummy":
             from nanovllm.utils.checkpoint import init_dummy_weights
 
-            init_dummy_weights(self.model)
+            init_dummy_weights(self.model, config.seed or 0)  # every replica's alike
         else:
             load_model(self.model, config.model, hf_config)
         for module in self.model.modules():
