@@ -184,7 +184,9 @@ class DataParallelCore:
         return all(self._control("reset_prefix_cache"))
 
     def preempt_all(self) -> None:
-        self._control("preempt_all")
+        """Every replica frees every block (``features/idle.preempt_all``); its stats follow."""
+        for replica, stats in zip(self.replicas, self._control("preempt_all")):
+            replica.stats = stats
 
     def _control(self, method: str, *args) -> list:
         results, error = [], None

@@ -75,7 +75,8 @@ class ReplicaServer:
         if control.method == "preempt_all":
             from nanovllm.features.idle import preempt_all
 
-            return preempt_all(self.core)
+            preempt_all(self.core)
+            return self.core.stats()
         return getattr(self.core, control.method)(*control.args)
 
     def exit(self) -> None:
