@@ -62,7 +62,7 @@ class Config:
     max_logprobs: int = 20  # the most ``logprobs`` / ``prompt_logprobs`` a request may ask for
     profiler_config: dict | None = None  # {"profiler": "torch", "torch_profiler_dir": path}
     hf_config: object = field(default=None, init=False, repr=False)
-    data_parallel_rank: int = field(default=0, init=False)  # the replica's (its seed: seed + rank)
+    seed_offset: int = field(default=0, init=False)  # r: replica r of a seeded engine (seed + r)
     # an FP8 checkpoint's "fp8" whatever ``quantization`` says, else ``quantization``
     weight_quantization: str | None = field(default=None, init=False)
     resolved_attention_backend: str = field(default="", init=False)  # "torch", "triton", ...
@@ -110,8 +110,7 @@ class Config:
 
     def _check_fields(self) -> None:
         for name, (low, high) in INTS.items():
-            if (value := getattr(self, name)) is None and name == "seed":
-                continue
+            value = getattr(self, name) if name != "seed" or self.seed is not None else low
             if isinstance(value, bool) or not isinstance(value, int):
                 msg = f"{value!r} ({type(value).__name__})"
                 raise TypeError(f"Config.{name} must be an int, got {msg}")

@@ -36,7 +36,7 @@ class BlockManager:
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.used_block_ids: set[int] = set()
         self.num_queried_tokens = self.num_hit_tokens = 0  # admitted tokens, and cache hits
-        self.caching = True  # False: no prefix is looked up or hashed
+        self.caching = True  # False: no prefix is looked up (enable_prefix_caching)
 
     @staticmethod
     def compute_hash(token_ids: list[int], prefix: int = -1) -> int:
@@ -122,8 +122,7 @@ class BlockManager:
 
     def hash_blocks(self, seq: Sequence) -> None:
         """A block is hashed once computed, known tokens fill it."""
-        known = min(seq.num_cached_tokens, seq.num_known_tokens) * self.caching
-        num_full = known // self.block_size
+        num_full = min(seq.num_cached_tokens, seq.num_known_tokens) // self.block_size
         start = num_full
         while start > 0 and self.blocks[seq.block_table[start - 1]].hash == -1:
             start -= 1

@@ -43,8 +43,9 @@ def start_replicas(config, eos_token_ids: list[int]) -> list:
     replicas = []
     try:
         for i, placement in enumerate(cls.placements(config)):
-            replica_config = copy.copy(config)
-            replica_config.data_parallel_rank = i
+            replica_config = copy.copy(config)  # replica i of a seeded engine draws from seed + i
+            if config.seed is not None:
+                replica_config.seed, replica_config.seed_offset = config.seed + i, i
             replicas.append(cls(i, replica_config, eos_token_ids, placement))
         for replica in replicas:
             replica.wait_ready()

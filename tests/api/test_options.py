@@ -96,12 +96,10 @@ def test_prefix_caching_off_has_no_hits_and_the_same_tokens(ckpt_tied):
             stats = llm.get_stats()
             results[caching] = [o.outputs[0].token_ids for o in outs]
             cached = [o.num_cached_tokens for o in outs]
-            bm = llm.core.scheduler.block_manager
             if caching:
                 assert stats["prefix_cache_hits"] > 0 and max(cached) == 48
             else:
                 assert stats["prefix_cache_hits"] == 0 and cached == [0, 0, 0, 0]
-                assert bm.hash_to_block_id == {}  # nothing hashed either
     assert results[True] == results[False]
 
 
