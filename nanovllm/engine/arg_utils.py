@@ -63,7 +63,8 @@ def _fields() -> list:
     out = [(f.name, f.type, field(default=f.default)) for f in fields(Config) if f.init]
     out[0] = ("model", str)
     out += [(name, object, field(default=None)) for name in ALIASES]
-    return out + [(name, object, field(default=d)) for name, (d, _) in OPTIONS.items()]
+    vllm = [(name, object, field(default=d)) for name, (d, _) in OPTIONS.items()]
+    return out + [f for f in vllm if f[0] not in Config.field_names()]  # a Config field wins
 
 
 EngineArgs = make_dataclass("EngineArgs", _fields(), bases=(_EngineArgs,))
