@@ -14,6 +14,9 @@ LAZY = {  # name: the module that defines it, imported on first use
     "Logprob": "nanovllm.logprobs",
     "TextPrompt": "nanovllm.entrypoints.prompts",
     "TokensPrompt": "nanovllm.entrypoints.prompts",
+    "EngineArgs": "nanovllm.engine.arg_utils",
+    "AsyncEngineArgs": "nanovllm.engine.arg_utils",
+    "LLMEngine": "nanovllm.entrypoints.llm_engine",
 }
 __all__ = ["RequestOutputKind", "SamplingParams", *LAZY]
 

@@ -20,6 +20,7 @@ INTS = {  # name: (lowest, highest)
     "kvcache_block_size": (1, None),
     "num_kvcache_blocks": (-1, None),
     "max_logprobs": (-1, None),  # -1: no limit
+    "seed": (0, 2**32 - 1),  # None too (NumPy's generator takes 32 bits)
 }
 BOOLS = ("enforce_eager", "async_scheduling", "enable_sleep_mode", "disable_custom_all_reduce")
 BOOLS += ("enable_prefix_caching",)
@@ -61,6 +62,7 @@ class Config:
     max_logprobs: int = 20  # the most ``logprobs`` / ``prompt_logprobs`` a request may ask for
     profiler_config: dict | None = None  # {"profiler": "torch", "torch_profiler_dir": path}
     hf_config: object = field(default=None, init=False, repr=False)
+    seed_offset: int = field(default=0, init=False)  # r: replica r of a seeded engine (seed + r)
     # an FP8 checkpoint's "fp8" whatever ``quantization`` says, else ``quantization``
     weight_quantization: str | None = field(default=None, init=False)
     resolved_attention_backend: str = field(default="", init=False)  # "torch", "triton", ...
@@ -108,7 +110,7 @@ class Config:
 
     def _check_fields(self) -> None:
         for name, (low, high) in INTS.items():
-            value = getattr(self, name)
+            value = getattr(self, name) if name != "seed" or self.seed is not None else low
             if isinstance(value, bool) or not isinstance(value, int):
                 msg = f"{value!r} ({type(value).__name__})"
                 raise TypeError(f"Config.{name} must be an int, got {msg}")

@@ -34,3 +34,4 @@ class LLM(LLMEngine):
     update_weights = feature("features.weight_update")
     reset_prefix_cache = feature("features.idle")
     check_idle = feature("features.idle")
+    from_engine_args = feature("engine.arg_utils", on_class=True)

@@ -36,6 +36,7 @@ class BlockManager:
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.used_block_ids: set[int] = set()
         self.num_queried_tokens = self.num_hit_tokens = 0  # admitted tokens, and cache hits
+        self.caching = True  # False: no prefix is looked up (enable_prefix_caching)
 
     @staticmethod
     def compute_hash(token_ids: list[int], prefix: int = -1) -> int:
@@ -61,7 +62,7 @@ class BlockManager:
 
     def cached_prefix(self, seq: Sequence) -> list[int]:
         """The longest cached prefix's blocks, never the last block: a prefill computes a token."""
-        if not seq.uses_prefix_cache:
+        if not (seq.uses_prefix_cache and self.caching):
             return []
         hits, h = [], -1
         for i in range(seq.num_blocks - 1):

@@ -50,7 +50,8 @@ class EngineCore:
             eos_token_id=eos_token_ids,
         )
         self.eos_token_ids = eos_token_ids
-        self.rng = Random()  # draw seeds of unseeded requests
+        self.rng = Random(config.seed)  # draws seeds of unseeded requests
+        self.scheduler.block_manager.caching = config.enable_prefix_caching
         self.requests: dict[int, list[Sequence]] = {}  # request id -> its sequences
         self.reporting: set[int] = set()  # sequences that report their tokens every step
         self.shared: dict = {}  # what request processors keep per engine (a grammar compiler)

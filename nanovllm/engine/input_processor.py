@@ -81,6 +81,7 @@ class InputProcessor:
         self.max_num_seqs = config.max_num_seqs
         self.block_size = config.kvcache_block_size
         self.num_kvcache_blocks = num_kvcache_blocks
+        self.max_logprobs = float("inf") if config.max_logprobs == -1 else config.max_logprobs
 
     def check(self, prompt, sp: SamplingParams, where: str) -> tuple:
         """``(token_ids, params, text)``: the prompt's text when it was given as text."""
@@ -94,6 +95,9 @@ class InputProcessor:
                 f"more completions than the engine runs at once (max_num_seqs={self.max_num_seqs})"
             )
             raise ValueError(f"{where}: SamplingParams.n is {sp.n}, {msg}")
+        for name, k in (("logprobs", sp.logprobs), ("prompt_logprobs", sp.prompt_logprobs)):
+            if k is not None and (self.vocab_size if k == -1 else k) > self.max_logprobs:
+                raise ValueError(f"{where}: {name}={k} exceeds max_logprobs={self.max_logprobs}")
         for t in sp.stop_token_ids:
             if t >= self.vocab_size:
                 msg = f"outside the vocabulary [0, {self.vocab_size})"

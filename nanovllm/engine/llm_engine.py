@@ -25,12 +25,12 @@ EXITED = "this LLM has exited (exit() or the end of its with block); create a ne
 
 class LLMEngine:
     def __init__(self, model: str, **kwargs):
-        accepted = [name for name in Config.field_names() if name != "model"]
-        if unknown := [key for key in kwargs if key not in accepted]:
-            msg = f"unexpected keyword argument {unknown[0]!r}; accepted: {', '.join(accepted)}"
-            raise TypeError(f"LLM() got an {msg}")
+        if any(key not in Config.field_names() for key in kwargs):  # vLLM's names and values
+            from nanovllm.entrypoints.options import config_kwargs
+
+            kwargs = config_kwargs(kwargs)
         self.config = config = Config(model, **kwargs)
-        self.tokenizer = load_tokenizer(config.model)  # before any process starts
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model)  # before any process
         self.generation_config = read_generation_config(config.model)
         found = (self.tokenizer.eos_token_id, getattr(config.hf_config, "eos_token_id", None))
         found += (self.generation_config.get("eos_token_id"),)

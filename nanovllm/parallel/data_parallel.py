@@ -43,7 +43,10 @@ def start_replicas(config, eos_token_ids: list[int]) -> list:
     replicas = []
     try:
         for i, placement in enumerate(cls.placements(config)):
-            replicas.append(cls(i, config, eos_token_ids, placement))
+            replica_config = copy.copy(config)  # replica i of a seeded engine draws from seed + i
+            if config.seed is not None:
+                replica_config.seed, replica_config.seed_offset = config.seed + i, i
+            replicas.append(cls(i, replica_config, eos_token_ids, placement))
         for replica in replicas:
             replica.wait_ready()
     except BaseException:
@@ -180,6 +183,11 @@ class DataParallelCore:
 
     def reset_prefix_cache(self) -> bool:
         return all(self._control("reset_prefix_cache"))
+
+    def preempt_all(self) -> None:
+        """Every replica frees every block (``features/idle.preempt_all``); its stats follow."""
+        for replica, stats in zip(self.replicas, self._control("preempt_all")):
+            replica.stats = stats
 
     def _control(self, method: str, *args) -> list:
         results, error = [], None

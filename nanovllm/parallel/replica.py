@@ -30,7 +30,7 @@ class ReplicaControl:
     args: tuple = ()
 
 
-CONTROL_METHODS = ("collective_rpc", "reset_prefix_cache")
+CONTROL_METHODS = ("collective_rpc", "reset_prefix_cache", "preempt_all")
 
 
 @dataclass
@@ -72,6 +72,11 @@ class ReplicaServer:
             raise ValueError(
                 f"unknown replica control {control.method!r}; known: {', '.join(CONTROL_METHODS)}"
             )
+        if control.method == "preempt_all":
+            from nanovllm.features.idle import preempt_all
+
+            preempt_all(self.core)
+            return self.core.stats()
         return getattr(self.core, control.method)(*control.args)
 
     def exit(self) -> None:

@@ -1,5 +1,6 @@
 """One tensor-parallel rank: ``run(step) -> StepOutput`` (docs/runner.md)."""
 
+import random
 from collections.abc import Callable
 from functools import partial
 
@@ -57,6 +58,8 @@ class ModelRunner:
         self.head_dim = head_dim(hf_config)
         self.vocab_size = hf_config.vocab_size
         self.num_kv_heads = hf_config.num_key_value_heads // self.world_size  # per rank
+        if (seed := config.seed) is not None:  # the process's generators too, as vLLM seeds them
+            random.seed(seed), np.random.seed(seed % 2**32), torch.manual_seed(seed)
         self.device = torch.device(config.resolved_device())
         if self.device.type == "cuda":
             torch.cuda.set_device(self.rank)
@@ -84,10 +87,10 @@ class ModelRunner:
                 self.model = build_model(hf_config, config.weight_quantization)
         finally:
             torch.set_default_dtype(default_dtype)
-        if config.load_format == "dummy":
+        if config.load_format == "dummy":  # drawn from the seed, alike on every replica
             from nanovllm.utils.checkpoint import init_dummy_weights
 
-            init_dummy_weights(self.model)
+            init_dummy_weights(self.model, (config.seed or 0) - config.seed_offset)
         else:
             load_model(self.model, config.model, hf_config)
         for module in self.model.modules():

@@ -48,8 +48,8 @@ def assert_nothing_queued(llm):
 
 
 def test_unknown_keyword_is_a_type_error(ckpt_tied):
-    with pytest.raises(TypeError, match="block_size") as e:
-        LLM(ckpt_tied.path, block_size=16)
+    with pytest.raises(TypeError, match="'kv_block_size'") as e:
+        LLM(ckpt_tied.path, kv_block_size=16)  # (vLLM's block_size is an alias)
     assert "kvcache_block_size" in str(e.value)  # lists what is accepted
 
 
