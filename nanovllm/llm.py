@@ -34,3 +34,8 @@ class LLM(LLMEngine):
     update_weights = feature("features.weight_update")
     reset_prefix_cache = feature("features.idle")
     check_idle = feature("features.idle")
+    start_profile = feature("features.profiler")
+    stop_profile = feature("features.profiler")
+    get_metrics = feature("entrypoints.metrics")
+    get_tokenizer = feature("entrypoints.tokenizer")
+    collective_rpc = feature("features.rpc")
