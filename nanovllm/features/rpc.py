@@ -37,7 +37,8 @@ def _check_reload(llm, *args, **kwargs) -> tuple:
     from nanovllm.features.sleep import weights_awake
 
     weights_awake(llm)
-    check_idle(llm, "reload_weights")
+    if not llm.sleep_level:  # asleep, what sleep(mode="keep") kept holds no KV: it restarts
+        check_idle(llm, "reload_weights")
     return ()
 
 
