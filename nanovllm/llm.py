@@ -35,3 +35,8 @@ class LLM(LLMEngine):
     reset_prefix_cache = feature("features.idle")
     check_idle = feature("features.idle")
     from_engine_args = feature("engine.arg_utils", on_class=True)
+    start_profile = feature("features.profiler")
+    stop_profile = feature("features.profiler")
+    get_metrics = feature("entrypoints.metrics")
+    get_tokenizer = feature("entrypoints.tokenizer")
+    collective_rpc = feature("features.rpc")

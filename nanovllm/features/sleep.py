@@ -10,6 +10,8 @@ from nanovllm.layers.attention import Attention
 logger = logging.getLogger(__name__)
 
 SLEEP_LEVELS = (1, 2)
+TAGS = ("weights", "kv_cache")  # what wake_up(tags) restores
+MODES = ("abort", "wait", "keep")  # what sleep(mode) does to queued requests
 
 
 @dataclass
@@ -89,6 +91,7 @@ def check_level(level) -> int:
     if level not in SLEEP_LEVELS:
         raise ValueError(
             f"sleep level must be 1 (weights kept on the host) or 2 (weights dropped), got {level}"
+            + (" (level 0, pausing the scheduler, is not supported here)" if level == 0 else "")
         )
     return level
 
@@ -127,36 +130,102 @@ def sleep_rank(runner, level: int) -> None:
     log_device_memory(runner.device, f"rank {runner.rank} asleep (level {level})")
 
 
-def wake_rank(runner) -> None:
-    """Short of memory it raises, and the rank stays asleep."""
-    restore(runner.offloaded, runner.device)
-    runner.allocate_cache()
-    runner.offloaded = None
-    log_device_memory(runner.device, f"rank {runner.rank} awake")
+def wake_rank(runner, tags: tuple[str, ...] = TAGS) -> None:
+    """Short of memory it raises, and what it could not restore stays asleep."""
+    if "weights" in tags and runner.offloaded is not None:
+        restore(runner.offloaded, runner.device)
+        runner.offloaded = None
+        if runner.kv_cache is not None and not runner.enforce_eager:  # captured without weights
+            runner.graphs = runner.capture_graphs()
+    if "kv_cache" in tags and runner.kv_cache is None:
+        if runner.offloaded is None:
+            runner.allocate_cache()
+        else:  # CUDA graphs wait for the weights
+            runner._build_buffers()
+            runner.kv_cache = runner.bind_kv_cache(runner.num_kvcache_blocks)
+    log_device_memory(runner.device, f"rank {runner.rank} awake ({', '.join(tags)})")
 
 
-def sleep(engine, level: int = 1) -> None:
-    """Free device memory on every rank (level 1 keeps the weights on the host; 2 drops them)."""
+def _check_mode(mode) -> str:
+    if mode not in MODES:
+        raise ValueError(f"sleep mode must be one of {MODES}, got {mode!r}")
+    return mode
+
+
+def _settle_requests(engine, mode: str) -> None:
+    """``mode`` applied to queued requests: aborted, finished first, or kept to recompute."""
+    from nanovllm.entrypoints.step_loop import abort_request
+
+    if engine._owned and not engine.core.is_finished():
+        check_idle(engine, "sleep")  # a generate/stream call of this LLM is being read
+    if mode == "abort":
+        for request_id in [r for r in engine.outputs.requests if r not in engine._owned]:
+            abort_request(engine, request_id)
+        check_idle(engine, "sleep")  # replicas: what is left is an error
+    elif mode == "wait":
+        while not engine.core.is_finished():
+            engine._step()
+    elif not engine.core.is_finished():  # keep: the KV cache goes, so they start again
+        if not hasattr(engine.core, "scheduler"):
+            raise ValueError("sleep mode 'keep' needs one engine core (data_parallel_size 1)")
+        if engine.core._launched is not None:
+            engine._process(engine.core._resolve())
+        scheduler = engine.core.scheduler
+        for seq in list(scheduler.waiting)[:1]:  # a chunked prefill in progress holds blocks
+            scheduler.block_manager.deallocate(seq)
+        for seq in reversed(scheduler.running):
+            scheduler.preempt(seq, count=False)
+        scheduler.running.clear()
+
+
+def sleep(engine, level: int = 1, mode: str = "abort") -> None:
+    """Free device memory on every rank (level 1 keeps the weights on the host; 2 drops them);
+    ``mode``: what happens to queued requests (``abort``, ``wait`` for them, ``keep`` them)."""
     engine._check_running(asleep_ok=True)
     if not engine.config.enable_sleep_mode:
         raise RuntimeError("sleep() needs sleep mode: create the LLM with enable_sleep_mode=True")
-    level = check_level(level)
+    level, mode = check_level(level), _check_mode(mode)
     if engine.sleep_level:
         raise RuntimeError(
             f"the engine is already asleep (level {engine.sleep_level}); call wake_up() first"
         )
-    check_idle(engine, "sleep")
+    _settle_requests(engine, mode)
     engine.core.collective_rpc(sleep_rank, (level,))
-    engine.sleep_level = level
+    engine.sleep_level, engine.asleep_tags = level, set(TAGS)
     engine.core.reset_prefix_cache()
 
 
-def wake_up(engine) -> None:
-    """Reallocate what ``sleep`` freed; a no-op while awake."""
+def _check_tags(tags) -> tuple[str, ...]:
+    if tags is None:
+        return TAGS
+    if isinstance(tags, str) or not all(t in (*TAGS, "scheduling") for t in tags):
+        raise ValueError(
+            f"wake_up tags must be None (everything) or a list of {(*TAGS, 'scheduling')}, "
+            f"got {tags!r}"
+        )
+    return tuple(t for t in TAGS if t in tags)
+
+
+def wake_up(engine, tags: list[str] | None = None) -> bool:
+    """Reallocate what ``sleep`` freed (``tags``: only the weights, or only the KV cache);
+    True once the engine is fully awake. A no-op while awake."""
     engine._check_running(asleep_ok=True)
+    tags = _check_tags(tags)
     if engine.sleep_level:
-        engine.core.collective_rpc(wake_rank)
-        engine.sleep_level = 0
+        todo = tuple(t for t in tags if t in engine.asleep_tags)
+        if todo:
+            engine.core.collective_rpc(wake_rank, (todo,))
+            engine.asleep_tags.difference_update(todo)
+        if not engine.asleep_tags:
+            engine.sleep_level = 0
+    return engine.sleep_level == 0
+
+
+def weights_awake(engine) -> None:
+    """For calls that change the weights: the engine awake, or asleep with its weights back."""
+    engine._check_running(asleep_ok=True)
+    if engine.sleep_level and "weights" in engine.asleep_tags:
+        engine._check_running()
 
 
 def is_sleeping(engine) -> bool:

@@ -74,10 +74,11 @@ def load_rank(runner, entries: list, tensors: list[torch.Tensor] | None = None) 
 def update_weights(engine, weights) -> None:
     """Copy ``(name, tensor)`` pairs into the model, all or none, then drop the prefix cache."""
     from nanovllm.features.idle import check_idle
+    from nanovllm.features.sleep import weights_awake
     from nanovllm.parallel.shield import shielded
     from nanovllm.runner.model_runner import RankZeroOnly
 
-    engine._check_running()
+    weights_awake(engine)  # asleep too, once wake_up(tags=["weights"]) has run
     named = _helpers().named_tensors(weights)
     check_idle(engine, "update_weights")
     if engine.config.data_parallel_size > 1 or engine.config.data_parallel_backend == "ray":

@@ -67,10 +67,11 @@ class _EngineReplica:
     def __call__(self, batch: pa.Table) -> pa.Table:
         present = [name for name in REQUEST_COLUMNS if name in batch.column_names]
         columns = {name: _plain(batch.column(name).to_pylist()) for name in present}
-        requests = []
+        requests, rendered = [], []
         for i in range(batch.num_rows):
             try:
                 requests.append(self.request({name: values[i] for name, values in columns.items()}))
+                rendered.append(self.rendered)
             except (TypeError, ValueError) as e:
                 kind = TypeError if isinstance(e, TypeError) else ValueError
                 raise kind(
@@ -81,10 +82,12 @@ class _EngineReplica:
         outputs = self.llm.generate(
             [r[0] for r in requests], [r[1] for r in requests], use_tqdm=False
         )
-        return _with_outputs(batch, outputs)
+        return _with_prompts(_with_outputs(batch, outputs), rendered)
 
     def request(self, row: dict) -> tuple[list[int], SamplingParams]:
-        """One row's prompt token ids and sampling params, checked as ``generate`` checks them."""
+        """One row's prompt token ids and sampling params, checked as ``generate`` checks them
+        (``self.rendered``: a conversation's prompt text, for the ``prompt`` column)."""
+        self.rendered = None
         prompt, messages = row.get("prompt"), row.get("messages")
         if prompt is None and messages is None:
             raise ValueError(
@@ -96,6 +99,7 @@ class _EngineReplica:
         sampling_params = self.sampling_params(row.get("sampling_params"))
         if messages is not None:
             token_ids = self.chat_prompt(messages, row.get("chat_template_kwargs"))
+            self.rendered = self.llm.tokenizer.decode(token_ids)
             return self.llm.inputs.check(token_ids, sampling_params, "'messages'")
         return self.llm.inputs.check(prompt, sampling_params, "'prompt'")
 
@@ -168,6 +172,18 @@ def _with_outputs(batch: pa.Table, outputs: list[dict]) -> pa.Table:
     return batch
 
 
+def _with_prompts(batch: pa.Table, rendered: list[str | None]) -> pa.Table:
+    # a conversation's row gets its rendered prompt text in ``prompt`` (a text column, or a new one)
+    if "prompt" not in batch.column_names:
+        return batch.append_column("prompt", pa.array(rendered, pa.string()))
+    i = batch.column_names.index("prompt")
+    if not pa.types.is_string(batch.schema.field(i).type) or not any(rendered):
+        return batch
+    given = batch.column(i).to_pylist()
+    column = pa.array([r if r is not None else g for g, r in zip(given, rendered)], pa.string())
+    return batch.set_column(i, "prompt", column)
+
+
 def _actor_pool(concurrency: int | tuple[int, int]) -> "ray.data.ActorPoolStrategy":
     if isinstance(concurrency, tuple):
         return ray.data.ActorPoolStrategy(min_size=concurrency[0], max_size=concurrency[1])
@@ -188,7 +204,10 @@ def build_llm_processor(
     """``Dataset -> Dataset``: ``preprocess`` per row, the engines' pool per batch, then
     ``postprocess`` per row; lazy, the engines start when the dataset is consumed."""
     if not isinstance(config, ProcessorConfig):
-        raise TypeError(f"config must be a ProcessorConfig, got {type(config).__name__}")
+        raise TypeError(
+            f"config must be a vLLMEngineProcessorConfig (or ProcessorConfig), "
+            f"got {type(config).__name__}"
+        )
     for name, fn in (("preprocess", preprocess), ("postprocess", postprocess)):
         if fn is not None and not callable(fn):
             raise TypeError(

@@ -30,6 +30,7 @@ class ProcessorConfig:
     num_gpus: float | None = None  # per engine; None: tensor_parallel_size if the cluster has GPUs
 
     def __post_init__(self) -> None:
+        self._accept_vllm_kwargs()
         source = self.model_source
         if not isinstance(source, (str, os.PathLike)) or not os.fspath(source):
             kind = ValueError if isinstance(source, (str, os.PathLike)) else TypeError
@@ -59,6 +60,17 @@ class ProcessorConfig:
             _check_count("concurrency", concurrency)
         _check_count("batch_size", self.batch_size)
         self._check_num_gpus()
+
+    def _accept_vllm_kwargs(self) -> None:
+        kwargs = self.engine_kwargs
+        if isinstance(kwargs, dict) and "enable_chunked_prefill" in kwargs:
+            if kwargs["enable_chunked_prefill"] is not True:  # always on here
+                raise ValueError(
+                    "ProcessorConfig.engine_kwargs['enable_chunked_prefill'] must be True "
+                    f"(chunked prefill is always on), got {kwargs['enable_chunked_prefill']!r}"
+                )
+            kwargs = {k: v for k, v in kwargs.items() if k != "enable_chunked_prefill"}
+            object.__setattr__(self, "engine_kwargs", kwargs)
 
     def _check_engine_kwargs(self) -> None:
         kwargs = self.engine_kwargs
@@ -117,3 +129,42 @@ class ProcessorConfig:
         if self.num_gpus is not None:
             return self.num_gpus
         return self.tensor_parallel_size if cluster_gpus > 0 else 0
+
+
+ONLY_DEFAULT = {  # ray.data.llm's fields that change nothing here at these values
+    "apply_chat_template": True,  # rows with messages are rendered with the model's template
+    "tokenize": True,
+    "detokenize": True,
+    "has_image": False,
+    "task_type": "generate",
+    "accelerator_type": None,
+    "runtime_env": None,
+    "max_pending_requests": None,
+    "max_concurrent_batches": None,
+    "chat_template": None,
+}
+
+
+@dataclass(frozen=True)
+class vLLMEngineProcessorConfig(ProcessorConfig):
+    """``ray.data.llm``'s config by its name; its other fields only at the values that change
+    nothing here."""
+
+    apply_chat_template: bool = True
+    tokenize: bool = True
+    detokenize: bool = True
+    has_image: bool = False
+    task_type: str = "generate"
+    accelerator_type: str | None = None
+    runtime_env: dict | None = None
+    max_pending_requests: int | None = None
+    max_concurrent_batches: int | None = None
+    chat_template: str | None = None
+
+    def __post_init__(self) -> None:
+        for name, default in ONLY_DEFAULT.items():
+            if (value := getattr(self, name)) != default:
+                raise ValueError(
+                    f"vLLMEngineProcessorConfig.{name} must be {default!r} here, got {value!r}"
+                )
+        super().__post_init__()

@@ -1,0 +1,1 @@
+# vLLM's module paths (``vllm.v1.metrics.reader``) under this package's name

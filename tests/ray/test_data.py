@@ -27,6 +27,7 @@ import torch  # noqa: E402
 
 from nanovllm.ray import ProcessorConfig, build_llm_processor  # noqa: E402
 from nanovllm.ray.data import _EngineReplica  # noqa: E402
+from nanovllm.ray.processor_config import vLLMEngineProcessorConfig  # noqa: E402
 from nanovllm.utils.checkpoint import make_random_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:ray.data.context")  # Ray's own
@@ -586,3 +587,47 @@ def test_ray_is_imported_only_when_used():
     missing = run_python("import sys; sys.modules['ray'] = None; import nanovllm.ray")
     assert missing.returncode != 0
     assert 'ImportError: nanovllm.ray needs Ray Data: pip install -e ".[ray]"' in missing.stderr
+
+
+def test_prompt_column_holds_the_prompt_text(replica):
+    """A conversation's row gets its rendered chat prompt in ``prompt`` (the template's text,
+    which tokenizes to the prompt token ids); a text prompt keeps its text."""
+    llm = replica.llm
+    rendered = llm.tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    rows = [{"messages": CHAT, "sampling_params": greedy(2)}]
+    out = replica(pa.Table.from_pylist(rows)).to_pylist()
+    assert out[0]["prompt"] == rendered and "<|im_start|>user" in rendered
+    assert out[0]["num_input_tokens"] == len(llm.tokenizer.encode(rendered))
+    rows = [
+        {"prompt": "Plain text.", "messages": None, "sampling_params": greedy(2)},
+        {"prompt": None, "messages": OTHER_CHAT, "sampling_params": greedy(2)},
+    ]
+    out = replica(pa.Table.from_pylist(rows)).to_pylist()
+    other = llm.tokenizer.apply_chat_template(
+        OTHER_CHAT, tokenize=False, add_generation_prompt=True
+    )
+    assert [o["prompt"] for o in out] == ["Plain text.", other]
+
+
+def test_vllm_engine_processor_config(model_path):
+    """ray.data.llm's name: its fields at their defaults are accepted, other values refused;
+    engine_kwargs' enable_chunked_prefill=True (always on here) is accepted and dropped."""
+    config = vLLMEngineProcessorConfig(
+        model_source=model_path,
+        engine_kwargs={"enable_chunked_prefill": True, "max_num_batched_tokens": 4096},
+        concurrency=1,
+        batch_size=64,
+    )
+    assert isinstance(config, ProcessorConfig)
+    assert config.engine_kwargs == {"max_num_batched_tokens": 4096}
+    for field, value, message in (
+        ("apply_chat_template", False, r"apply_chat_template must be True here, got False"),
+        ("has_image", True, r"has_image must be False here, got True"),
+        ("accelerator_type", "L4", r"accelerator_type must be None here, got 'L4'"),
+    ):
+        with pytest.raises(ValueError, match=rf"vLLMEngineProcessorConfig\.{message}"):
+            vLLMEngineProcessorConfig(model_source=model_path, **{field: value})
+    with pytest.raises(ValueError, match=r"\['enable_chunked_prefill'\] must be True"):
+        vLLMEngineProcessorConfig(
+            model_source=model_path, engine_kwargs={"enable_chunked_prefill": False}
+        )
