@@ -13,10 +13,12 @@ except ImportError as e:  # the optional extra is missing
         'nanovllm.ray needs Ray Data: pip install -e ".[ray]" (or pip install "ray[data]>=2.40")'
     ) from e
 
-from nanovllm.engine.chat import chat_prompts
+from nanovllm.engine.chat import render
 from nanovllm.ray.processor_config import ProcessorConfig
 from nanovllm.sampling_params import SamplingParams
 
+CHAT_DEFAULTS = dict(chat_template=None, chat_template_content_format="auto", tools=None)
+CHAT_DEFAULTS.update(add_generation_prompt=True, continue_final_message=False)
 REQUEST_COLUMNS = ("prompt", "messages", "sampling_params", "chat_template_kwargs")
 OUTPUT_TYPES = {
     "generated_text": pa.string(),
@@ -149,9 +151,8 @@ class _EngineReplica:
             raise TypeError(
                 f"'chat_template_kwargs' must be a dict or None, got {template_kwargs!r}"
             )
-        return chat_prompts(
-            self.llm.tokenizer, [conversation], _without_nulls(template_kwargs or {})
-        )[0]
+        options = dict(CHAT_DEFAULTS, chat_template_kwargs=_without_nulls(template_kwargs or {}))
+        return render(self.llm.tokenizer, [conversation], options)[0]["prompt_token_ids"]
 
 
 def _with_outputs(batch: pa.Table, outputs: list[dict]) -> pa.Table:
