@@ -182,7 +182,8 @@ def heaviest_sampling(num_rows: int, vocab_size: int):
     from nanovllm.features.processors import RowExtras
 
     every = np.full((1, -(-vocab_size // 32)), -1, dtype=np.int32)  # every token allowed
-    extra = RowExtras(num_rows, [[0]] * num_rows, [(1.1, 0.5, 0.0, [0] * 8, [])] * num_rows)
+    extra = RowExtras(num_rows, suppressed=[[0]] * num_rows, bias=[([0], [0.5])] * num_rows)
+    extra.penalties = [(1.1, 0.5, 0.0, [0] * 8, [])] * num_rows
     extra.filters, extra.logprobs = [(0, 0.9, 0.0)] * num_rows, [20] * num_rows
     extra.bitmask_rows, extra.bitmasks = list(range(num_rows)), [every] * num_rows
     return SamplingRows([1.0] * num_rows, list(range(num_rows)), extra)
