@@ -64,18 +64,17 @@ class LLMEngine:
         return outputs
 
     def _delta(self, internal_id: int, request, new: list) -> RequestOutput:
-        ranked = self.llm.outputs._ranked
         completions = []
         for index, inc in new:
             c = request.completions[index]
-            args = (c.cumulative_logprob, ranked(inc["logprobs"]), c.finish_reason, c.stop_reason)
+            args = (c.cumulative_logprob, inc["logprobs"], c.finish_reason, c.stop_reason)
             completions.append(CompletionOutput(index, inc["text"], inc["token_ids"], *args))
         prompt_logprobs = next((inc["prompt_logprobs"] for i, inc in new if i == 0), None)
         return RequestOutput(
             str(internal_id),
             request.prompt,
             request.prompt_token_ids,
-            ranked(prompt_logprobs),
+            prompt_logprobs,  # Logprob entries: detokenizer.increments ranks them
             completions,
             request.finished,
             request.completions[0].num_cached_tokens,

@@ -22,6 +22,7 @@ STOP_MAX_TOKENS = 24
 def make_llm(path: str, **kwargs) -> LLM:
     kwargs = (
         dict(kvcache_block_size=BLOCK_SIZE, num_kvcache_blocks=96, max_model_len=MAX_MODEL_LEN)
+        | dict(max_logprobs=-1)  # tests ask for whole-vocabulary logprobs
         | kwargs
     )
     return LLM(path, **kwargs)
