@@ -6,7 +6,7 @@ from nanovllm.layers.attention.interface import is_fp8_kv_cache
 
 
 def resolve_gpu_backend(
-    name: str, block_size: int, dtype: torch.dtype, kv_cache_dtype: str, weight_quantization
+    name: str, device: str, block_size: int, dtype: torch.dtype, kv_cache_dtype: str, quantization
 ) -> str:
     fp8 = is_fp8_kv_cache(kv_cache_dtype)
     if name == "flash-attn" and fp8:
@@ -15,8 +15,11 @@ def resolve_gpu_backend(
             f"{kv_cache_dtype!r}); use attention_backend 'triton' or 'auto', or kv_cache_dtype "
             "'auto'"
         )
+    if device != "cuda":
+        msg = "needs a CUDA GPU; on the CPU use 'torch' or 'auto'"
+        raise ValueError(f"attention_backend {name!r} {msg}")
     if name == "auto":
-        triton_only = fp8 or dtype == torch.float32 or weight_quantization == "fp8"
+        triton_only = fp8 or dtype == torch.float32 or quantization == "fp8"
         name = "triton" if triton_only else _flash_attn_or_triton(block_size)
     if name == "flash-attn" and dtype == torch.float32:
         raise ValueError(

@@ -17,10 +17,11 @@ def resolve_backend_name(
 ) -> str:
     """The backend that runs, or a ValueError. "auto": torch on the CPU; on a GPU flash-attn
     where it can run (2-byte dtype, no FP8, block size % 256 == 0), else Triton (gpu_selector)."""
-    if device == "cuda":
+    if device == "cuda" or name == "flash-attn":  # which refuses an FP8 cache on any device
         from nanovllm.layers.attention.gpu_selector import resolve_gpu_backend
 
-        return resolve_gpu_backend(name, block_size, dtype, kv_cache_dtype, weight_quantization)
+        args = (block_size, dtype, kv_cache_dtype, weight_quantization)
+        return resolve_gpu_backend(name, device, *args)
     if name not in ("auto", "torch"):
         msg = "needs a CUDA GPU; on the CPU use 'torch' or 'auto'"
         raise ValueError(f"attention_backend {name!r} {msg}")
