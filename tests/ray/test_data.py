@@ -561,7 +561,7 @@ def test_config_values():
 def test_build_llm_processor_checks_its_arguments():
     with pytest.raises(
         TypeError,
-        match="config must be a vLLMEngineProcessorConfig \(or ProcessorConfig\), got dict",
+        match=r"config must be a vLLMEngineProcessorConfig \(or ProcessorConfig\), got dict",
     ):
         build_llm_processor({"model_source": "/m"})
     with pytest.raises(TypeError, match="postprocess must be a function from row"):
