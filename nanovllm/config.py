@@ -140,8 +140,9 @@ class Config:
 
     def _check_parallel(self, device: str) -> None:
         tp, dp = self.tensor_parallel_size, self.data_parallel_size
-        for name in TP_SPLIT_KEYS:
-            if (value := getattr(self.hf_config, name)) % tp:
+        for name in TP_SPLIT_KEYS:  # KV heads may instead be fewer than ranks: then replicated
+            value = getattr(self.hf_config, name)
+            if value % tp and (name != "num_key_value_heads" or tp % value):
                 msg = f"must divide the model's {name} ({value})"
                 raise ValueError(f"Config.tensor_parallel_size={tp} {msg}")
         if device == "cuda" and self.data_parallel_backend == "mp":

@@ -118,13 +118,6 @@ class LLMEngine:
     def is_finished(self) -> bool:
         return self._exited or (self.core.is_finished() and not self._unclaimed)
 
-    # ---- every rank ---------------------------------------------------------------------------
-
-    def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
-        """``method`` on every rank of every replica; each replica's rank-0 result."""
-        self._check_running(asleep_ok=True)
-        return self.core.collective_rpc(method, args, kwargs)
-
     # ---- offline calls -----------------------------------------------------------------------
 
     def generate(self, prompts, sampling_params=None, use_tqdm=True) -> list[RequestOutput]:

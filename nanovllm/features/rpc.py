@@ -70,7 +70,6 @@ def _after(llm, name: str, args: tuple) -> None:
 
 def collective_rpc(llm, method, args: tuple = (), kwargs: dict | None = None, timeout=None):
     """``method`` on every rank of every replica; each replica's rank-0 result."""
-    from nanovllm.engine.llm_engine import LLMEngine
     from nanovllm.runner.model_runner import ModelRunner
 
     if timeout is not None:
@@ -90,4 +89,5 @@ def collective_rpc(llm, method, args: tuple = (), kwargs: dict | None = None, ti
         results = llm.core.collective_rpc(method, args, kwargs)
         _after(llm, name, args)
         return results
-    return LLMEngine.collective_rpc(llm, method, tuple(args), kwargs)
+    llm._check_running(asleep_ok=True)
+    return llm.core.collective_rpc(method, tuple(args), kwargs)

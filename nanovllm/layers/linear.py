@@ -106,14 +106,20 @@ class QKVParallelLinear(ColumnParallelLinear):
         tp_size = get_tp_size()
         self.head_dim = head_dim
         self.num_heads = _divide(heads, tp_size)
-        self.num_kv_heads = _divide(kv_heads, tp_size)
-        output_size = (heads + 2 * kv_heads) * head_dim
+        self.num_kv_heads = max(1, kv_heads // tp_size)  # fewer KV heads than ranks: replicated
+        self.kv_replicas = tp_size * self.num_kv_heads // kv_heads  # ranks holding each KV head
+        output_size = (heads + 2 * self.num_kv_heads * tp_size) * head_dim
         super().__init__(hidden_size, output_size, bias, quant_method)
 
     def shard(self, param: nn.Parameter, shard_id: str) -> tuple[int, int, int]:
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
-        return offset, self.tp_rank * size, size
+        return offset, self.tp_rank // (1 if shard_id == "q" else self.kv_replicas) * size, size
+
+    def checkpoint_shape(self, param: nn.Parameter, *shard_id) -> tuple[int, ...]:
+        shape = list(super().checkpoint_shape(param, *shard_id))
+        shape[0] //= 1 if shard_id == ("q",) else self.kv_replicas
+        return tuple(shape)
 
 
 class RowParallelLinear(LinearBase):

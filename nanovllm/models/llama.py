@@ -39,7 +39,7 @@ class DecoderAttention(nn.Module):
         theta, scaling = rope_parameters(config)
         self.rotary_emb = RotaryEmbedding(hd, config.max_position_embeddings, theta, scaling)
         quantize = quant_config is not None and quant_config.quantizes_attention_output(hd)
-        self.attn = Attention(heads // tp_size, hd, hd**-0.5, kv_heads // tp_size, quantize)
+        self.attn = Attention(heads // tp_size, hd, hd**-0.5, max(1, kv_heads // tp_size), quantize)
         if qk_norm:
             self.q_norm = RMSNorm(hd, eps=config.rms_norm_eps)
             self.k_norm = RMSNorm(hd, eps=config.rms_norm_eps)

@@ -57,7 +57,7 @@ class ModelRunner:
         self.world_size = config.tensor_parallel_size
         self.head_dim = head_dim(hf_config)
         self.vocab_size = hf_config.vocab_size
-        self.num_kv_heads = hf_config.num_key_value_heads // self.world_size  # per rank
+        self.num_kv_heads = max(1, hf_config.num_key_value_heads // self.world_size)
         if (seed := config.seed) is not None:  # the process's generators too, as vLLM seeds them
             random.seed(seed), np.random.seed(seed % 2**32), torch.manual_seed(seed)
         self.device = torch.device(config.resolved_device())

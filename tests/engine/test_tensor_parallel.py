@@ -79,6 +79,27 @@ def test_tp2_matches_tp1_and_transformers(ckpt_name, request, hf_ref):
     assert results[2] == results[1]
 
 
+def test_tp4_replicates_the_two_kv_heads_and_matches_transformers(ckpt_tied, hf_ref):
+    """4 ranks, 2 KV heads: ranks 0-1 hold KV head 0, ranks 2-3 head 1. Loaded, and drawn as dummy
+    weights then reloaded from the folder (vLLM's reload example), greedy equals transformers."""
+    prompts = mixed_prompts()[:6]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    with make_llm(ckpt_tied.path, 4) as llm:
+        check_against_reference(
+            llm.generate(prompts, params, use_tqdm=False), prompts, ckpt_tied.path, hf_ref, "tp=4"
+        )
+    with make_llm(ckpt_tied.path, 4, load_format="dummy") as llm:
+        llm.collective_rpc("update_config", args=({"load_config": {"load_format": "auto"}},))
+        llm.collective_rpc("reload_weights")
+        check_against_reference(
+            llm.generate(prompts, params, use_tqdm=False),
+            prompts,
+            ckpt_tied.path,
+            hf_ref,
+            "tp=4, reloaded",
+        )
+
+
 def test_worker_killed_mid_generate(ckpt_tied):
     before = shm_entries()
     llm = make_llm(ckpt_tied.path, 2)
