@@ -61,10 +61,12 @@ class LLMEngine:
             return
         self._exited = True
         atexit.unregister(self.exit)
-        self._final_stats = self.core.stats()  # get_stats() once exited
         self._unclaimed, self._owned = [], set()
         self.outputs.requests.clear()
-        self.core.exit()
+        try:
+            self._final_stats = self.core.stats()  # get_stats() once exited
+        finally:  # a dead replica's stats may raise: the processes still end
+            self.core.exit()
 
     def __enter__(self):
         return self

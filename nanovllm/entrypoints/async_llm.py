@@ -6,8 +6,8 @@ import atexit
 import dataclasses
 from collections.abc import AsyncGenerator, Iterable
 
-from nanovllm.entrypoints.async_outputs import Live
 from nanovllm.entrypoints.engine_thread import PAUSE_MODES, EngineThread, RetryableRequestError
+from nanovllm.entrypoints.output_kinds import Live, accumulate
 from nanovllm.llm import LLM
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import RequestOutputKind, SamplingParams
@@ -24,8 +24,8 @@ class Collector:
         self.item: RequestOutput | BaseException | None = None
         self.ready = asyncio.Event()
 
-    def put(self, item: RequestOutput | BaseException) -> None:
-        if isinstance(self.item, BaseException):
+    def put(self, item: RequestOutput | BaseException | None) -> None:
+        if item is None or isinstance(self.item, BaseException):
             return  # the error is what the consumer hears
         if self.merge and self.item is not None and isinstance(item, RequestOutput):
             item = merged(self.item, item)
@@ -46,11 +46,8 @@ def merged(old: RequestOutput, new: RequestOutput) -> RequestOutput:
     """Two DELTA outputs of one request as one: texts, token ids and logprobs joined."""
     by_index = {c.index: c for c in old.outputs}
     for c in new.outputs:
-        if (before := by_index.get(c.index)) is not None:
-            logprobs = None if c.logprobs is None else (before.logprobs or []) + c.logprobs
-            text, token_ids = before.text + c.text, before.token_ids + c.token_ids
-            c = dataclasses.replace(c, text=text, token_ids=token_ids, logprobs=logprobs)
-        by_index[c.index] = c
+        before = by_index.get(c.index)
+        by_index[c.index] = c if before is None else accumulate(before, c)
     prompt_logprobs = old.prompt_logprobs or new.prompt_logprobs
     outputs = sorted(by_index.values(), key=lambda c: c.index)
     return dataclasses.replace(new, outputs=outputs, prompt_logprobs=prompt_logprobs)
@@ -174,7 +171,7 @@ class AsyncLLM:
     async def collective_rpc(self, method, timeout=None, args: tuple = (), kwargs=None) -> list:
         """``method`` on every rank, between steps; ``timeout`` (s): stop waiting for it."""
         return await asyncio.wait_for(
-            self._call(self.llm.collective_rpc, method, tuple(args), kwargs), timeout
+            self._call(self.llm.collective_rpc, method, args, kwargs), timeout
         )
 
     async def reset_prefix_cache(self, reset_running_requests=False, reset_connector=False) -> bool:
@@ -184,8 +181,20 @@ class AsyncLLM:
         return await self._call(self.llm.reset_prefix_cache)
 
     async def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """Pause (``mode``), then ``LLM.sleep(level)``; a refused sleep resumes generation."""
+        from nanovllm.features.sleep import check_level
+
+        check_level(level)
+        if not self.llm.config.enable_sleep_mode:
+            raise RuntimeError(
+                "sleep() needs sleep mode: create the engine with enable_sleep_mode=True"
+            )
         await self.pause_generation(mode=mode)
-        await self._call(self.llm.sleep, level)
+        try:
+            await self._call(self.llm.sleep, level)
+        except BaseException:
+            await self.resume_generation()
+            raise
 
     async def wake_up(self, tags: list[str] | None = None) -> bool:
         if tags is not None:

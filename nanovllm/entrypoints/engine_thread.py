@@ -3,7 +3,7 @@
 import queue
 import threading
 
-from nanovllm.entrypoints.async_outputs import Live, aborted_output, request_output
+from nanovllm.entrypoints.output_kinds import Live, aborted_output, request_output
 from nanovllm.sampling_params import RequestOutputKind
 
 PAUSE_MODES = ("abort", "wait", "keep")
@@ -201,7 +201,8 @@ class EngineThread:
     def pause(self, mode: str, clear_cache: bool, reply) -> None:
         """``reply`` (loop, future) is settled once the pause holds (mode "wait": drained)."""
         try:
-            self._release_drain_waiters()
+            if mode != "wait":  # the pause holds now: earlier "wait" callers are done
+                self._release_drain_waiters()
             was_kept, self.paused = self.paused == "keep", mode
             if mode == "abort":
                 self.abort(list(self.live))
@@ -210,7 +211,9 @@ class EngineThread:
             if mode == "wait":
                 self.drain_waiters.append((reply, clear_cache))
                 return
-            if mode == "keep" and not was_kept:
+            if mode == "keep" and (not was_kept or clear_cache):
+                if was_kept:  # kept with their KV before: parked again, their blocks freed
+                    self._unpark()
                 self._park(recompute=clear_cache)
             self.llm._process(self.llm.core.settle())
             if clear_cache:
@@ -221,7 +224,7 @@ class EngineThread:
         post_to(reply[0], settle_future, reply[1])
 
     def resume(self) -> None:
-        self._release_drain_waiters()
+        self._release_drain_waiters(RuntimeError("resumed before the running requests drained"))
         self._unpark()
         self.paused = None
         for live in list(self.live.values()):

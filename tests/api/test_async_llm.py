@@ -195,6 +195,9 @@ def test_bad_requests_raise_in_the_awaiting_coroutine_and_the_engine_serves_on(a
             await aengine.pause_generation(mode="later")
         with pytest.raises(ValueError, match="priority=3 is not supported"):
             await aengine.generate([1, 2], greedy(4), "prio", priority=3).__anext__()
+        with pytest.raises(RuntimeError, match="needs sleep mode"):  # refused before any pause
+            await aengine.sleep(1)
+        assert not await aengine.is_paused()
         return await collect(aengine, [5, 6, 7], greedy(6), "good")
 
     outs = asyncio.run(main())

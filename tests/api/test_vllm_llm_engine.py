@@ -54,6 +54,19 @@ def test_cumulative(engine, reference):
         assert outs[-1].outputs[0].finish_reason == "length"
 
 
+def test_cumulative_text_only_grows_with_a_stop_string(engine, reference):
+    """Text that may begin a stop string is held back, so every output's text is a prefix of the
+    next one's and of the final text (which the stop string cut)."""
+    full = reference[0].text
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    engine.add_request("s", PROMPTS[0], params(0, stop=[stop]))
+    texts = []
+    while engine.has_unfinished_requests():
+        texts += [o.outputs[0].text for o in engine.step()]
+    assert texts[-1] == full[: full.index(stop)]
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
+
+
 def test_delta(engine, reference):
     for i, outs in enumerate(run(engine, RequestOutputKind.DELTA).values()):
         assert all(o.outputs[0].token_ids for o in outs) and outs[-1].finished

@@ -1,4 +1,5 @@
-"""``AsyncLLM``'s outputs: each request's ``RequestOutput``s as its ``output_kind`` says."""
+"""A stream's outputs (``AsyncLLM``, vLLM's ``LLMEngine``): each request's ``RequestOutput``s as
+its ``output_kind`` says."""
 
 from dataclasses import dataclass, field, replace
 
@@ -10,8 +11,8 @@ from nanovllm.sampling_params import RequestOutputKind
 @dataclass
 class Live:
     key: str  # the caller's request id
-    stream: object  # the consumer's collector: ``put(RequestOutput | BaseException)``
-    loop: object  # the consumer's event loop
+    stream: object  # AsyncLLM: the consumer's collector, ``put(RequestOutput | BaseException)``
+    loop: object  # AsyncLLM: the consumer's event loop
     kind: RequestOutputKind
     n: int
     rid: int | None = None  # the engine's id, once queued
