@@ -141,7 +141,11 @@ def stop_rank(runner) -> str | None:
     elif activities == ["CPU"]:
         key = "self_cpu_time_total"
     if key is not None:
-        table = profiler.key_averages().table(sort_by=key, row_limit=50)
+        try:
+            table = profiler.key_averages().table(sort_by=key, row_limit=50)
+        except UnicodeDecodeError as e:  # torch's parser meets a garbled event name at times
+            logger.warning("stop_profile: %s's key averages not written (%s)", worker, e)
+            return path
         with open(os.path.join(where, f"{worker}.profiler_out.txt"), "w") as f:
             print(table, file=f)
     return path

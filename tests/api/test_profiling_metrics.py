@@ -29,10 +29,13 @@ def test_profile_writes_a_trace_per_rank(ckpt_tied, tmp_path):
         want = llm.generate(PROMPTS, greedy(MAX_TOKENS), use_tqdm=False)
         llm.stop_profile()
         llm.stop_profile()  # not running: nothing happens
-        assert sorted(os.listdir(where)) == [
+        # the key-averages table is skipped (with a warning) when torch cannot parse an event
+        # name, which happens now and then; the trace is always written
+        assert "trace_tp0.pt.trace.json.gz" in os.listdir(where)
+        assert set(os.listdir(where)) <= {
             "trace_tp0.profiler_out.txt",
             "trace_tp0.pt.trace.json.gz",
-        ]
+        }
         names = {e.get("name") for e in events(str(where / "trace_tp0.pt.trace.json.gz"))}
         assert {"aten::embedding", "aten::linear", "aten::softmax"} & names
         assert any(n.startswith("aten::") for n in names if n)
