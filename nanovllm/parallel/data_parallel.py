@@ -2,6 +2,7 @@
 (design: docs/parallel.md)."""
 
 import copy
+import threading
 from dataclasses import dataclass
 
 from nanovllm.engine.core import SeqOutput
@@ -61,6 +62,7 @@ class DataParallelCore:
 
     def __init__(self, config, eos_token_ids: list[int]):
         self.replicas = start_replicas(config, eos_token_ids)
+        self.owner = threading.get_ident()  # the thread that steps: it alone talks to them
         self.wait = type(self.replicas[0]).wait
         self.num_kvcache_blocks = min(r.num_kvcache_blocks for r in self.replicas)
         n = len(self.replicas)
@@ -118,6 +120,7 @@ class DataParallelCore:
     def step(self) -> tuple[list[SeqOutput], int]:
         """Returns the ready replies' outputs, and the prefill tokens (> 0) or, when none,
         minus the sequences decoded."""
+        self.owner = threading.get_ident()  # the stepping thread (AsyncLLM's is not the first)
         with shielded():
             for i, replica in enumerate(self.replicas):
                 if not replica.busy and (self.has_work[i] or self.calls[i]):
@@ -224,8 +227,9 @@ class DataParallelCore:
 
     def stats(self) -> dict:
         """The replicas' counts summed, each one's under ``replicas``; what is queued is
-        delivered first, so the counts include it."""
-        if self.failure_message is None and any(self.calls):
+        delivered first, so the counts include it (from another thread: the last reported)."""
+        mine = threading.get_ident() == self.owner
+        if self.failure_message is None and any(self.calls) and mine:
             with shielded():
                 self.settle_calls()
                 for i, replica in enumerate(self.replicas):
