@@ -61,6 +61,7 @@ class Config:
     tokenizer: str | None = None  # a folder with the tokenizer files (None: the model's)
     max_logprobs: int = 20  # the most ``logprobs`` / ``prompt_logprobs`` a request may ask for
     profiler_config: dict | None = None  # {"profiler": "torch", "torch_profiler_dir": path}
+    lora_config: object = None  # adapters (lora/config.py: LoRAConfig, from enable_lora=True)
     hf_config: object = field(default=None, init=False, repr=False)
     seed_offset: int = field(default=0, init=False)  # r: replica r of a seeded engine (seed + r)
     # an FP8 checkpoint's "fp8" whatever ``quantization`` says, else ``quantization``
@@ -134,6 +135,8 @@ class Config:
             if (value := getattr(self, name)) not in choices:
                 allowed = ", ".join(map(repr, choices))
                 raise ValueError(f"Config.{name} must be one of {allowed}, got {value!r}")
+        if self.lora_config is not None and type(self.lora_config).__name__ != "LoRAConfig":
+            raise TypeError(f"Config.lora_config must be a LoRAConfig, got {self.lora_config!r}")
         if self.quantization not in (None, "fp8"):
             msg = f"must be None or 'fp8', got {self.quantization!r}"
             raise ValueError(f"Config.quantization {msg}")

@@ -40,3 +40,7 @@ class LLM(LLMEngine):
     get_metrics = feature("entrypoints.metrics")
     get_tokenizer = feature("entrypoints.tokenizer")
     collective_rpc = feature("features.rpc")
+    add_lora = feature("lora.api")
+    remove_lora = feature("lora.api")
+    list_loras = feature("lora.api")
+    pin_lora = feature("lora.api")

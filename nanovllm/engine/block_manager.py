@@ -64,7 +64,7 @@ class BlockManager:
         """The longest cached prefix's blocks, never the last block: a prefill computes a token."""
         if not (seq.uses_prefix_cache and self.caching):
             return []
-        hits, h = [], -1
+        hits, h = [], seq.cache_salt
         for i in range(seq.num_blocks - 1):
             token_ids = seq.block(i)
             h = self.compute_hash(token_ids, h)
@@ -126,7 +126,7 @@ class BlockManager:
         start = num_full
         while start > 0 and self.blocks[seq.block_table[start - 1]].hash == -1:
             start -= 1
-        h = self.blocks[seq.block_table[start - 1]].hash if start > 0 else -1
+        h = self.blocks[seq.block_table[start - 1]].hash if start > 0 else seq.cache_salt
         for i in range(start, num_full):
             token_ids = seq.block(i)
             h = self.compute_hash(token_ids, h)

@@ -60,13 +60,12 @@ class EngineCore:
 
     # ---- requests ----------------------------------------------------------------------------
 
-    def add_request(self, request_id, token_ids, sampling_params, report_every_step=False) -> None:
-        bs = self.config.kvcache_block_size
-        seqs = request_sequences(request_id, token_ids, sampling_params, bs)
-        if not is_plain(sampling_params):
+    def add_request(self, request_id, token_ids, sp, report_every_step=False, lora=None) -> None:
+        seqs = request_sequences(request_id, token_ids, sp, self.config.kvcache_block_size)
+        if not is_plain(sp) or lora is not None:  # lora: a LoRARequest (nanovllm/lora/)
             from nanovllm.features.attach import attach_processors
 
-            attach_processors(seqs, self.eos_token_ids, self)
+            attach_processors(seqs, self.eos_token_ids, self, lora)
         self.requests[request_id] = seqs
         for seq in seqs:
             if report_every_step:

@@ -87,13 +87,13 @@ class LLMEngine:
     def get_default_sampling_params(self) -> SamplingParams:  # with generation_config.json's
         return SamplingParams(**sampling_defaults(self.generation_config))
 
-    def _queue(self, token_ids: list[int], sp: SamplingParams, text=None, stream=False) -> int:
-        """Queue a checked request; completion i is ``request_id + i``."""
+    def _queue(self, token_ids: list[int], sp: SamplingParams, text=None, lora=None, stream=False):
+        """Queue a checked request; completion i is ``request_id + i``; ``lora``: its adapter."""
         request_id = next(self._request_ids)
         for _ in range(sp.n - 1):
             next(self._request_ids)
         every_step = self.outputs.add_request(request_id, token_ids, sp, stream, text)
-        self.core.add_request(request_id, token_ids, sp, every_step)
+        self.core.add_request(request_id, token_ids, sp, every_step, lora)
         return request_id
 
     def _step(self) -> tuple[list[int], int]:  # the requests that finished, the step's tokens
@@ -122,10 +122,14 @@ class LLMEngine:
 
     # ---- offline calls -----------------------------------------------------------------------
 
-    def generate(self, prompts, sampling_params=None, use_tqdm=True) -> list[RequestOutput]:
+    def generate(self, prompts, sampling_params=None, use_tqdm=True, lora_request=None) -> list:
         """One ``RequestOutput`` per prompt, in input order."""
         self._check_running()
         requests = self.inputs.check_all(prompts, sampling_params, self.get_default_sampling_params)
+        if lora_request is not None:  # one adapter, or one per prompt (nanovllm/lora/)
+            from nanovllm.lora.api import with_adapters
+
+            requests = with_adapters(self, requests, lora_request)
         if not requests:
             return []
         results: dict[int, RequestOutput] = {}

@@ -56,6 +56,8 @@ class Scheduler:
                 num_uncached = len(seq) - len(hits) * bm.block_size
                 if (scheduled and num_uncached > budget) or not bm.can_allocate(seq, hits):
                     break
+                if seq.processors and not all([p.admit(seq) for p in seq.processors]):
+                    break  # held back (a LoRA adapter waiting for a device slot)
                 bm.allocate(seq, hits)
             seq.num_scheduled_tokens = min(num_uncached, budget)
             budget -= seq.num_scheduled_tokens

@@ -49,6 +49,7 @@ class Sequence:
         self.num_reported = 0  # completion tokens the core has handed to the front end
         self.processors: list = []  # its request processors (features.processors)
         self.uses_prefix_cache = True  # False: it computes its whole prompt
+        self.cache_salt = -1  # its prefix-cache hashes start from this (an adapter's: lora/)
 
     def __len__(self) -> int:
         return self.num_tokens

@@ -42,6 +42,7 @@ class Step:
     prev_rows: list[int] | None = None
     sampling: SamplingRows | None = None
     prompt_scoring: object | None = None  # prompt tokens every rank scores
+    adapters: list[int] | None = None  # each sequence's LoRA slot (-1: none; lora/runner.py)
 
     @property
     def num_seqs(self) -> int:

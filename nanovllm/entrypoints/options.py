@@ -4,6 +4,7 @@ options that change nothing here, and options accepted only at the value that ch
 from nanovllm.config import Config
 
 ALIASES = {"block_size": "kvcache_block_size", "num_gpu_blocks_override": "num_kvcache_blocks"}
+LORA_OPTIONS = ("enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")
 # option: (its default, the values accepted; None: any value, since nothing here reads it)
 OPTIONS = {
     # logging, metrics and start-up messages
@@ -37,15 +38,17 @@ OPTIONS = {
     "watermark": (None, None),
     "numa_bind": (False, None),
     "shutdown_timeout": (0, None),
-    # multimodal and LoRA limits: no model here takes images, LoRA is off (below)
+    # multimodal: no model here takes images
     "limit_mm_per_prompt": (None, None),
     "mm_processor_cache_gb": (None, None),
     "skip_mm_profiling": (False, None),
     "language_model_only": (False, None),
     "allowed_local_media_path": ("", None),
     "allowed_media_domains": (None, None),
-    "max_lora_rank": (None, None),
-    "max_loras": (None, None),
+    # LoRA: these four make Config.lora_config (nanovllm/lora/config.py)
+    "enable_lora": (False, None),
+    "max_loras": (1, None),
+    "max_lora_rank": (16, None),
     "max_cpu_loras": (None, None),
     "disable_sliding_window": (False, None),  # no supported model has a sliding window
     # only the value that changes nothing
@@ -58,7 +61,6 @@ OPTIONS = {
     "model_impl": ("auto", ("auto",)),
     "skip_tokenizer_init": (False, (False,)),
     "enable_prompt_embeds": (False, (False,)),
-    "enable_lora": (False, (False,)),
     "enable_mm_embeds": (False, (False,)),
     "enable_expert_parallel": (False, (False,)),
     "enable_eplb": (False, (False,)),
@@ -108,6 +110,13 @@ def config_kwargs(kwargs: dict) -> dict:
     nothing dropped; an unknown name is a TypeError, an unsupported value a ValueError."""
     names = Config.field_names()
     out = {key: value for key, value in kwargs.items() if key in names}
+    lora = {key: kwargs[key] for key in LORA_OPTIONS if key in kwargs}
+    if lora and out.get("lora_config") is not None:
+        raise ValueError(f"LLM() options {', '.join(lora)} and lora_config: give one of them")
+    if lora:
+        from nanovllm.lora.config import lora_config
+
+        out["lora_config"] = lora_config(**lora)
     for key, value in kwargs.items():
         if key in names:
             continue

@@ -1,8 +1,13 @@
 from nanovllm.features import logits_processors as lp
 
 
-def attach_processors(seqs: list, eos_token_ids: list[int], core=None) -> None:
-    """Give each sequence the processors its params ask for; completion 0 scores the prompt."""
+def attach_processors(seqs: list, eos_token_ids: list[int], core=None, lora=None) -> None:
+    """Give each sequence the processors its params ask for; completion 0 scores the prompt;
+    ``lora``: the LoRARequest they run with."""
+    if lora is not None:
+        from nanovllm.lora.manager import adapter_rows
+
+        rows = adapter_rows(core, lora)
     for i, seq in enumerate(seqs):
         sp, procs = seq.sampling_params, []
         stop_ids = list(sp.stop_token_ids)
@@ -25,6 +30,8 @@ def attach_processors(seqs: list, eos_token_ids: list[int], core=None) -> None:
 
             num = sp.prompt_logprobs
             procs.append(PromptLogprobs(seq, num if num >= 0 else _vocab_size(core)))
+        if lora is not None:
+            procs.append(rows(seq))
         seq.processors = procs
 
 

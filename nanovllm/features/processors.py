@@ -50,6 +50,9 @@ def row_extras(step) -> RowExtras:
 class RequestProcessor:
     """One sequence's hooks (docs/features.md), no-ops unless overridden."""
 
+    def admit(self, seq) -> bool:
+        return True  # False: the sequence may not start yet (it stays first in the queue)
+
     def contribute(self, step, row: int, seq, offset: int) -> None:
         pass
 

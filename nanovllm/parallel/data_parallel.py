@@ -81,6 +81,7 @@ class DataParallelCore:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         report_every_step: bool = False,
+        lora=None,
     ) -> None:
         i = min(range(len(self.replicas)), key=lambda r: (self.load[r], r))
         n = sampling_params.n
@@ -89,7 +90,7 @@ class DataParallelCore:
         self.requests[request_id] = Routed(i, tokens, set(range(request_id, request_id + n)))
         # the replica unpickles the params when the call goes out: a copy keeps them as they are now
         self.calls[i].adds.append(
-            (request_id, prompt_token_ids, copy.deepcopy(sampling_params), report_every_step)
+            (request_id, prompt_token_ids, copy.deepcopy(sampling_params), report_every_step, lora)
         )
 
     def abort_request(self, request_id: int) -> bool:
@@ -186,6 +187,10 @@ class DataParallelCore:
 
     def reset_prefix_cache(self) -> bool:
         return all(self._control("reset_prefix_cache"))
+
+    def lora(self, method: str, *args) -> list:
+        """``lora.manager.call`` on every replica's core."""
+        return self._control("lora", method, *args)
 
     def preempt_all(self) -> None:
         """Every replica frees every block (``features/idle.preempt_all``); its stats follow."""

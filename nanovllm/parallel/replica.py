@@ -13,7 +13,7 @@ class ReplicaDied(RuntimeError):
 @dataclass
 class ReplicaCall:
     # EngineCore.add_request's arguments
-    adds: list[tuple[int, list[int], SamplingParams, bool]] = field(default_factory=list)
+    adds: list[tuple[int, list[int], SamplingParams, bool, object]] = field(default_factory=list)
     aborts: list[int] = field(default_factory=list)
     finishes: list[tuple[int, int]] = field(default_factory=list)  # (seq_id, request_id)
     step: bool = True
@@ -30,7 +30,7 @@ class ReplicaControl:
     args: tuple = ()
 
 
-CONTROL_METHODS = ("collective_rpc", "reset_prefix_cache", "preempt_all")
+CONTROL_METHODS = ("collective_rpc", "reset_prefix_cache", "preempt_all", "lora")
 
 
 @dataclass
@@ -54,8 +54,8 @@ class ReplicaServer:
 
     def call(self, call: ReplicaCall) -> ReplicaReply:
         core = self.core
-        for request_id, token_ids, sampling_params, report_every_step in call.adds:
-            core.add_request(request_id, token_ids, sampling_params, report_every_step)
+        for add in call.adds:
+            core.add_request(*add)
         for request_id in call.aborts:
             core.abort_request(request_id)
         for seq_id, request_id in call.finishes:
@@ -77,6 +77,10 @@ class ReplicaServer:
 
             preempt_all(self.core)
             return self.core.stats()
+        if control.method == "lora":
+            from nanovllm.lora.manager import call
+
+            return call(self.core, *control.args)
         return getattr(self.core, control.method)(*control.args)
 
     def exit(self) -> None:

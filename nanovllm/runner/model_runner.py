@@ -39,6 +39,13 @@ def check_parallel() -> None:
 
 
 class ModelRunner:
+    def __new__(cls, config: Config, *args, **kwargs):
+        if config.lora_config is not None and cls is ModelRunner:  # adapters: lora/runner.py
+            from nanovllm.lora.runner import LoRAModelRunner
+
+            cls = LoRAModelRunner
+        return super().__new__(cls)
+
     def __init__(self, config: Config, rank: int, dist_port: int, watch: Callable = None):
         self.model = self.kv_cache = self.graphs = self.sampled = None
         self.rank = rank
@@ -80,19 +87,7 @@ class ModelRunner:
             from nanovllm.parallel.group import enable_custom_all_reduce
 
             enable_custom_all_reduce(self.device, self.dtype)  # (only CUDA graphs use it)
-        default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(self.dtype)
-        try:
-            with self.device:
-                self.model = build_model(hf_config, config.weight_quantization)
-        finally:
-            torch.set_default_dtype(default_dtype)
-        if config.load_format == "dummy":  # drawn from the seed, alike on every replica
-            from nanovllm.utils.checkpoint import init_dummy_weights
-
-            init_dummy_weights(self.model, (config.seed or 0) - config.seed_offset)
-        else:
-            load_model(self.model, config.model, hf_config)
+        self.model = self.make_model(config)
         for module in self.model.modules():
             if isinstance(module, Attention):
                 module.backend = backend
@@ -100,6 +95,22 @@ class ModelRunner:
         self._build_buffers()
         self.num_kvcache_blocks = kv_cache.num_blocks(self)
         self.allocate_cache(buffers=False)
+
+    def make_model(self, config: Config):
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with self.device:
+                model = build_model(config.hf_config, config.weight_quantization)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        if config.load_format == "dummy":  # drawn from the seed, alike on every replica
+            from nanovllm.utils.checkpoint import init_dummy_weights
+
+            init_dummy_weights(model, (config.seed or 0) - config.seed_offset)
+        else:
+            load_model(model, config.model, config.hf_config)
+        return model
 
     def _build_buffers(self) -> None:
         # each step's sampled ids, where the next step reads the tokens the host does not know yet

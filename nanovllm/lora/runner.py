@@ -1,0 +1,45 @@
+"""A model runner whose linear layers add each row's adapter (``Config.lora_config``)."""
+
+import numpy as np
+
+from nanovllm.engine.step import Step
+from nanovllm.lora.batch import AdapterBatch
+from nanovllm.lora.layers import load_slot, wrap_model
+from nanovllm.runner.model_runner import ModelRunner
+
+
+class LoRAModelRunner(ModelRunner):
+    """Adapters live in ``max_loras`` slots of every target layer; ``Step.adapters`` names each
+    sequence's slot (-1: the base model), the same on every rank."""
+
+    def make_model(self, config):
+        if config.weight_quantization is not None:
+            msg = "LoRA adapters run on float weights: drop quantization='fp8' or enable_lora"
+            raise ValueError(f"enable_lora=True with FP8 weights is not supported; {msg}")
+        model = super().make_model(config)
+        lc = config.lora_config
+        max_rows = max(config.max_num_batched_tokens, config.max_num_seqs)
+        self.adapters = AdapterBatch(lc.max_loras, max_rows, self.device)
+        self.lora_layers = wrap_model(model, lc.max_loras, lc.max_lora_rank, self.adapters)
+        return model
+
+    def capture_graphs(self, largest_only: bool = False):
+        self.adapters.capturing()
+        try:
+            return super().capture_graphs(largest_only)
+        finally:
+            self.adapters.active = False
+
+    def run(self, step: Step):
+        n = step.num_seqs
+        graphed = not step.is_prefill and self.graphs is not None
+        graphed = graphed and self.graphs.padded_batch(n) is not None
+        slots = np.full(n, -1, dtype=np.int64) if step.adapters is None else np.array(step.adapters)
+        if step.is_prefill:
+            slots = np.repeat(slots, step.num_new)
+        self.adapters.set_rows(slots, graphed)
+        return super().run(step)
+
+    def load_lora(self, slot: int, weights: dict) -> None:
+        """An adapter's weights into ``slot`` (every rank, between steps)."""
+        load_slot(self.lora_layers, slot, weights, self.config.lora_config.max_lora_rank)
