@@ -116,7 +116,6 @@ def _check_options(o: dict) -> None:
     if o["tools"] is not None and not isinstance(o["tools"], list):
         raise TypeError(f"tools must be a list of dicts or None, got {o['tools']!r}")
     unsupported = {
-        "lora_request": (o["lora_request"], "None (LoRA adapters are not supported)"),
         "tokenization_kwargs": (o["tokenization_kwargs"], "None or {} (the template's tokens)"),
         "mm_processor_kwargs": (o["mm_processor_kwargs"], "None or {} (no multi-modal input)"),
     }
@@ -156,4 +155,4 @@ def chat(
     options = dict(locals())
     _check_options(options)
     prompts = render(llm.tokenizer, messages, options)
-    return llm.generate(prompts, sampling_params, use_tqdm)
+    return llm.generate(prompts, sampling_params, use_tqdm, lora_request)

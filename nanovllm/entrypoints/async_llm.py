@@ -106,7 +106,6 @@ class AsyncLLM:
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use by a live request")
         for name, value, default in (
-            ("lora_request", lora_request, None),
             ("priority", priority, 0),
             ("data_parallel_rank", data_parallel_rank, None),
         ):
@@ -119,7 +118,7 @@ class AsyncLLM:
         live = Live(request_id, collector, asyncio.get_running_loop(), kind, 1)
         self._streams[request_id] = collector
         try:
-            self._engine.post(self._engine.add, live, prompt, sampling_params)
+            self._engine.post(self._engine.add, live, prompt, sampling_params, lora_request)
             while True:
                 out = await collector.get()
                 if out.finished:  # the id is free again as soon as the last output is out
@@ -205,6 +204,18 @@ class AsyncLLM:
 
     async def is_sleeping(self) -> bool:
         return await self._call(self.llm.is_sleeping)
+
+    async def add_lora(self, lora_request) -> bool:
+        return await self._call(self.llm.add_lora, lora_request)
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        return await self._call(self.llm.remove_lora, lora_id)
+
+    async def list_loras(self) -> set[int]:
+        return await self._call(self.llm.list_loras)
+
+    async def pin_lora(self, lora_id: int) -> bool:
+        return await self._call(self.llm.pin_lora, lora_id)
 
     async def get_stats(self) -> dict:
         """``LLM.get_stats()``, read on the engine thread."""

@@ -3,6 +3,7 @@
 import queue
 import threading
 
+from nanovllm.entrypoints import step_loop
 from nanovllm.entrypoints.output_kinds import Live, aborted_output, request_output
 from nanovllm.sampling_params import RequestOutputKind
 
@@ -135,7 +136,7 @@ class EngineThread:
 
     # ---- requests ----------------------------------------------------------------------------
 
-    def add(self, live: Live, prompt, sampling_params) -> None:
+    def add(self, live: Live, prompt, sampling_params, lora_request=None) -> None:
         try:
             if self.paused in ("abort", "wait"):
                 raise RetryableRequestError(
@@ -146,6 +147,7 @@ class EngineThread:
             if sampling_params is None:
                 sampling_params = self.llm.get_default_sampling_params()
             checked = self.llm.inputs.check(prompt, sampling_params, f"request {live.key!r}")
+            checked = step_loop.checked(self.llm, checked, lora_request)
         except Exception as e:
             post_to(live.loop, live.stream.put, e)
             return

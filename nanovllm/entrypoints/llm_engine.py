@@ -4,6 +4,7 @@
 
 from nanovllm.engine.arg_utils import from_engine_args
 from nanovllm.entrypoints.output_kinds import Live, request_output
+from nanovllm.entrypoints.step_loop import checked
 from nanovllm.outputs import RequestOutput
 from nanovllm.sampling_params import SamplingParams
 
@@ -27,14 +28,12 @@ class LLMEngine:
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
         if request_id in self.live:
             raise ValueError(f"request_id {request_id!r} is in use by an unfinished request")
-        if lora_request is not None:
-            msg = f"must be None (nano-vllm has no LoRA), got {lora_request!r}"
-            raise ValueError(f"lora_request {msg}")
         if not isinstance(params, SamplingParams):
             msg = "a SamplingParams (pooling is not supported)"
             raise TypeError(f"params must be {msg}, got {type(params).__name__}")
-        token_ids, sp, text = llm.inputs.check(prompt, params, f"request {request_id!r}")
-        internal_id = llm._queue(token_ids, sp, text, stream=True)
+        request = llm.inputs.check(prompt, params, f"request {request_id!r}")
+        sp = request[1]
+        internal_id = llm._queue(*checked(llm, request, lora_request), stream=True)
         llm._owned.add(internal_id)
         self.live[request_id] = Live(request_id, None, None, sp.output_kind, sp.n, internal_id)
         return request_id
@@ -84,6 +83,18 @@ class LLMEngine:
 
     def get_default_sampling_params(self) -> SamplingParams:
         return self.llm.get_default_sampling_params()
+
+    def add_lora(self, lora_request) -> bool:
+        return self.llm.add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.llm.remove_lora(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self.llm.list_loras()
+
+    def pin_lora(self, lora_id: int) -> bool:
+        return self.llm.pin_lora(lora_id)
 
     def exit(self) -> None:
         self.live.clear()

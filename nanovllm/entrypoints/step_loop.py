@@ -4,10 +4,21 @@
 from nanovllm.sampling_params import SamplingParams
 
 
-def add_request(llm, prompt, sampling_params: SamplingParams) -> int:
+def add_request(llm, prompt, sampling_params: SamplingParams, lora_request=None) -> int:
     """Queue one request; returns its id (``step`` reports completion ``i`` as id + i)."""
     llm._check_running()
-    return llm._queue(*llm.inputs.check(prompt, sampling_params, "prompt"))
+    return llm._queue(
+        *checked(llm, llm.inputs.check(prompt, sampling_params, "prompt"), lora_request)
+    )
+
+
+def checked(llm, request: tuple, lora_request) -> tuple:
+    """A checked request with its adapter (``lora_request``: a LoRARequest or None)."""
+    if lora_request is None:
+        return request
+    from nanovllm.lora.api import with_adapters
+
+    return with_adapters(llm, [request], lora_request)[0]
 
 
 def abort_request(llm, request_id: int) -> bool:

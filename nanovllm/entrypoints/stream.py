@@ -6,9 +6,13 @@ from contextlib import closing
 from nanovllm.engine.detokenizer import increments
 
 
-def stream(llm, prompts, sampling_params=None) -> Iterator[dict]:
+def stream(llm, prompts, sampling_params=None, lora_request=None) -> Iterator[dict]:
     llm._check_running()
     requests = llm.inputs.check_all(prompts, sampling_params, llm.get_default_sampling_params)
+    if lora_request is not None:
+        from nanovllm.lora.api import with_adapters
+
+        requests = with_adapters(llm, requests, lora_request)
     return _increments(llm, requests)
 
 
