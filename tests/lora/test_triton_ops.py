@@ -1,15 +1,18 @@
-"""The batched multi-LoRA kernels (``add_lora``) against a float64 reference, the torch reference
-against the definition, tile choice and input validation.
+"""The batched multi-LoRA kernels (``add_lora``) against a float64 reference; the torch reference,
+tile choice, input validation and the benchmark's arguments.
 
-On the CPU the Triton cases run under the Triton interpreter (in one subprocess: this file run as a
-script), small and mostly float32: uneven slots, slot ranges out of slot order with gaps in
-``order``, ranks that are not powers of two, split K, strided ``x``, ``max_rows`` past every count.
-Rows of no slot must come back bitwise unchanged. On a CUDA GPU: real shapes in float32 and bf16,
-and a CUDA-graph capture replayed with new slot assignments.
+On the CPU the Triton cases run under the interpreter (in one subprocess: this file run as a script),
+small, mostly float32: uneven slots, slot ranges out of slot order with gaps, ranks not powers of
+two, split K, strided ``x``, ``max_rows`` past every count; rows of no slot must keep their bits.
+On a CUDA GPU: real shapes in float32 and bf16, and a CUDA-graph capture replayed with new slots.
 """
 
+import importlib.util
 import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -178,7 +181,9 @@ def valid_inputs() -> dict:
     return make_batch(5, 8, 6, 4, [2, 1])
 
 
+DTYPES = "(torch.bfloat16, torch.float16, torch.float32)"
 BAD_INPUTS = [
+    ("y", torch.zeros(5, 6).double(), f"y.dtype must be one of {DTYPES}, got torch.float64"),
     (
         "y",
         torch.zeros(5, 6, 1),
@@ -214,10 +219,27 @@ def test_rejects_bad_inputs(name, value, message):
         add_lora(**args | {name: value})
 
 
-def test_rejects_unsupported_dtype():
-    args = {n: t.double() if t.is_floating_point() else t for n, t in valid_inputs().items()}
-    with pytest.raises(TypeError, match=re.escape("y.dtype must be one of")):
-        add_lora(**args, max_rows=2)
+BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "lora_kernels.py"
+
+
+def test_benchmark_arguments_and_shapes():
+    spec = importlib.util.spec_from_file_location("lora_kernels_bench", BENCHMARK)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = bench.parse_args(["--models", "8b", "--tokens", "1", "8192", "--rank", "8"])
+    assert (args.models, args.tokens, args.rank, args.slots) == (["8b"], [1, 8192], 8, 4)
+    expected = {"qkv": (1024, 4096, 48), "o": (2048, 1024, 16), "gate_up": (1024, 6144, 32)}
+    assert bench.projections("0.6b", 16) == expected | {"down": (3072, 1024, 16)}
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--rank", "0"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
+def test_benchmark_exits_clearly_without_gpu():
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARK), "--tokens", "1"], capture_output=True, text=True
+    )
+    assert proc.returncode == 1 and "needs a CUDA GPU" in proc.stderr, proc.stderr[-1000:]
 
 
 # ---- GPU: real shapes against the float64 reference ----------------------------------------------
