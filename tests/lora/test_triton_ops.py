@@ -1,7 +1,7 @@
 """The batched multi-LoRA kernels (``add_lora``) against a float64 reference; the torch reference,
 tile choice, input validation and the benchmark's arguments.
 
-On the CPU the Triton cases run under the interpreter (in one subprocess: this file run as a script),
+On the CPU the Triton cases run under the interpreter (one subprocess: this file run as a script),
 small, mostly float32: uneven slots, slot ranges out of slot order with gaps, ranks not powers of
 two, split K, strided ``x``, ``max_rows`` past every count; rows of no slot must keep their bits.
 On a CUDA GPU: real shapes in float32 and bf16, and a CUDA-graph capture replayed with new slots.
