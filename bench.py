@@ -97,6 +97,22 @@ def gpu_memory_report() -> str:
     )
 
 
+def lora_requests(model: str, n: int, rank: int, num_seqs: int):
+    """``num_seqs`` requests spread round-robin over ``n`` random adapters (None when n is 0)."""
+    from transformers import AutoConfig
+
+    from nanovllm.lora.random_adapter import save_random_adapter
+    from nanovllm.lora.request import LoRARequest
+
+    tmp = tempfile.TemporaryDirectory(prefix="nanovllm-lora-")
+    hf_config = AutoConfig.from_pretrained(model)
+    folders = [
+        save_random_adapter(f"{tmp.name}/{i}", hf_config, rank=rank, seed=i) for i in range(n)
+    ]
+    loras = [LoRARequest(f"adapter{i}", i + 1, folder) for i, folder in enumerate(folders)]
+    return ([loras[i % n] for i in range(num_seqs)] if n else None), tmp
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -155,6 +171,15 @@ def main() -> None:
         action="store_true",
         help="LLM(disable_custom_all_reduce=True): NCCL for every all-reduce of --tp",
     )
+    parser.add_argument(
+        "--lora",
+        type=int,
+        default=None,
+        metavar="N",
+        help="LLM(enable_lora=True, max_loras=max(N, 1)); requests spread over N random adapters "
+        "(0: none) of --lora-rank on all seven projections",
+    )
+    parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument(
         "--profile",
         action="store_true",
@@ -233,11 +258,18 @@ def main() -> None:
         profiler = GpuProfiler(args.profile_trace)
 
     prompts, params = workload(args.num_seqs, **sampling)
+    loras = None
+    if args.lora is not None:  # only then, so this script also runs on engines without LoRA
+        loras, lora_tmp = lora_requests(path, args.lora, args.lora_rank, args.num_seqs)
+        llm_kwargs |= dict(enable_lora=True, max_loras=max(args.lora, 1))
+        llm_kwargs["max_lora_rank"] = args.lora_rank
     with LLM(path, **llm_kwargs) as llm:
         llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
         with profiler:
             t = time.perf_counter()
-            llm.generate(prompts, params, use_tqdm=False)
+            llm.generate(
+                prompts, params, use_tqdm=False, **({"lora_request": loras} if loras else {})
+            )
             t = time.perf_counter() - t
         # with data parallelism the runners live in the replicas: the configured name stands
         # for them
@@ -265,6 +297,7 @@ def main() -> None:
         f"sampling={sampling or 'temperature 0.6'} "
         f"model={'random:' + args.random if args.random else path} "
         f"profiled={profiling}"
+        + (f" lora={args.lora}x r{args.lora_rank}" if args.lora is not None else "")
     )
     print(f"Total: {total}tok, Time: {t:.2f}s, Throughput: {total / t:.2f}tok/s")
     if memory:
