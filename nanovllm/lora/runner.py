@@ -24,22 +24,39 @@ class LoRAModelRunner(ModelRunner):
         return model
 
     def capture_graphs(self, largest_only: bool = False):
+        base = super().capture_graphs(largest_only)
         self.adapters.capturing()
         try:
-            return super().capture_graphs(largest_only)
+            return GraphPair(base, super().capture_graphs(largest_only))
         finally:
             self.adapters.active = False
 
     def run(self, step: Step):
         n = step.num_seqs
-        graphed = not step.is_prefill and self.graphs is not None
-        graphed = graphed and self.graphs.padded_batch(n) is not None
         slots = np.full(n, -1, dtype=np.int64) if step.adapters is None else np.array(step.adapters)
         if step.is_prefill:
             slots = np.repeat(slots, step.num_new)
+        lora = step.adapters is not None and max(step.adapters) >= 0
+        graphed = lora and not step.is_prefill and self.graphs is not None
+        graphed = graphed and self.graphs.padded_batch(n) is not None
         self.adapters.set_rows(slots, graphed)
+        if self.graphs is not None:
+            self.graphs.lora = graphed
         return super().run(step)
 
     def load_lora(self, slot: int, weights: dict) -> None:
         """An adapter's weights into ``slot`` (every rank, between steps)."""
         load_slot(self.lora_layers, slot, weights, self.config.lora_config.max_lora_rank)
+
+
+class GraphPair:
+    """Decode graphs of the base model, and with the LoRA kernels (``lora``: replay those)."""
+
+    def __init__(self, base, with_lora):
+        self.base, self.with_lora, self.lora = base, with_lora, False
+
+    def padded_batch(self, n: int) -> int | None:
+        return self.base.padded_batch(n)
+
+    def replay(self, n: int, batch: int):
+        return (self.with_lora if self.lora else self.base).replay(n, batch)

@@ -71,9 +71,9 @@ def peft_greedy(model, prompt: list[int], max_tokens: int) -> tuple[GreedyRef, l
 
 
 def prompts(seed: int = 3) -> list[list[int]]:
-    """Lengths across block boundaries (block size 16), with a shared 32-token prefix."""
-    out = random_prompts(seed, [5, 17, 40])
-    return out + [out[2][:32] + out[0]]
+    """Lengths whose 8 new tokens cross a block boundary (16), and a shared 32-token prefix."""
+    out = random_prompts(seed, [10, 14, 27, 40])
+    return out + [out[3][:32] + out[0]]
 
 
 def make_llm(base: str, **kwargs):
