@@ -5,6 +5,7 @@ from nanovllm.config import Config
 
 ALIASES = {"block_size": "kvcache_block_size", "num_gpu_blocks_override": "num_kvcache_blocks"}
 LORA_OPTIONS = ("enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")
+FP8_AND_LORA = "enable_lora=True with FP8 weights is not supported: adapters run on float weights"
 # option: (its default, the values accepted; None: any value, since nothing here reads it)
 OPTIONS = {
     # logging, metrics and start-up messages
@@ -116,7 +117,10 @@ def config_kwargs(kwargs: dict) -> dict:
     if lora:
         from nanovllm.lora.config import lora_config
 
-        out["lora_config"] = lora_config(**lora)
+        if (config := lora_config(**lora)) is not None:
+            if out.get("quantization") is not None:
+                raise ValueError(FP8_AND_LORA)
+            out["lora_config"] = config
     for key, value in kwargs.items():
         if key in names:
             continue

@@ -14,8 +14,9 @@ class LoRAModelRunner(ModelRunner):
 
     def make_model(self, config):
         if config.weight_quantization is not None:
-            msg = "LoRA adapters run on float weights: drop quantization='fp8' or enable_lora"
-            raise ValueError(f"enable_lora=True with FP8 weights is not supported; {msg}")
+            from nanovllm.entrypoints.options import FP8_AND_LORA
+
+            raise ValueError(FP8_AND_LORA)
         model = super().make_model(config)
         lc = config.lora_config
         max_rows = max(config.max_num_batched_tokens, config.max_num_seqs)

@@ -162,7 +162,7 @@ def test_chat_options_render_as_the_template(full_vocab):
     "kwargs, error, words",
     [
         (dict(continue_final_message=True), ValueError, "add_generation_prompt"),
-        (dict(lora_request=object()), ValueError, "lora_request"),
+        (dict(lora_request=object()), TypeError, "lora_request must be a LoRARequest"),
         (dict(mm_processor_kwargs={"a": 1}), ValueError, "mm_processor_kwargs"),
         (dict(tokenization_kwargs={"truncation": True}), ValueError, "tokenization_kwargs"),
         (dict(priority=1), ValueError, "priority"),

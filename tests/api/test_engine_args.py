@@ -93,8 +93,15 @@ def test_vllm_options_mapped_dropped_or_refused():
         config_kwargs({"enable_chunked_prefill": False})
     with pytest.raises(ValueError, match=r"pipeline_parallel_size=2 is not supported.*accepts 1"):
         config_kwargs({"pipeline_parallel_size": 2})
-    with pytest.raises(ValueError, match=r"enable_lora=1 is not supported"):
-        config_kwargs({"enable_lora": 1})  # not a bool: nothing of equal value passes for one
+    with pytest.raises(ValueError, match=r"enable_lora must be a bool, got 1"):
+        config_kwargs({"enable_lora": 1})
+    assert config_kwargs({"max_loras": 3}) == {}  # LoRA off: its limits change nothing
+    lora = config_kwargs({"enable_lora": True, "max_loras": 3, "max_lora_rank": 8})["lora_config"]
+    assert (lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras) == (3, 8, 3)
+    with pytest.raises(ValueError, match=r"max_cpu_loras must be >= max_loras \(3\), got 2"):
+        config_kwargs({"enable_lora": True, "max_loras": 3, "max_cpu_loras": 2})
+    with pytest.raises(ValueError, match=r"max_lora_rank must be an int >= 1, got 0"):
+        config_kwargs({"enable_lora": True, "max_lora_rank": 0})
     with pytest.raises(ValueError, match=r"block_size=16 and kvcache_block_size=32 disagree"):
         config_kwargs({"block_size": 16, "kvcache_block_size": 32})
     assert config_kwargs({"block_size": 16, "kvcache_block_size": 256}) == {

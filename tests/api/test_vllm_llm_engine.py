@@ -102,7 +102,7 @@ def test_abort_duplicate_and_bad_ids(engine, reference):
         engine.add_request("x", PROMPTS[0], long)
     with pytest.raises(TypeError, match="request_id must be a str, got int"):
         engine.add_request(3, PROMPTS[0], long)
-    with pytest.raises(ValueError, match="lora_request must be None"):
+    with pytest.raises(TypeError, match="lora_request must be a LoRARequest"):
         engine.add_request("z", PROMPTS[0], long, lora_request=object())
     engine.step()
     engine.step()
