@@ -29,7 +29,6 @@ MODEL_CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", 
 MODEL_CONFIG_KEYS += ("vocab_size",)
 MOE_CONFIG_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
 ARCHITECTURE_CONFIG_KEYS = {"Qwen3MoeForCausalLM": MOE_CONFIG_KEYS}
-TP_SPLIT_KEYS = ("num_attention_heads", "num_key_value_heads", "vocab_size", "intermediate_size")
 
 
 @dataclass
@@ -92,7 +91,10 @@ class Config:
         architecture(self.hf_config)  # an unsupported model fails here, before any weights load
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
         device = self.resolved_device()
-        self._check_parallel(device)
+        if self.tensor_parallel_size * self.data_parallel_size > 1:
+            from nanovllm.parallel.config_checks import check_parallel
+
+            check_parallel(self, device)
         if self.quantization or getattr(self.hf_config, "quantization_config", None) is not None:
             from nanovllm.quantization import resolve_quantization
 
@@ -140,23 +142,6 @@ class Config:
         if self.quantization not in (None, "fp8"):
             msg = f"must be None or 'fp8', got {self.quantization!r}"
             raise ValueError(f"Config.quantization {msg}")
-
-    def _check_parallel(self, device: str) -> None:
-        tp, dp = self.tensor_parallel_size, self.data_parallel_size
-        for name in TP_SPLIT_KEYS:  # KV heads may instead be fewer than ranks: then replicated
-            value = getattr(self.hf_config, name)
-            if value % tp and (name != "num_key_value_heads" or tp % value):
-                msg = f"must divide the model's {name} ({value})"
-                raise ValueError(f"Config.tensor_parallel_size={tp} {msg}")
-        if device == "cuda" and self.data_parallel_backend == "mp":
-            import torch
-
-            visible = torch.cuda.device_count()
-            if tp * dp > visible:
-                need = f"tensor_parallel_size={tp}"
-                need = need if dp == 1 else f"data_parallel_size={dp} × {need}"
-                msg = f"needs {tp * dp} GPUs, but only {visible} GPU(s) are visible"
-                raise ValueError(f"Config.{need} {msg}")
 
     def _check_kv_cache_fits(self, device: str) -> None:
         import torch

@@ -1,6 +1,7 @@
 """Builders and checks shared by the BlockManager and Scheduler tests (no torch, no model)."""
 
 import struct
+from types import SimpleNamespace
 
 import xxhash
 
@@ -34,14 +35,10 @@ def make_scheduler(
     max_model_len: int = 256,
     eos_token_id: int | list[int] | None = None,
 ) -> Scheduler:
-    return Scheduler(
-        num_blocks=num_blocks,
-        block_size=block_size,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_model_len=max_model_len,
-        eos_token_id=eos_token_id,
-    )
+    limits = SimpleNamespace(kvcache_block_size=block_size, max_num_seqs=max_num_seqs)
+    limits.max_num_batched_tokens, limits.max_model_len = max_num_batched_tokens, max_model_len
+    eos = [] if eos_token_id is None else eos_token_id
+    return Scheduler(limits, num_blocks, [eos] if isinstance(eos, int) else eos)
 
 
 def expected_hash(token_ids: list[int], prev: int | None = None) -> int:

@@ -41,14 +41,7 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.executor = executor
         self.num_kvcache_blocks = executor.num_kvcache_blocks
-        self.scheduler = Scheduler(
-            num_blocks=self.num_kvcache_blocks,
-            block_size=config.kvcache_block_size,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=config.max_model_len,
-            eos_token_id=eos_token_ids,
-        )
+        self.scheduler = Scheduler(config, self.num_kvcache_blocks, eos_token_ids)
         self.eos_token_ids = eos_token_ids
         self.rng = Random(config.seed)  # draws seeds of unseeded requests
         self.scheduler.block_manager.caching = config.enable_prefix_caching

@@ -10,22 +10,14 @@ class Scheduler:
     """``waiting``: prompts not fully computed (only the head holds blocks, in a chunked prefill);
     ``running``: sequences in decode. Both FIFO."""
 
-    def __init__(
-        self,
-        *,
-        num_blocks: int,
-        block_size: int,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        max_model_len: int,
-        eos_token_id: int | list[int] | None,
-    ):
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_model_len = max_model_len
-        eos = [] if eos_token_id is None else eos_token_id
-        self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else eos)
-        self.block_manager = BlockManager(num_blocks, block_size)
+    def __init__(self, config, num_blocks: int, eos_token_ids: list[int]):
+        """``config``: the limits (max_num_seqs, max_num_batched_tokens, max_model_len) and the
+        block size of ``Config``."""
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = config.max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.block_manager = BlockManager(num_blocks, config.kvcache_block_size)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0

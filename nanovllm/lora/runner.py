@@ -1,16 +1,16 @@
-"""A model runner whose linear layers add each row's adapter (``Config.lora_config``)."""
+"""The model runner with LoRA adapters (``Config.lora_config``)."""
 
 import numpy as np
 
 from nanovllm.engine.step import Step
 from nanovllm.lora.batch import AdapterBatch
 from nanovllm.lora.layers import load_slot, wrap_model
-from nanovllm.runner.model_runner import ModelRunner
 
 
-class LoRAModelRunner(ModelRunner):
-    """Adapters live in ``max_loras`` slots of every target layer; ``Step.adapters`` names each
-    sequence's slot (-1: the base model), the same on every rank."""
+class LoRARunner:
+    """``ModelRunner``'s LoRA part, mixed in ahead of it. Adapters live in ``max_loras`` slots of
+    every target layer; ``Step.adapters`` names each sequence's slot (-1: the base model), the
+    same on every rank."""
 
     def make_model(self, config):
         if config.weight_quantization is not None:

@@ -41,9 +41,9 @@ def check_parallel() -> None:
 class ModelRunner:
     def __new__(cls, config: Config, *args, **kwargs):
         if config.lora_config is not None and cls is ModelRunner:  # adapters: lora/runner.py
-            from nanovllm.lora.runner import LoRAModelRunner
+            from nanovllm.lora.runner import LoRARunner
 
-            cls = LoRAModelRunner
+            cls = type("LoRAModelRunner", (LoRARunner, ModelRunner), {})
         return super().__new__(cls)
 
     def __init__(self, config: Config, rank: int, dist_port: int, watch: Callable = None):
