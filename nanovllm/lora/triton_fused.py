@@ -103,29 +103,29 @@ def _fused_kernel(
         y_ptrs += BLOCK_N * stride_yn
 
 
-def fused_blocks(block_m: int, rank: int) -> tuple[int, int, int]:
+def fused_blocks(block_m: int, rank: int, elem_bytes: int = 2) -> tuple[int, int, int]:
     """block_n, block_k, block_r of the fused kernel: the whole rank padded to a power of two
-    >= 16, A tiles of <= 8K elements, B tiles of <= 16K and output tiles of <= 8K."""
+    >= 16, A tiles of <= 16 KiB, B tiles of <= 32 KiB and output tiles of <= 8K elements."""
     block_r = max(16, triton.next_power_of_2(rank))
-    block_k = min(128, max(32, 8192 // block_r))
-    block_n = min(256, max(32, 16384 // block_r), 8192 // block_m)
+    block_k = min(128, max(32, 8192 * 2 // elem_bytes // block_r))
+    block_n = min(256, max(32, 16384 * 2 // elem_bytes // block_r), 8192 // block_m)
     return block_n, block_k, block_r
 
 
-def fused_plan(rows_per_slot: int, num_slots: int, max_rows: int, k: int, n: int, rank: int):
+def fused_plan(rows_per_slot, num_slots, max_rows, k, n, rank, elem_bytes: int = 2):
     """(estimated microseconds, block_m, n_split) of the cheapest fused launch in a model of L2
     reads: every program reads its rows of x and all of A[s] over K, then B[s] and y over its
     columns; the time is the busiest SM's reads or all reads over L2 bandwidth, whichever is
     longer, plus the programs that exit at once."""
     best = None
     for block_m in [m for m in (16, 32, 64) if m == 16 or m // 2 < rows_per_slot]:
-        block_n, _, _ = fused_blocks(block_m, rank)
+        block_n, _, _ = fused_blocks(block_m, rank, elem_bytes)
         live = num_slots * triton.cdiv(rows_per_slot, block_m)
         n_tiles = triton.cdiv(n, block_n)
         for n_split in sorted({triton.cdiv(n_tiles, t) for t in range(1, n_tiles + 1)}):
             cols = triton.cdiv(n_tiles, n_split) * block_n
             rows = min(block_m, rows_per_slot)
-            program = 2 * ((rows + rank) * k + cols * (rank + 2 * rows))  # bytes
+            program = elem_bytes * ((rows + rank) * k + cols * (rank + 2 * rows))  # bytes
             programs = live * n_split
             grid = triton.cdiv(max_rows, block_m) * n_split * num_slots
             us = max(
@@ -167,4 +167,5 @@ def launch_fused(y, x, lora_a, lora_b, order, starts, counts, max_rows: int, til
         BLOCK_K=tile.block_k,
         BLOCK_R=tile.block_r,
         num_warps=tile.num_warps,
+        num_stages=2 if x.element_size() == 4 else 3,  # shared memory of float32 tiles
     )

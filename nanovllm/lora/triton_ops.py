@@ -37,14 +37,15 @@ class LoraTile(NamedTuple):
 
 
 @lru_cache(maxsize=4096)
-def lora_tile(max_rows: int, num_tokens: int, k: int, n: int, rank: int, num_slots: int):
+def lora_tile(max_rows, num_tokens, k, n, rank, num_slots, elem_bytes: int = 2) -> LoraTile:
     """Up to ``FUSED_MAX_ROWS`` rows per slot and a padded rank <= 256: the fused kernel, its row
     block and column split from ``fused_plan`` (rows assumed spread evenly over the slots); else
     ``two_kernel_tile``."""
     if max_rows <= FUSED_MAX_ROWS and triton.next_power_of_2(rank) <= MAX_FUSED_RANK:
         rows_per_slot = max(1, min(max_rows, triton.cdiv(num_tokens, num_slots)))
-        _, block_m, n_split = fused_plan(rows_per_slot, num_slots, max_rows, k, n, rank)
-        block_n, block_k, block_r = fused_blocks(block_m, rank)
+        plan = fused_plan(rows_per_slot, num_slots, max_rows, k, n, rank, elem_bytes)
+        _, block_m, n_split = plan
+        block_n, block_k, block_r = fused_blocks(block_m, rank, elem_bytes)
         warps = 8 if block_m * block_r >= 8192 else 4
         return LoraTile(block_m, block_n, block_k, block_r, 1, True, n_split, warps)
     return two_kernel_tile(max_rows, num_tokens, k, rank, num_slots)
@@ -218,7 +219,8 @@ def add_lora(y, x, lora_a, lora_b, order, starts, counts, max_rows: int) -> None
     order[starts[s] : starts[s] + counts[s]]; other rows of y are untouched."""
     _check(y, x, lora_a, lora_b, order, starts, counts, max_rows)
     num_tokens, k = x.shape
-    tile = lora_tile(max_rows, num_tokens, k, y.shape[1], lora_a.shape[1], lora_a.shape[0])
+    num_slots, rank = lora_a.shape[:2]
+    tile = lora_tile(max_rows, num_tokens, k, y.shape[1], rank, num_slots, x.element_size())
     launch_lora(y, x, lora_a, lora_b, order, starts, counts, max_rows, tile)
 
 

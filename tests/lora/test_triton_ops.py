@@ -165,6 +165,7 @@ def test_tile_choice():
     64-row blocks and 128-wide output tiles for prefill; split K bounded by 16 and the scratch."""
     assert lora_tile(1, 1, 1024, 4096, 48, 4) == LoraTile(16, 256, 128, 64, 1, True, 8)
     assert lora_tile(16, 16, 4096, 6144, 192, 4) == LoraTile(16, 64, 32, 256, 1, True, 12)
+    assert lora_tile(1, 1, 1024, 4096, 48, 4, 4)[:4] == (16, 128, 64, 64)  # float32: half tiles
     decode = [lora_tile(t, t, 4096, 24576, 32, 4) for t in (1, 64, 256, 512)]
     assert all(tile.fused for tile in decode) and decode[0].block_m == 16
     assert [tile.n_split for tile in decode] == sorted((t.n_split for t in decode), reverse=True)
@@ -257,7 +258,7 @@ def test_gpu_add_lora(dtype, shape):
     (k, n, rank), dev = GPU_SHAPES[shape], "cuda"
     torch.manual_seed(k + n)
     for num_tokens in (1, 16, 64, 256, 512, 2048):
-        assert lora_tile(num_tokens, num_tokens, k, n, rank, 4).fused == (num_tokens <= 512)
+        assert lora_tile(num_tokens, num_tokens, k, n, rank, 4, 4).fused == (num_tokens <= 512)
         counts = gpu_counts(num_tokens)
         for max_rows in (num_tokens, max(counts)):
             got = check(num_tokens, k, n, rank, counts, dtype=dtype, device=dev, max_rows=max_rows)
