@@ -6,8 +6,10 @@ For each projection of Qwen3-0.6B and Qwen3-8B (qkv, o, gate_up, down; the LoRA 
 fused slice: qkv 3 * rank, gate_up 2 * rank) and each token count, rows spread evenly over the
 slots: GPU time of ``F.linear`` and of ``add_lora`` with ``max_rows`` the largest count (eager) and
 with ``max_rows`` the token count (a CUDA graph captured for that batch size), then with every count
-zero. Times are medians over CUDA-graph replays (each replay runs the call ``--calls`` times),
-timed with CUDA events, so launch overhead on the host is not counted.
+zero. ``path``: what ``add_lora`` chose for the graph (fused, or 2k: shrink and expand); ``2k us``:
+the two-kernel path at the same ``max_rows``, for comparison. Times are medians over CUDA-graph
+replays (each replays the call ``--calls`` times), timed with CUDA events: host launch overhead is
+not counted.
 """
 
 import argparse
@@ -89,13 +91,13 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("lora_kernels.py times GPU kernels: it needs a CUDA GPU (none is visible)")
-    from nanovllm.lora.triton_ops import add_lora
+    from nanovllm.lora.triton_ops import add_lora, launch_lora, lora_tile, two_kernel_tile
 
     torch.manual_seed(0)
     dtype, dev, slots = DTYPES[args.dtype], "cuda", args.slots
     bench = lambda fn: time_us(fn, args.replays, args.calls)  # noqa: E731
     header = f"{'model':5s} {'proj':7s} {'K':>5s} {'N':>6s} {'R':>3s} {'T':>5s} | "
-    print(header + "linear us | lora us (max_rows=max count, =T) | lora(=T)/linear")
+    print(header + "linear us | lora us (max_rows=max count, =T) path | 2k us | lora(=T)/linear")
     for model in args.models:
         for proj, (k, n, rank) in projections(model, args.rank).items():
             w = torch.randn(n, k, device=dev, dtype=dtype) * k**-0.5
@@ -113,11 +115,17 @@ def main(argv=None) -> None:
                 linear = bench(lambda: F.linear(x, w))
                 eager = float("nan") if zero else bench(lambda: lora(max_rows))
                 graph = bench(lambda: lora(num_tokens))
+                fused = lora_tile(num_tokens, num_tokens, k, n, rank, slots).fused
+                split = two_kernel_tile(num_tokens, num_tokens, k, rank, slots)
+                args2 = (y, x, lora_a, lora_b, order, starts, counts, num_tokens, split)
+                two_us = bench(lambda: launch_lora(*args2))
+                path = "fused" if fused else "2k"
                 label = "0/256" if zero else str(num_tokens)  # rows with an adapter / rows
                 eager_text = "-" if zero else f"{eager:.1f}"
                 print(
                     f"{model:5s} {proj:7s} {k:5d} {n:6d} {rank:3d} {label:>5s} | {linear:9.1f} | "
-                    f"{eager_text:>9s} {graph:9.1f}{'':13s} | {graph / linear:11.2f}"
+                    f"{eager_text:>9s} {graph:9.1f}{'':7s}{path:>5s} | {two_us:5.1f} | "
+                    f"{graph / linear:11.2f}"
                 )
 
 

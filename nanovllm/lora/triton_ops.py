@@ -1,17 +1,28 @@
-"""Batched multi-LoRA as two Triton kernels over rows grouped by adapter slot: shrink
+"""Batched multi-LoRA over rows grouped by adapter slot. Up to ``FUSED_MAX_ROWS`` rows per slot
+(decode): one fused kernel (``triton_fused``). More (prefill): two kernels, shrink
 ``u = x @ A[s].T`` (float32, optionally split along K into partial sums) and expand
 ``y += u @ B[s].T``. No host sync and no value-dependent shapes: safe inside CUDA-graph capture."""
 
+from functools import lru_cache
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from nanovllm.lora.triton_fused import (
+    MAX_FUSED_RANK,
+    _slot_rows,
+    fused_blocks,
+    fused_plan,
+    launch_fused,
+)
+
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_SPLIT_K = 16
 SPLIT_SCRATCH_ELEMENTS = 1 << 22  # split-K partial sums are not used past 16 MiB of float32
 TARGET_PROGRAMS = 256  # shrink programs wanted before splitting K stops (an H100 has 132 SMs)
+FUSED_MAX_ROWS = 512  # max_rows of the fused kernel: every CUDA-graph batch size of a decode
 
 
 class LoraTile(NamedTuple):
@@ -20,11 +31,29 @@ class LoraTile(NamedTuple):
     block_k: int  # shrink: input columns per step
     block_r: int  # rank columns per shrink program and per expand step (a power of two >= 16)
     split_k: int  # shrink: K split over this many programs, partial sums added by the expand
+    fused: bool = False  # one kernel; block_n is then the expand's step, block_r the whole rank
+    n_split: int = 1  # fused: output columns split over this many programs per row block
+    num_warps: int = 4  # fused
 
 
-def lora_tile(max_rows: int, num_tokens: int, k: int, rank: int, num_slots: int) -> LoraTile:
-    """Decode (few rows per slot) gets 16-row blocks and K split until ~256 shrink programs run;
-    prefill gets 64-row blocks and wider output tiles."""
+@lru_cache(maxsize=4096)
+def lora_tile(max_rows, num_tokens, k, n, rank, num_slots, elem_bytes: int = 2) -> LoraTile:
+    """Up to ``FUSED_MAX_ROWS`` rows per slot and a padded rank <= 256: the fused kernel, its row
+    block and column split from ``fused_plan`` (rows assumed spread evenly over the slots); else
+    ``two_kernel_tile``."""
+    if max_rows <= FUSED_MAX_ROWS and triton.next_power_of_2(rank) <= MAX_FUSED_RANK:
+        rows_per_slot = max(1, min(max_rows, triton.cdiv(num_tokens, num_slots)))
+        plan = fused_plan(rows_per_slot, num_slots, max_rows, k, n, rank, elem_bytes)
+        _, block_m, n_split = plan
+        block_n, block_k, block_r = fused_blocks(block_m, rank, elem_bytes)
+        warps = 8 if block_m * block_r >= 8192 else 4
+        return LoraTile(block_m, block_n, block_k, block_r, 1, True, n_split, warps)
+    return two_kernel_tile(max_rows, num_tokens, k, rank, num_slots)
+
+
+def two_kernel_tile(max_rows: int, num_tokens: int, k: int, rank: int, num_slots: int):
+    """Shrink and expand: few rows per slot get 16-row blocks and K split until ~256 shrink
+    programs run; prefill gets 64-row blocks and wider output tiles."""
     block_m = 16 if max_rows <= 64 else 32 if max_rows <= 256 else 64
     block_n = 64 if max_rows <= 256 else 128
     block_k = 64
@@ -34,16 +63,6 @@ def lora_tile(max_rows: int, num_tokens: int, k: int, rank: int, num_slots: int)
     split_k = min(MAX_SPLIT_K, max(1, k_steps // 2), max(1, TARGET_PROGRAMS // programs))
     split_k = max(1, min(split_k, SPLIT_SCRATCH_ELEMENTS // max(1, num_tokens * rank)))
     return LoraTile(block_m, block_n, block_k, block_r, split_k)
-
-
-@triton.jit
-def _slot_rows(slot, block, order_ptr, starts_ptr, count, BLOCK_M: tl.constexpr):
-    # the rows (token indices) of one block of a slot, and which are real
-    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = offs_m < count
-    start = tl.load(starts_ptr + slot)
-    tokens = tl.load(order_ptr + start + offs_m, mask=row_mask, other=0).to(tl.int64)
-    return tokens, row_mask
 
 
 @triton.jit(do_not_specialize=["split_stride", "k_per_split"])
@@ -199,7 +218,9 @@ def add_lora(y, x, lora_a, lora_b, order, starts, counts, max_rows: int) -> None
     """y[t] += (x[t] @ lora_a[s].T) @ lora_b[s].T for every adapter slot s and every row t in
     order[starts[s] : starts[s] + counts[s]]; other rows of y are untouched."""
     _check(y, x, lora_a, lora_b, order, starts, counts, max_rows)
-    tile = lora_tile(max_rows, x.shape[0], x.shape[1], lora_a.shape[1], lora_a.shape[0])
+    num_tokens, k = x.shape
+    num_slots, rank = lora_a.shape[:2]
+    tile = lora_tile(max_rows, num_tokens, k, y.shape[1], rank, num_slots, x.element_size())
     launch_lora(y, x, lora_a, lora_b, order, starts, counts, max_rows, tile)
 
 
@@ -209,6 +230,9 @@ def launch_lora(y, x, lora_a, lora_b, order, starts, counts, max_rows: int, tile
     num_slots, rank, _ = lora_a.shape
     n = y.shape[1]
     if max_rows == 0 or num_tokens == 0 or n == 0:
+        return
+    if tile.fused:
+        launch_fused(y, x, lora_a, lora_b, order, starts, counts, max_rows, tile)
         return
     k_per_split = triton.cdiv(triton.cdiv(k, tile.block_k), tile.split_k) * tile.block_k
     split_k = triton.cdiv(k, k_per_split)  # no split left empty
