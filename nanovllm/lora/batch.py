@@ -49,10 +49,10 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     """``y[t] += (x[t] a[s]^T) b[s]^T`` for the rows ``t`` of each slot ``s``: Triton on a GPU,
     one product per slot in torch elsewhere."""
     if y.is_cuda:
-        from nanovllm.lora.triton_ops import add_lora as triton_add_lora
+        from nanovllm.lora.triton_ops import launch_lora
 
         rows = batch.max_rows if batch.max_rows is not None else y.shape[0]
-        triton_add_lora(y, x, a, b, batch.order, batch.starts, batch.counts, rows)
+        launch_lora(y, x, a, b, batch.order, batch.starts, batch.counts, rows)
         return
     for slot, rows in batch.groups:
         y.index_add_(0, rows, (x[rows] @ a[slot].T) @ b[slot].T)
