@@ -4,12 +4,12 @@
 
 For each projection of Qwen3-0.6B and Qwen3-8B (qkv, o, gate_up, down; the LoRA rank stacked per
 fused slice: qkv 3 * rank, gate_up 2 * rank) and each token count, rows spread evenly over the
-slots: GPU time of ``F.linear`` and of ``add_lora`` with ``max_rows`` the largest count (eager) and
-with ``max_rows`` the token count (a CUDA graph captured for that batch size), then with every count
-zero. ``path``: what ``add_lora`` chose for the graph (fused, or 2k: shrink and expand); ``2k us``:
-the two-kernel path at the same ``max_rows``, for comparison. Times are medians over CUDA-graph
-replays (each replays the call ``--calls`` times), timed with CUDA events: host launch overhead is
-not counted.
+slots: GPU time of ``F.linear`` and of ``add_lora`` (one cuBLAS shrink for every slot, then one
+Triton expand) with ``max_rows`` the largest count (as run eagerly) and with ``max_rows`` the token
+count (as in a CUDA graph captured for that batch size), then with every count zero (256 tokens).
+``tile``: the expand's block_m x block_n x block_r that ``add_lora`` chose for ``max_rows`` = T.
+Times are medians over CUDA-graph replays (each replays the call ``--calls`` times), timed with
+CUDA events: host launch overhead is not counted.
 """
 
 import argparse
@@ -43,7 +43,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--rank", type=int, default=16, help="LoRA rank per slice")
     parser.add_argument("--slots", type=int, default=4, help="adapter slots, all used")
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256, 8192])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 256, 512, 8192])
     parser.add_argument("--replays", type=int, default=30, help="timed graph replays (median)")
     parser.add_argument("--calls", type=int, default=10, help="calls captured per graph")
     args = parser.parse_args(argv)
@@ -79,25 +79,23 @@ def time_us(fn, replays: int, calls: int) -> float:
     return statistics.median(times)
 
 
-def even_slots(num_tokens: int, num_slots: int, device) -> tuple:
-    """order, starts, counts: rows 0.. in slot order, counts as even as they come."""
-    counts = [num_tokens // num_slots + (s < num_tokens % num_slots) for s in range(num_slots)]
-    starts = [sum(counts[:s]) for s in range(num_slots)]
-    as_tensor = lambda v: torch.tensor(v, dtype=torch.int32, device=device)  # noqa: E731
-    return as_tensor(list(range(num_tokens))), as_tensor(starts), as_tensor(counts), max(counts)
+def even_counts(num_tokens: int, num_slots: int) -> list[int]:
+    """Rows per slot, as even as they come (the first slots take the remainder)."""
+    return [num_tokens // num_slots + (s < num_tokens % num_slots) for s in range(num_slots)]
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("lora_kernels.py times GPU kernels: it needs a CUDA GPU (none is visible)")
-    from nanovllm.lora.triton_ops import add_lora, launch_lora, lora_tile, two_kernel_tile
+    from nanovllm.lora.triton_ops import add_lora, lora_tile
 
     torch.manual_seed(0)
     dtype, dev, slots = DTYPES[args.dtype], "cuda", args.slots
     bench = lambda fn: time_us(fn, args.replays, args.calls)  # noqa: E731
+    as_tensor = lambda v: torch.tensor(v, dtype=torch.int32, device=dev)  # noqa: E731
     header = f"{'model':5s} {'proj':7s} {'K':>5s} {'N':>6s} {'R':>3s} {'T':>5s} | "
-    print(header + "linear us | lora us (max_rows=max count, =T) path | 2k us | lora(=T)/linear")
+    print(header + "linear us | lora us: max_rows=max count, =T | tile (=T) | lora(=T)/linear")
     for model in args.models:
         for proj, (k, n, rank) in projections(model, args.rank).items():
             w = torch.randn(n, k, device=dev, dtype=dtype) * k**-0.5
@@ -108,24 +106,20 @@ def main(argv=None) -> None:
                 num_tokens = 256 if zero else num_tokens
                 x = torch.randn(num_tokens, k, device=dev, dtype=dtype)
                 y = torch.zeros(num_tokens, n, device=dev, dtype=dtype)
-                order, starts, counts, max_rows = even_slots(num_tokens, slots, dev)
-                if zero:
-                    counts.zero_()
+                counts = [0] * slots if zero else even_counts(num_tokens, slots)
+                starts = [sum(counts[:s]) for s in range(slots)]
+                order = as_tensor(list(range(num_tokens)))
+                starts, counts, max_count = as_tensor(starts), as_tensor(counts), max(counts)
                 lora = lambda rows: add_lora(y, x, lora_a, lora_b, order, starts, counts, rows)  # noqa: E731
                 linear = bench(lambda: F.linear(x, w))
-                eager = float("nan") if zero else bench(lambda: lora(max_rows))
-                graph = bench(lambda: lora(num_tokens))
-                fused = lora_tile(num_tokens, num_tokens, k, n, rank, slots).fused
-                split = two_kernel_tile(num_tokens, num_tokens, k, rank, slots)
-                args2 = (y, x, lora_a, lora_b, order, starts, counts, num_tokens, split)
-                two_us = bench(lambda: launch_lora(*args2))
-                path = "fused" if fused else "2k"
+                by_count = "-" if zero else f"{bench(lambda: lora(max_count)):.1f}"
+                by_tokens = bench(lambda: lora(num_tokens))
+                tile = "x".join(map(str, lora_tile(num_tokens, rank)))
                 label = "0/256" if zero else str(num_tokens)  # rows with an adapter / rows
-                eager_text = "-" if zero else f"{eager:.1f}"
                 print(
                     f"{model:5s} {proj:7s} {k:5d} {n:6d} {rank:3d} {label:>5s} | {linear:9.1f} | "
-                    f"{eager_text:>9s} {graph:9.1f}{'':7s}{path:>5s} | {two_us:5.1f} | "
-                    f"{graph / linear:11.2f}"
+                    f"{by_count:>17s} {by_tokens:9.1f}{'':4s} | {tile:>9s} | "
+                    f"{by_tokens / linear:15.2f}"
                 )
 
 

@@ -1,8 +1,8 @@
-"""``add_lora`` (fused for decode, two kernels for prefill) against a float64 reference; the torch
-reference, tile choice, input validation and the benchmark's arguments. On the CPU, small cases
-under the Triton interpreter (this file run as a script in a subprocess); on a CUDA GPU, real
-shapes in float32 and bf16 and CUDA graphs replayed with new slots. Rows of no slot keep their
-bits."""
+"""``add_lora`` (one cuBLAS shrink for every slot, then one Triton expand over rows grouped by
+slot) against a float64 reference; the torch reference, the tile rule, input validation and the
+benchmark's arguments. On the CPU, small cases under the Triton interpreter (this file run as a
+script in a subprocess); on a CUDA GPU, real shapes in float32 and bf16 and CUDA graphs replayed
+with new slots. Rows of no slot keep their bits."""
 
 import importlib.util
 import json
@@ -15,7 +15,6 @@ import pytest
 import torch
 from triton_interpreter import results_under_interpreter, run_cases, squeeze_interpreter_loop_bounds
 
-from nanovllm.lora.triton_fused import fused_plan
 from nanovllm.lora.triton_ops import LoraTile, add_lora, add_lora_reference, launch_lora, lora_tile
 
 I32 = torch.int32
@@ -81,35 +80,32 @@ def check_add_lora(num_tokens, k, n, rank, counts, *, max_rows=None, tile=None, 
 
 
 CPU_TOL = 1e-5  # float32 against float64
-SPLIT_TILE = LoraTile(16, 16, 16, 16, 3)  # two kernels, K 40: three splits of one step
-TILE_64 = LoraTile(64, 16, 16, 32, 2)  # two kernels, 64-row blocks
-FUSED_TILE = LoraTile(16, 16, 16, 32, 1, True, 3)  # N 56: 4 steps, 2 per column split
-FUSED_32 = LoraTile(32, 32, 16, 16, 1, True, 1)  # 32-row blocks, one column split
+TILE_32 = LoraTile(32, 16, 16)  # N 40: three column programs; R 24: two rank steps
+TILE_64 = LoraTile(64, 32, 32)
 check, F16 = check_add_lora, torch.float16
-INTERPRETER_CASES = {  # fused unless max_rows > 512 or a two-kernel tile
+INTERPRETER_CASES = {  # the rule's tile: 16-row blocks up to max_rows 64, 32 to 256, then 64
     "r24_uneven": lambda: check(20, 40, 56, 24, [7, 0, 9]),
     "r48_max_rows_past_counts": lambda: check(24, 64, 64, 48, [1, 12, 3, 5], max_rows=24),
-    "r48_split_k": lambda: check(24, 40, 40, 48, [2, 9, 0, 6], tile=SPLIT_TILE),
-    "r24_split_k_64_row_tile": lambda: check(24, 40, 24, 24, [11, 10], max_rows=300, tile=TILE_64),
-    "prefill_tile": lambda: check(24, 33, 50, 16, [20, 1], max_rows=600),
+    "r130_three_rank_steps": lambda: check(12, 40, 36, 130, [5, 0, 4], x_view="rows"),
+    "r80_two_rank_steps_x_cols": lambda: check(16, 40, 24, 80, [5, 6, 3], x_view="cols"),
     "rank_8": lambda: check(9, 16, 24, 8, [3, 4]),
     "decode_one_row_each": lambda: check(6, 48, 32, 48, [1, 1, 0, 1]),
     "x_row_view": lambda: check(16, 40, 24, 24, [5, 6, 3], x_view="rows"),
-    "x_col_view": lambda: check(16, 40, 24, 24, [5, 6, 3], x_view="cols", tile=SPLIT_TILE),
-    "all_counts_zero": lambda: check(16, 32, 32, 48, [0, 0, 0], max_rows=16),
-    "all_counts_zero_two_kernels": lambda: check(16, 32, 32, 48, [0, 0], max_rows=600),
+    "x_col_view": lambda: check(16, 40, 24, 24, [5, 6, 3], x_view="cols"),
     "every_row_one_slot": lambda: check(12, 32, 20, 16, [12]),
+    "rule_32_row_blocks": lambda: check(48, 24, 40, 12, [0, 40, 3], max_rows=200),
+    "rule_64_row_blocks": lambda: check(80, 24, 72, 20, [70, 3], max_rows=300),
+    "tile_32_rows": lambda: check(48, 24, 40, 24, [0, 40, 3], tile=TILE_32, x_view="cols"),
+    "tile_64_rows_past_counts": lambda: check(24, 40, 24, 24, [11, 10], max_rows=150, tile=TILE_64),
+    "all_counts_zero": lambda: check(16, 32, 32, 48, [0, 0, 0], max_rows=16),
+    "all_counts_zero_64_rows": lambda: check(16, 32, 32, 48, [0, 0], max_rows=600),
+    "all_counts_zero_max_rows_0": lambda: check(16, 32, 32, 48, [0, 0], max_rows=0),
     "fp16": lambda: check(20, 64, 48, 24, [6, 8, 4], dtype=F16),
-    "fused_column_splits": lambda: check(
-        40, 40, 56, 24, [17, 0, 9, 3], tile=FUSED_TILE, x_view="cols"
-    ),
-    "fused_32_row_blocks": lambda: check(48, 24, 40, 12, [0, 40, 3], max_rows=64, tile=FUSED_32),
-    "fused_rank_130": lambda: check(12, 40, 36, 130, [5, 0, 4], x_view="rows"),
-    "fused_fp16_split": lambda: check(24, 40, 56, 24, [9, 2, 0, 8], dtype=F16, tile=FUSED_TILE),
+    "fp16_tile_32": lambda: check(40, 40, 40, 24, [9, 2, 0, 25], dtype=F16, tile=TILE_32),
 }
 # no bf16 case: the interpreter's (3.9) tl.dot on bf16 inputs is wrong by orders of magnitude; the
 # GPU tests cover bf16. fp16: u rounded to fp16 (2**-11) before the expand.
-TOLERANCES = {"fp16": 2e-3, "fused_fp16_split": 2e-3}
+TOLERANCES = {"fp16": 2e-3, "fp16_tile_32": 2e-3}
 
 
 def run_interpreter_cases() -> dict:
@@ -159,34 +155,32 @@ def test_reference_matches_definition(dtype):
     torch.testing.assert_close(batch["y"], y, rtol=1e-6, atol=1e-6)
 
 
-def test_tile_choice():
-    """Fused up to 512 rows with a padded rank <= 256: 16-row blocks and columns split over more
-    programs for fewer rows. Else two kernels: K split towards 256 shrink programs for decode,
-    64-row blocks and 128-wide output tiles for prefill; split K bounded by 16 and the scratch."""
-    assert lora_tile(1, 1, 1024, 4096, 48, 4) == LoraTile(16, 256, 128, 64, 1, True, 8)
-    assert lora_tile(16, 16, 4096, 6144, 192, 4) == LoraTile(16, 64, 32, 256, 1, True, 12)
-    assert lora_tile(1, 1, 1024, 4096, 48, 4, 4)[:4] == (16, 128, 64, 64)  # float32: half tiles
-    decode = [lora_tile(t, t, 4096, 24576, 32, 4) for t in (1, 64, 256, 512)]
-    assert all(tile.fused for tile in decode) and decode[0].block_m == 16
-    assert [tile.n_split for tile in decode] == sorted((t.n_split for t in decode), reverse=True)
-    assert fused_plan(1, 4, 1, 1024, 4096, 48)[2] > fused_plan(128, 4, 512, 1024, 4096, 48)[2]
-    assert lora_tile(513, 513, 1024, 4096, 48, 4) == LoraTile(64, 128, 64, 64, 7)
-    assert lora_tile(64, 256, 4096, 6144, 384, 4) == LoraTile(16, 64, 64, 64, 2)  # rank 384
-    assert lora_tile(2048, 8192, 4096, 4096, 48, 4) == LoraTile(64, 128, 64, 64, 2)
-    assert lora_tile(8192, 8192, 4096, 4096, 192, 1).split_k == 1
-    assert lora_tile(16, 100_000, 4096, 64, 384, 1).split_k == 1  # 16 splits: 2.4 GB
-    assert lora_tile(600, 600, 64, 64, 24, 4) == LoraTile(64, 128, 64, 32, 1)  # one K step
+def test_tile_rule():
+    """16-row blocks up to 64 rows a slot, 32 up to 256, then 64 with 128 columns; the rank in
+    steps of a power of two from 16 to 64."""
+    assert lora_tile(1, 16) == LoraTile(16, 64, 16)
+    assert lora_tile(64, 48) == LoraTile(16, 64, 64)
+    assert lora_tile(65, 24) == LoraTile(32, 64, 32)
+    assert lora_tile(256, 130) == LoraTile(32, 64, 64)
+    assert lora_tile(257, 8) == LoraTile(64, 128, 16)
+    assert lora_tile(8192, 192) == LoraTile(64, 128, 64)
+    assert lora_tile(0, 1).block_m == 16
+    assert [lora_tile(16, r).block_r for r in (1, 17, 33, 64, 65, 384)] == [16, 32, 64, 64, 64, 64]
 
 
 DTYPES = "(torch.bfloat16, torch.float16, torch.float32)"
 SHAPES = "y and x must be [T, N] and [T, K]"
+CONTIGUOUS = "y's rows, lora_a and lora_b must be contiguous"
 BAD_INPUTS = [
     ("y", torch.zeros(5, 6).double(), f"y.dtype must be one of {DTYPES}, got torch.float64"),
     ("y", torch.zeros(5, 6, 1), f"{SHAPES}, got shapes (5, 6, 1) and (5, 8)"),
+    ("y", torch.zeros(5, 12)[:, ::2], CONTIGUOUS),
     ("x", torch.zeros(4, 8), f"{SHAPES}, got shapes (5, 6) and (4, 8)"),
     ("x", torch.zeros(5, 8).half(), "x.dtype must equal y.dtype (torch.float32), got torch.fl"),
     ("lora_a", torch.zeros(2, 4, 7), "lora_a must be [L, R, K=8], got (2, 4, 7)"),
+    ("lora_a", torch.zeros(2, 8, 4).transpose(1, 2), CONTIGUOUS),
     ("lora_b", torch.zeros(2, 6, 5), "lora_b must be [L, N, R] = (2, 6, 4), got (2, 6, 5)"),
+    ("lora_b", torch.zeros(6, 2, 4).transpose(0, 1), CONTIGUOUS),
     ("order", torch.zeros(5), "order must be a 1-D torch.int32 tensor, got torch.float32 1-D"),
     ("order", torch.zeros(4, dtype=I32), "order must have >= T = 5 elements, got 4"),
     ("counts", torch.zeros(3, dtype=I32), "and counts must have L = 2 elements, got 2 and 3"),
@@ -214,8 +208,10 @@ def test_benchmark_arguments_and_shapes():
     spec.loader.exec_module(bench)
     args = bench.parse_args(["--models", "8b", "--tokens", "1", "8192", "--rank", "8"])
     assert (args.models, args.tokens, args.rank, args.slots) == (["8b"], [1, 8192], 8, 4)
+    assert bench.parse_args([]).tokens == [1, 16, 64, 256, 512, 8192]
     expected = {"qkv": (1024, 4096, 48), "o": (2048, 1024, 16), "gate_up": (1024, 6144, 32)}
     assert bench.projections("0.6b", 16) == expected | {"down": (3072, 1024, 16)}
+    assert bench.even_counts(10, 4) == [3, 3, 2, 2] and bench.even_counts(1, 4) == [1, 0, 0, 0]
     with pytest.raises(SystemExit):
         bench.parse_args(["--rank", "0"])
 
@@ -230,7 +226,7 @@ def test_benchmark_exits_clearly_without_gpu():
 # ---- GPU: real shapes against the float64 reference ----------------------------------------------
 
 gpu = pytest.mark.gpu  # skipped without a CUDA GPU (tests/conftest.py)
-GPU_TOLS = {torch.float32: 1e-5, torch.bfloat16: 1e-2}  # IEEE float32 dots; bf16 as on the CPU
+GPU_TOLS = {torch.float32: 1e-5, torch.bfloat16: 1e-2}  # IEEE float32; bf16 rounds u and y
 
 
 def gpu_counts(num_tokens: int, num_slots: int = 4) -> list[int]:
@@ -254,23 +250,22 @@ GPU_SHAPES = {  # K, N, R: Qwen3-0.6B and -8B projections at rank 16 (qkv: 3 x 1
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape", GPU_SHAPES)
 def test_gpu_add_lora(dtype, shape):
-    """Fused up to 512 rows (max_rows the row count, as in a graph, or the largest count)."""
+    """Every block size of the rule (max_rows the row count, as in a graph, or the top count)."""
     (k, n, rank), dev = GPU_SHAPES[shape], "cuda"
     torch.manual_seed(k + n)
     for num_tokens in (1, 16, 64, 256, 512, 2048):
-        assert lora_tile(num_tokens, num_tokens, k, n, rank, 4, 4).fused == (num_tokens <= 512)
         counts = gpu_counts(num_tokens)
         for max_rows in (num_tokens, max(counts)):
             got = check(num_tokens, k, n, rank, counts, dtype=dtype, device=dev, max_rows=max_rows)
             assert got["rel_err"] < GPU_TOLS[dtype], (num_tokens, max_rows, got)
             assert got["others_equal"], (num_tokens, max_rows)
-    for max_rows in (256, 1024):  # fused, two kernels
+    for max_rows in (16, 256, 1024):  # 16-, 32- and 64-row blocks
         got = check(256, k, n, rank, [0] * 4, dtype=dtype, device=dev, max_rows=max_rows)
         assert got["all_equal"], max_rows
 
 
 @gpu
-@pytest.mark.parametrize("num_tokens", [64, 600], ids=["fused", "two_kernels"])
+@pytest.mark.parametrize("num_tokens", [64, 600], ids=["16_row_blocks", "64_row_blocks"])
 def test_gpu_add_lora_cuda_graph(num_tokens):
     """Capture over static buffers, then replay with new rows, slot ranges and counts copied in."""
     torch.manual_seed(0)
