@@ -264,7 +264,14 @@ def main() -> None:
         llm_kwargs |= dict(enable_lora=True, max_loras=max(args.lora, 1))
         llm_kwargs["max_lora_rank"] = args.lora_rank
     with LLM(path, **llm_kwargs) as llm:
-        llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
+        # the warm-up also loads the adapters (one request each): the timed run serves them
+        warm = {"lora_request": list(dict.fromkeys(loras))} if loras else {}
+        llm.generate(
+            ["Benchmark: "] * len(warm.get("lora_request", [0])),
+            SamplingParams(),
+            use_tqdm=False,
+            **warm,
+        )
         with profiler:
             t = time.perf_counter()
             llm.generate(

@@ -33,14 +33,16 @@ class LoRARunner:
             self.adapters.active = False
 
     def run(self, step: Step):
-        n = step.num_seqs
-        slots = np.full(n, -1, dtype=np.int64) if step.adapters is None else np.array(step.adapters)
-        if step.is_prefill:
-            slots = np.repeat(slots, step.num_new)
         lora = step.adapters is not None and max(step.adapters) >= 0
         graphed = lora and not step.is_prefill and self.graphs is not None
-        graphed = graphed and self.graphs.padded_batch(n) is not None
-        self.adapters.set_rows(slots, graphed)
+        graphed = graphed and self.graphs.padded_batch(step.num_seqs) is not None
+        if lora:
+            slots = np.array(step.adapters)
+            self.adapters.set_rows(
+                np.repeat(slots, step.num_new) if step.is_prefill else slots, graphed
+            )
+        else:
+            self.adapters.active = False  # the base model's rows only
         if self.graphs is not None:
             self.graphs.lora = graphed
         return super().run(step)
