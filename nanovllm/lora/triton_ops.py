@@ -26,7 +26,7 @@ def lora_tile(max_rows: int, rank: int) -> LoraTile:
 
 
 @triton.jit
-def _expand_kernel(
+def _lora_expand_kernel(
     u_ptr,
     b_ptr,
     y_ptr,
@@ -118,7 +118,7 @@ def launch_lora(y, x, lora_a, lora_b, order, starts, counts, max_rows: int, tile
     u = torch.mm(x, lora_a.view(num_slots * rank, k).t())  # [T, L*R], rounded to x's dtype
     tile = tile or lora_tile(max_rows, rank)
     grid = (triton.cdiv(max_rows, tile.block_m), triton.cdiv(n, tile.block_n), num_slots)
-    _expand_kernel[grid](
+    _lora_expand_kernel[grid](
         u,
         lora_b,
         y,

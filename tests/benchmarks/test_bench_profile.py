@@ -168,6 +168,7 @@ def test_summarize_overlaps_gaps_and_unknown_names():
         "decode attention": 0.75,
         "prefill attention": 0.5,
         "MoE experts": 0.0,
+        "LoRA": 0.0,
         "MoE routing": 0.0,
         "FP8 linears": 0.0,
         "GEMMs": 0.75,
