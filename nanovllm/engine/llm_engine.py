@@ -92,7 +92,7 @@ class LLMEngine:
         request_id = next(self._request_ids)
         for _ in range(sp.n - 1):
             next(self._request_ids)
-        every_step = self.outputs.add_request(request_id, token_ids, sp, stream, text)
+        every_step = self.outputs.add_request(request_id, token_ids, sp, stream, text, lora)
         self.core.add_request(request_id, token_ids, sp, every_step, lora)
         return request_id
 

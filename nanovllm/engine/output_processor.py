@@ -33,6 +33,7 @@ class RequestState:
     prompt: str | None = None  # the prompt's text, when it was given as text
     prompt_logprobs: list | None = None  # once the core sends them
     prompt_logprobs_sent: bool = False  # a stream sends them in completion 0's first increment
+    lora_request: object = None  # the LoRARequest it runs with
 
     @property
     def finished(self) -> bool:
@@ -45,7 +46,7 @@ class OutputProcessor:
         self.requests: dict[int, RequestState] = {}
         self.token_texts: dict[int, str] = {}  # decoded tokens of logprobs, as they are asked for
 
-    def add_request(self, request_id: int, prompt_token_ids, sp, stream, prompt=None) -> bool:
+    def add_request(self, request_id: int, prompt_token_ids, sp, stream, prompt=None, lora=None):
         """Whether the core must report the request's tokens every step."""
         text_each_step = stream or bool(sp.stop)
         completions = [Completion(sp) for _ in range(sp.n)]
@@ -56,7 +57,9 @@ class OutputProcessor:
                 c.detokenizer = IncrementalDetokenizer(self.tokenizer, sp)
             if sp.logprobs is not None:
                 c.logprobs, c.cumulative_logprob = [], 0.0
-        self.requests[request_id] = RequestState(prompt_token_ids, completions, prompt)
+        self.requests[request_id] = RequestState(
+            prompt_token_ids, completions, prompt, lora_request=lora
+        )
         return text_each_step or sp.logprobs is not None
 
     def process(self, outputs: list[SeqOutput]) -> tuple[list, list]:
@@ -113,6 +116,7 @@ class OutputProcessor:
             [self._completion(i, c) for i, c in enumerate(request.completions)],
             request.finished,
             request.completions[0].num_cached_tokens,
+            lora_request=request.lora_request,
         )
 
     def _completion(self, index: int, c: Completion) -> CompletionOutput:

@@ -45,7 +45,9 @@ def request_output(llm, live: Live) -> RequestOutput | None:
         changed = [replace(c, token_ids=list(c.token_ids), logprobs=copy(c)) for c in live.sent]
     cached = request.completions[0].num_cached_tokens
     args = (request.prompt, request.prompt_token_ids, prompt_logprobs, changed)
-    return RequestOutput(live.key, *args, request.finished, cached)
+    return RequestOutput(
+        live.key, *args, request.finished, cached, lora_request=request.lora_request
+    )
 
 
 def _completion(llm, c, index: int, inc: dict) -> CompletionOutput:

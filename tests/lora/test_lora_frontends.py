@@ -54,7 +54,10 @@ def test_stream_step_loop_and_vllm_llm_engine(setup):
         engine.add_request("y", prompts()[1], greedy(), lora_request=loras[1])
         finished = {}
         while engine.has_unfinished_requests():
-            finished |= {o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished}
+            for out in engine.step():
+                assert out.lora_request == loras[out.request_id == "y"]
+                if out.finished:
+                    finished[out.request_id] = out.outputs[0].token_ids
         assert finished == {"x": refs[0][0], "y": refs[1][1]}
         assert engine.list_loras() == {1, 2}
     finally:

@@ -76,6 +76,7 @@ def test_a_batch_mixing_the_base_and_three_adapters(setup):
         lora_request=[lora for _, lora in rows],
     )
     for out, (p, lora) in zip(outs, rows):
+        assert out.lora_request == lora
         name = None if lora is None else lora.lora_name
         check(out, refs[name][p], f"adapter {name}, prompt {p}, mixed batch")
     assert llm.list_loras() == {1, 2, 3}
