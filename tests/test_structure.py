@@ -29,6 +29,7 @@ FEATURES = (
     "nanovllm.utils.weights",
     "nanovllm.utils.float8",
     "nanovllm.sampling.extras",
+    "nanovllm.lora",
 )
 
 PLAIN_GENERATE = """
