@@ -13,7 +13,8 @@ from nanovllm.lora.request import LoRARequest
 
 class AdapterManager:
     """Up to ``max_cpu_loras`` adapters on the host (least recently used dropped first, never one
-    in use or pinned); ``max_loras`` device slots. Invariant: a slot whose ``holders`` has a
+    in use or pinned); ``max_loras`` device slots. Invariants: an adapter that a queued or running
+    sequence uses (``users``) stays loaded and is not replaced; a slot whose ``holders`` has a
     sequence that has not finished keeps its adapter."""
 
     def __init__(self, core):
@@ -22,6 +23,7 @@ class AdapterManager:
         self.loaded: OrderedDict[int, Adapter] = OrderedDict()
         self.slots: list[int | None] = [None] * lc.max_loras  # the adapter id in each slot
         self.holders: list[set] = [set() for _ in range(lc.max_loras)]
+        self.users: dict[int, set] = {}  # adapter id -> its sequences, queued or running
         self.pinned: set[int] = set()
         self.serials = count(1)
 
@@ -37,7 +39,7 @@ class AdapterManager:
         if known is not None and self.in_use(adapter_id):
             raise ValueError(
                 f"LoRA adapter {adapter_id} ({known.name!r}) cannot be replaced while requests "
-                "run with it; replace it once they finish"
+                "are queued or run with it; replace it once they finish"
             )
         hf_config = self.core.config.hf_config
         adapter = load_adapter(request, hf_config, self.max_rank, next(self.serials))
@@ -55,7 +57,7 @@ class AdapterManager:
         if adapter_id not in self.loaded:
             return False
         if self.in_use(adapter_id):
-            raise ValueError(f"LoRA adapter {adapter_id} is in use by running requests")
+            raise ValueError(f"LoRA adapter {adapter_id} is in use by queued or running requests")
         self._unload(adapter_id)
         del self.loaded[adapter_id]
         self.pinned.discard(adapter_id)
@@ -71,10 +73,9 @@ class AdapterManager:
         return True
 
     def in_use(self, adapter_id: int) -> bool:
-        return any(
-            self.slots[s] == adapter_id and any(not q.is_finished for q in self.holders[s])
-            for s in range(len(self.slots))
-        )
+        users = {q for q in self.users.get(adapter_id, ()) if not q.is_finished}
+        self.users[adapter_id] = users
+        return bool(users)
 
     def _unload(self, adapter_id: int) -> None:
         for s, held in enumerate(self.slots):
@@ -84,8 +85,6 @@ class AdapterManager:
     def slot_for(self, seq, adapter: Adapter) -> int | None:
         """The slot ``seq`` runs on; a free one is loaded with its adapter, else None."""
         adapter_id = adapter.request.lora_int_id
-        if self.loaded.get(adapter_id) is not adapter:  # dropped or replaced since it was queued
-            adapter = self.add(adapter.request)
         for s in range(len(self.slots)):
             self.holders[s] = {q for q in self.holders[s] if not q.is_finished}
             if self.slots[s] == adapter_id:
@@ -142,6 +141,7 @@ def adapter_rows(core, request: LoRARequest):
 
     def rows(seq) -> AdapterRows:
         seq.cache_salt = salt
+        adapters.users.setdefault(adapter_id, set()).add(seq)
         return AdapterRows(adapters, adapter)
 
     return rows
