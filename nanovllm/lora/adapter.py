@@ -77,7 +77,7 @@ def load_adapter(request: LoRARequest, hf_config, max_rank: int, serial: int) ->
         if len(pair) != 2:
             lacking = "lora_B" if "A" in pair else "lora_A"
             raise ValueError(f"{where}: layer {key[0]} {key[1]} has no {lacking} weight")
-        a, b = pair["A"].float(), pair["B"].float()
+        a, b = (pair[k].detach().to("cpu", torch.float32) for k in "AB")  # kept on the host
         weights[key] = (a.contiguous(), (b * scaling).contiguous())
     if not weights:
         raise ValueError(f"{where}: no LoRA weights found")

@@ -45,6 +45,7 @@ class AdapterManager:
         adapter = load_adapter(request, hf_config, self.max_rank, next(self.serials))
         self._unload(adapter_id)
         self.loaded[adapter_id] = adapter
+        self.loaded.move_to_end(adapter_id)
         for old in [i for i in self.loaded if i not in self.pinned and not self.in_use(i)]:
             if len(self.loaded) <= self.max_cpu_loras:
                 break
