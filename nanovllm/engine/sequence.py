@@ -50,6 +50,7 @@ class Sequence:
         self.processors: list = []  # its request processors (features.processors)
         self.uses_prefix_cache = True  # False: it computes its whole prompt
         self.cache_salt = -1  # its prefix-cache hashes start from this (an adapter's: lora/)
+        self.state_slot = -1  # hybrid models: where its recurrent states live (block manager)
 
     def __len__(self) -> int:
         return self.num_tokens

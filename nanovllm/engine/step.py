@@ -43,6 +43,7 @@ class Step:
     sampling: SamplingRows | None = None
     prompt_scoring: object | None = None  # prompt tokens every rank scores
     adapters: list[int] | None = None  # each sequence's LoRA slot (-1: none; lora/runner.py)
+    state_slots: list[int] | None = None  # hybrid models: each sequence's recurrent-state slot
 
     @property
     def num_seqs(self) -> int:
@@ -69,6 +70,8 @@ def build_step(seqs: list[Sequence], is_prefill: bool, rng: Random) -> Step:
     rows = sampling_rows(seqs, rng)
     tables = [s.block_table for s in seqs]
     step = Step(is_prefill, token_ids, num_computed, num_new, tables, prev_rows, rows)
+    if seqs[0].state_slot >= 0:
+        step.state_slots = [seq.state_slot for seq in seqs]
     for i, seq in enumerate(seqs):
         if seq.processors:
             offset = sum(num_new[:i]) if is_prefill else i  # its first token among the step's

@@ -10,20 +10,26 @@ from nanovllm.layers.attention import Attention, is_fp8_kv_cache
 CPU_KV_CACHE_SHARE = 0.25  # on CPU, num_kvcache_blocks=-1 takes this share of available memory
 
 
+def kv_layers(hf_config) -> int:
+    """The layers with a KV cache: all but a hybrid model's linear-attention layers."""
+    types = getattr(hf_config, "layer_types", None) or ()
+    return hf_config.num_hidden_layers - list(types).count("linear_attention")
+
+
 def block_bytes(config, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     row_bytes = head_dim * dtype.itemsize
     if is_fp8_kv_cache(config.kv_cache_dtype):
         from nanovllm.layers.attention.fp8_kv import FP8_DTYPE, KV_SCALE_DTYPE
 
         row_bytes = head_dim * FP8_DTYPE.itemsize + KV_SCALE_DTYPE.itemsize
-    num_rows = 2 * config.hf_config.num_hidden_layers * config.kvcache_block_size * num_kv_heads
+    num_rows = 2 * kv_layers(config.hf_config) * config.kvcache_block_size * num_kv_heads
     return num_rows * row_bytes
 
 
 def bind_kv_cache(model, config, num_blocks, num_kv_heads, head_dim, dtype, device) -> torch.Tensor:
     """The one place that knows the cache layout: [2, layers, blocks, block_size, kv_heads,
     head_dim]; each layer gets its K and V views."""
-    shape = (2, config.hf_config.num_hidden_layers, num_blocks, config.kvcache_block_size)
+    shape = (2, kv_layers(config.hf_config), num_blocks, config.kvcache_block_size)
     shape += (num_kv_heads,)
     scales = None
     if is_fp8_kv_cache(config.kv_cache_dtype):

@@ -40,10 +40,17 @@ def check_parallel() -> None:
 
 class ModelRunner:
     def __new__(cls, config: Config, *args, **kwargs):
-        if config.lora_config is not None and cls is ModelRunner:  # adapters: lora/runner.py
+        mixins = []  # the runner's parts of features that change the model
+        if config.lora_config is not None:  # adapters: lora/runner.py
             from nanovllm.lora.runner import LoRARunner
 
-            cls = type("LoRAModelRunner", (LoRARunner, ModelRunner), {})
+            mixins.append(LoRARunner)
+        if kv_cache.kv_layers(config.hf_config) < config.hf_config.num_hidden_layers:
+            from nanovllm.runner.state_runner import StateRunner  # hybrid models' states
+
+            mixins.append(StateRunner)
+        if mixins and cls is ModelRunner:
+            cls = type("ModelRunner", (*mixins, ModelRunner), {})
         return super().__new__(cls)
 
     def __init__(self, config: Config, rank: int, dist_port: int, watch: Callable = None):
