@@ -5,6 +5,7 @@ import importlib
 # architecture -> (module, class)
 ARCHITECTURES = {
     "Qwen3ForCausalLM": ("nanovllm.models.qwen3", "Qwen3ForCausalLM"),
+    "Qwen3_5ForCausalLM": ("nanovllm.models.qwen3_5", "Qwen3_5ForCausalLM"),
     "Qwen3MoeForCausalLM": ("nanovllm.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "Qwen2ForCausalLM": ("nanovllm.models.qwen2", "Qwen2ForCausalLM"),
     "LlamaForCausalLM": ("nanovllm.models.llama", "LlamaForCausalLM"),
