@@ -2,7 +2,10 @@
 Qwen3_5ForCausalLM, float32 on the CPU, from a tiny random checkpoint read by nano-vllm's loader:
 one prompt standalone (temporary states, no KV cache); two prompts packed in one step with the
 runner's states and a paged KV cache, then a decode step continuing both; and one Gated DeltaNet
-layer fed in pieces."""
+layer fed in pieces; and the whole engine's greedy output."""
+
+import os
+import shutil
 
 import pytest
 import torch
@@ -11,11 +14,13 @@ from transformers import AutoConfig
 from transformers.models.qwen3_5 import modeling_qwen3_5 as ref
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 
+from nanovllm import LLM, SamplingParams
 from nanovllm.layers.attention import Attention
 from nanovllm.layers.attention.reference import TorchAttentionBackend
 from nanovllm.layers.linear_attention.layer import GatedDeltaNet
 from nanovllm.layers.linear_attention.states import StateBatch, state_batch
 from nanovllm.models.registry import build_model
+from nanovllm.utils.checkpoint import TOKENIZER_DIR
 from nanovllm.utils.context import Context, step_context
 from nanovllm.utils.loader import load_model
 
@@ -189,3 +194,28 @@ def test_deltanet_layer_in_pieces_with_slots():
         for i, x in enumerate(seqs):
             torch.testing.assert_close(torch.cat(outs[i]), hf_layer(x[None])[0], atol=ATOL, rtol=0)
     assert torch.equal(layer.recurrent_states[1], untouched)
+
+
+def test_engine_greedy_matches_transformers(tmp_path):
+    """The whole engine on the CPU (state slots, chunked prefill of the 90-token prompt, decode)
+    against a transformers greedy loop that recomputes every sequence in full."""
+    config = tiny_config(False)
+    config.bos_token_id, config.eos_token_id = 0, 1  # EOS ignored below
+    hf = ref.Qwen3_5ForCausalLM(config).eval()
+    randomise(hf, seed=3)
+    hf.save_pretrained(str(tmp_path))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(TOKENIZER_DIR, name), tmp_path)
+    prompts = [prompt(10 + n, n) for n in (5, 40, 90, 17)]
+    kwargs = dict(max_model_len=256, num_kvcache_blocks=64, kvcache_block_size=BLOCK)
+    llm = LLM(str(tmp_path), enforce_eager=True, device="cpu", max_num_batched_tokens=64, **kwargs)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.exit()
+    for p, out in zip(prompts, outs):
+        ids = list(p)
+        for _ in range(12):
+            ids.append(int(hf_logits(hf, ids)[-1].argmax()))
+        assert out["token_ids"] == ids[len(p) :]
