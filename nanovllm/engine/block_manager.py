@@ -37,7 +37,6 @@ class BlockManager:
         self.used_block_ids: set[int] = set()
         self.num_queried_tokens = self.num_hit_tokens = 0  # admitted tokens, and cache hits
         self.caching = True  # False: no prefix is looked up (enable_prefix_caching)
-        self.state_slots: list[int] | None = None  # hybrid models: free recurrent-state slots
 
     @staticmethod
     def compute_hash(token_ids: list[int], prefix: int = -1) -> int:
@@ -99,8 +98,6 @@ class BlockManager:
         for _ in range(seq.num_blocks - len(hits)):
             seq.block_table.append(self._take_free_block())
         seq.num_cached_tokens = len(hits) * self.block_size
-        if self.state_slots is not None:  # its states start with its blocks (at token 0)
-            seq.state_slot = self.state_slots.pop()
         self.num_queried_tokens += len(seq)
         self.num_hit_tokens += seq.num_cached_tokens
         if seq.num_prefix_hit_tokens < 0:
@@ -115,9 +112,6 @@ class BlockManager:
                 self.free_block_ids[block_id] = None
         seq.num_cached_tokens = 0
         seq.block_table.clear()
-        if seq.state_slot >= 0:  # the states go with the blocks: a preempted one recomputes
-            self.state_slots.append(seq.state_slot)
-            seq.state_slot = -1
 
     def can_append(self, seq: Sequence) -> bool:
         return self.num_free_blocks >= (seq.num_blocks > len(seq.block_table))

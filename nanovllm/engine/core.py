@@ -44,11 +44,12 @@ class EngineCore:
         self.scheduler = Scheduler(config, self.num_kvcache_blocks, eos_token_ids)
         self.eos_token_ids = eos_token_ids
         self.rng = Random(config.seed)  # draws seeds of unseeded requests
-        bm = self.scheduler.block_manager
-        bm.caching = config.enable_prefix_caching
+        self.scheduler.block_manager.caching = config.enable_prefix_caching
         if "linear_attention" in (getattr(config.hf_config, "layer_types", None) or ()):
-            # hybrid models: a cached prefix would need its recurrent states; no prefix caching
-            bm.state_slots, bm.caching = list(range(config.max_num_seqs + 1)), False
+            from nanovllm.engine.state_slots import StateSlotBlockManager  # hybrid models
+
+            slots = (self.num_kvcache_blocks, config.kvcache_block_size, config.max_num_seqs + 1)
+            self.scheduler.block_manager = StateSlotBlockManager(*slots)
         self.requests: dict[int, list[Sequence]] = {}  # request id -> its sequences
         self.reporting: set[int] = set()  # sequences that report their tokens every step
         self.shared: dict = {}  # what request processors keep per engine (a grammar compiler)

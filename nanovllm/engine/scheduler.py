@@ -11,8 +11,7 @@ class Scheduler:
     ``running``: sequences in decode. Both FIFO."""
 
     def __init__(self, config, num_blocks: int, eos_token_ids: list[int]):
-        """``config``: the limits (max_num_seqs, max_num_batched_tokens, max_model_len) and the
-        block size of ``Config``."""
+        """``config``: ``Config``'s limits and block size."""
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = config.max_model_len

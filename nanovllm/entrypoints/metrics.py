@@ -4,13 +4,17 @@ IDLE = {"num_requests_running": 0, "num_requests_waiting": 0, "kv_cache_usage": 
 
 
 def get_stats(llm) -> dict:
-    """The core's counters and the last ``generate`` call's throughput; once exited, the
-    counters at exit with nothing running."""
+    """The core's counters, the last ``generate`` call's throughput and whether prefix caching
+    is on; once exited, the counters at exit with nothing running."""
+    from nanovllm.runner.kv_cache import kv_layers
+
     stats = llm.core.stats() if llm._final_stats is None else {**llm._final_stats, **IDLE}
     if llm._final_stats is not None and "replicas" in stats:
         stats["replicas"] = [{**r, **IDLE} for r in stats["replicas"]]
     rates = {f"{kind}_throughput": value for kind, value in llm.last_throughput.items()}
-    return {**stats, **rates}
+    hf = llm.config.hf_config  # hybrid models (linear-attention layers) have no prefix cache
+    caching = llm.config.enable_prefix_caching and kv_layers(hf) == hf.num_hidden_layers
+    return {**stats, **rates, "prefix_caching": caching}
 
 
 COUNTERS = {  # vLLM's counter name: how it follows from one engine's get_stats()

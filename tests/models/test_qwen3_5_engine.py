@@ -69,7 +69,7 @@ def reference(model, prompt: list[int]) -> GreedyRef:
 
 def prompts() -> list[list[int]]:
     rng = random.Random(0)
-    return [[rng.randrange(512) for _ in range(n)] for n in (1, 3, 17, 70, 130)]
+    return [[rng.randrange(512) for _ in range(n)] for n in (1, 3, 12, 17, 28, 60, 70, 130)]
 
 
 def greedy(n: int = 1) -> SamplingParams:
@@ -81,7 +81,7 @@ def greedy(n: int = 1) -> SamplingParams:
     [
         dict(),
         dict(max_num_batched_tokens=7),  # chunks of 7 tokens split the 4-wide conv window
-        dict(num_kvcache_blocks=14, max_num_batched_tokens=64),  # preemption
+        dict(num_kvcache_blocks=12, max_num_batched_tokens=64),  # preemption
     ],
     ids=["plain", "chunked", "preempted"],
 )
@@ -90,13 +90,13 @@ def test_greedy_matches_transformers(qwen35, engine):
     kwargs = dict(device="cpu", kvcache_block_size=16, num_kvcache_blocks=128, max_model_len=256)
     with LLM(path, **(kwargs | engine)) as llm:
         outs = llm.generate(prompts(), greedy(), use_tqdm=False)
-        again = llm.generate(prompts()[3:], greedy(2), use_tqdm=False)
+        again = llm.generate(prompts()[5:], greedy(2), use_tqdm=False)
         stats = llm.get_stats()
     for i, (out, prompt) in enumerate(zip(outs, prompts())):
         assert_greedy_match(out.outputs[0].token_ids, reference(model, prompt), f"prompt {i}")
-    for out, first in zip(again, outs[3:]):
+    for out, first in zip(again, outs[5:]):
         assert [c.token_ids for c in out.outputs] == [first.outputs[0].token_ids] * 2
         assert out.num_cached_tokens == 0  # no prefix cache for hybrid models
-    assert stats["prefix_cache_hits"] == 0
+    assert stats["prefix_cache_hits"] == 0 and stats["prefix_caching"] is False
     if "max_num_batched_tokens" in engine and engine["max_num_batched_tokens"] == 64:
         assert stats["num_preemptions"] > 0
