@@ -155,6 +155,7 @@ def test_get_stats(ckpt_tied, hf_ref):
     # step by step, the serial path (tokens counted in the step that computes them)
     with make_llm(ckpt_tied.path, num_kvcache_blocks=8, async_scheduling=False) as llm:
         stats = llm.get_stats()
+        assert stats.pop("prefix_caching") is True  # a dense model caches prefixes
         assert all(value == 0 for value in stats.values()), stats
         short, shared = random_prompts(100, [10, 40])
         llm.add_request(short, greedy(8))

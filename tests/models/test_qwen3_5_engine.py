@@ -82,8 +82,9 @@ def greedy(n: int = 1) -> SamplingParams:
         dict(),
         dict(max_num_batched_tokens=7),  # chunks of 7 tokens split the 4-wide conv window
         dict(num_kvcache_blocks=12, max_num_batched_tokens=64),  # preemption
+        dict(tensor_parallel_size=2),  # heads of both layer kinds split over two ranks
     ],
-    ids=["plain", "chunked", "preempted"],
+    ids=["plain", "chunked", "preempted", "tp2"],
 )
 def test_greedy_matches_transformers(qwen35, engine):
     path, model = qwen35
