@@ -30,6 +30,10 @@ FEATURES = (
     "nanovllm.utils.float8",
     "nanovllm.sampling.extras",
     "nanovllm.lora",
+    "nanovllm.models.qwen3_5",
+    "nanovllm.layers.linear_attention",
+    "nanovllm.engine.state_slots",
+    "nanovllm.runner.state_runner",
 )
 
 PLAIN_GENERATE = """
