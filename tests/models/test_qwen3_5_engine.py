@@ -1,6 +1,7 @@
 """Qwen3.5's hybrid model through the engine on the CPU (float32) against transformers' own
 Qwen3_5ForCausalLM, greedy: token for token, through chunked prefill (chunks that split the
-convolution window), preemption (the states recomputed) and n > 1; prefix caching is off."""
+convolution window), preemption (the states recomputed), n > 1 and two tensor-parallel ranks,
+with log-probabilities within 1e-4; prefix caching is off."""
 
 import os
 import random
@@ -55,16 +56,18 @@ def qwen35(tmp_path_factory):
     return path, model
 
 
-def reference(model, prompt: list[int]) -> GreedyRef:
-    ids, tokens, gaps = list(prompt), [], []
+def reference(model, prompt: list[int]) -> tuple[GreedyRef, list[float]]:
+    """transformers' greedy tokens (full recompute each token) and their log-probabilities."""
+    ids, tokens, gaps, logprobs = list(prompt), [], [], []
     with torch.no_grad():
         for _ in range(MAX_TOKENS):
             logits = model(torch.tensor([ids])).logits[0, -1].double()
             top = logits.topk(2).values
             tokens.append(int(logits.argmax()))
             gaps.append(float(top[0] - top[1]))
+            logprobs.append(float(torch.log_softmax(logits, -1)[tokens[-1]]))
             ids.append(tokens[-1])
-    return GreedyRef(tokens, gaps, False)
+    return GreedyRef(tokens, gaps, False), logprobs
 
 
 def prompts() -> list[list[int]]:
@@ -73,7 +76,7 @@ def prompts() -> list[list[int]]:
 
 
 def greedy(n: int = 1) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, n=n)
+    return SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, n=n, logprobs=0)
 
 
 @pytest.mark.parametrize(
@@ -94,7 +97,12 @@ def test_greedy_matches_transformers(qwen35, engine):
         again = llm.generate(prompts()[5:], greedy(2), use_tqdm=False)
         stats = llm.get_stats()
     for i, (out, prompt) in enumerate(zip(outs, prompts())):
-        assert_greedy_match(out.outputs[0].token_ids, reference(model, prompt), f"prompt {i}")
+        ref, logprobs = reference(model, prompt)
+        got = out.outputs[0]
+        assert_greedy_match(got.token_ids, ref, f"prompt {i}")
+        if got.token_ids == ref.tokens:
+            values = [entry[t].logprob for entry, t in zip(got.logprobs, got.token_ids)]
+            assert values == pytest.approx(logprobs, abs=1e-4), f"prompt {i}"
     for out, first in zip(again, outs[5:]):
         assert [c.token_ids for c in out.outputs] == [first.outputs[0].token_ids] * 2
         assert out.num_cached_tokens == 0  # no prefix cache for hybrid models
