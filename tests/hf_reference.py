@@ -117,6 +117,20 @@ class HFReference:
         return ref
 
 
+def greedy_logprobs(model, prompt: list[int], max_tokens: int) -> tuple[GreedyRef, list[float]]:
+    """A model's greedy tokens (full recompute each token), top-2 gaps and log-probabilities."""
+    ids, tokens, gaps, logprobs = list(prompt), [], [], []
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            logits = model(torch.tensor([ids])).logits[0, -1].double()
+            top = logits.topk(2).values
+            tokens.append(int(logits.argmax()))
+            gaps.append(float(top[0] - top[1]))
+            logprobs.append(float(torch.log_softmax(logits, -1)[tokens[-1]]))
+            ids.append(tokens[-1])
+    return GreedyRef(tokens, gaps, False), logprobs
+
+
 def assert_greedy_match(got: list[int], ref: GreedyRef, what: str = "") -> None:
     """``got`` must equal the reference token for token. At the first difference the reference's
     top-2 logits must be a tie (within TIE_GAP); after such a tie the continuations may differ

@@ -25,7 +25,6 @@ class Adapter:
     host; ``serial`` is unique to this load (it keys the adapter's prefix-cache blocks)."""
 
     request: LoRARequest
-    rank: int
     weights: dict
     serial: int
 
@@ -81,7 +80,7 @@ def load_adapter(request: LoRARequest, hf_config, max_rank: int, serial: int) ->
         weights[key] = (a.contiguous(), (b * scaling).contiguous())
     if not weights:
         raise ValueError(f"{where}: no LoRA weights found")
-    return Adapter(request, rank, weights, serial)
+    return Adapter(request, weights, serial)
 
 
 def _read_folder(path: str, where: str) -> tuple[dict, dict]:

@@ -9,7 +9,7 @@ from nanovllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.layers.linear import QKVParallelLinear, RowParallelLinear
 from nanovllm.layers.linear_attention.layer import GatedDeltaNet
 from nanovllm.models.config import head_dim
-from nanovllm.models.llama import GatedMLP
+from nanovllm.models.llama import GatedMLP, LlamaForCausalLM
 from nanovllm.parallel.distributed import get_tp_size
 
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -147,13 +147,7 @@ class Qwen3_5ForCausalLM(nn.Module):
     """Qwen3.5's text model with Hugging Face's ``Qwen3_5ForCausalLM`` weight names. Full-attention
     layers hold ``Attention`` modules (the KV cache); linear ones ``GatedDeltaNet`` (the states)."""
 
-    packed_modules_mapping = {
-        "q_proj": ("qkv_proj", "q"),
-        "k_proj": ("qkv_proj", "k"),
-        "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
+    packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
 
     def __init__(self, config, quant_config=None):
         super().__init__()

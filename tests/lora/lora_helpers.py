@@ -4,7 +4,7 @@ loop as the reference (float32, full recompute each token)."""
 import os
 
 import torch
-from hf_reference import GreedyRef, random_prompts
+from hf_reference import random_prompts
 
 from nanovllm.utils.checkpoint import make_random_checkpoint
 
@@ -53,21 +53,6 @@ def adapter_tensors(model) -> tuple[dict, dict]:
     config["target_modules"] = sorted(config["target_modules"])
     tensors = {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
     return tensors, config
-
-
-def peft_greedy(model, prompt: list[int], max_tokens: int) -> tuple[GreedyRef, list[float]]:
-    """PEFT's greedy tokens (with the top-2 gaps) and each token's log-probability."""
-    ids, tokens, gaps, logprobs = list(prompt), [], [], []
-    with torch.no_grad():
-        for _ in range(max_tokens):
-            logits = model(torch.tensor([ids])).logits[0, -1].double()
-            top = logits.topk(2).values
-            token = int(logits.argmax())
-            tokens.append(token)
-            gaps.append(float(top[0] - top[1]))
-            logprobs.append(float(torch.log_softmax(logits, -1)[token]))
-            ids.append(token)
-    return GreedyRef(tokens, gaps, False), logprobs
 
 
 def prompts(seed: int = 3) -> list[list[int]]:

@@ -3,16 +3,8 @@ preemption, prefix-cache hits keyed by adapter, max_loras=1 serialising two adap
 adapter replaced from tensors in memory with no stale prefix-cache hit."""
 
 import pytest
-from hf_reference import assert_greedy_match
-from lora_helpers import (
-    adapter_tensors,
-    build_base,
-    make_llm,
-    peft_greedy,
-    peft_model,
-    prompts,
-    save_adapter,
-)
+from hf_reference import assert_greedy_match, greedy_logprobs
+from lora_helpers import adapter_tensors, build_base, make_llm, peft_model, prompts, save_adapter
 
 from nanovllm import SamplingParams
 from nanovllm.lora.request import LoRARequest
@@ -26,7 +18,7 @@ def setup(tmp_path_factory):
     base = build_base(str(root / "base"), "qwen3", seed=4)
     models = [peft_model(base, seed) for seed in (21, 22)]
     folders = [save_adapter(m, str(root / f"a{i}")) for i, m in enumerate(models)]
-    refs = [[peft_greedy(m, p, MAX_TOKENS)[0] for p in prompts()] for m in models]
+    refs = [[greedy_logprobs(m, p, MAX_TOKENS)[0] for p in prompts()] for m in models]
     return base, models, folders, refs
 
 

@@ -4,7 +4,8 @@ AsyncLLM with a cancelled stream) and over tensor and data parallelism: the adap
 import asyncio
 
 import pytest
-from lora_helpers import build_base, make_llm, peft_greedy, peft_model, prompts, save_adapter
+from hf_reference import greedy_logprobs
+from lora_helpers import build_base, make_llm, peft_model, prompts, save_adapter
 
 from nanovllm import SamplingParams
 from nanovllm.lora.request import LoRARequest
@@ -21,9 +22,9 @@ def setup(tmp_path_factory):
         LoRARequest(f"a{i}", i + 1, save_adapter(m, str(root / f"a{i}")))
         for i, m in enumerate(models)
     ]
-    refs = [[peft_greedy(m, p, MAX_TOKENS)[0].tokens for p in prompts()] for m in models]
+    refs = [[greedy_logprobs(m, p, MAX_TOKENS)[0].tokens for p in prompts()] for m in models]
     with models[0].disable_adapter():
-        refs.append([peft_greedy(models[0], p, MAX_TOKENS)[0].tokens for p in prompts()])
+        refs.append([greedy_logprobs(models[0], p, MAX_TOKENS)[0].tokens for p in prompts()])
     return base, loras, refs  # refs[2]: the base model
 
 

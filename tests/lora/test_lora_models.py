@@ -4,8 +4,8 @@ the FP8 KV cache (an adapter equals its weights merged into the base model), and
 
 import pytest
 import torch
-from hf_reference import assert_greedy_match
-from lora_helpers import SIZES, build_base, make_llm, peft_greedy, peft_model, prompts, save_adapter
+from hf_reference import assert_greedy_match, greedy_logprobs
+from lora_helpers import SIZES, build_base, make_llm, peft_model, prompts, save_adapter
 
 from nanovllm import SamplingParams
 from nanovllm.lora.request import LoRARequest
@@ -44,7 +44,7 @@ def test_moe_attention_adapter_matches_peft_and_experts_are_refused(tmp_path):
         outs = llm.generate(prompts(), greedy(), False, lora)
         for i, (out, p) in enumerate(zip(outs, prompts())):
             assert_greedy_match(
-                out.outputs[0].token_ids, peft_greedy(model, p, MAX_TOKENS)[0], f"{i}"
+                out.outputs[0].token_ids, greedy_logprobs(model, p, MAX_TOKENS)[0], f"{i}"
             )
         with pytest.raises(
             ValueError,

@@ -2,8 +2,8 @@
 tiny Qwen3, Qwen2 and Llama models, alone and in one batch with the base model and the others."""
 
 import pytest
-from hf_reference import assert_greedy_match
-from lora_helpers import build_base, make_llm, peft_greedy, peft_model, prompts, save_adapter
+from hf_reference import assert_greedy_match, greedy_logprobs
+from lora_helpers import build_base, make_llm, peft_model, prompts, save_adapter
 
 from nanovllm import SamplingParams
 from nanovllm.lora.request import LoRARequest
@@ -25,10 +25,10 @@ def setup(request, tmp_path_factory):
     for i, (name, (seed, options)) in enumerate(ADAPTERS.items()):
         model = peft_model(base, seed, **options)
         folders[name] = save_adapter(model, str(root / name))
-        refs[name] = [peft_greedy(model, p, MAX_TOKENS) for p in prompts()]
+        refs[name] = [greedy_logprobs(model, p, MAX_TOKENS) for p in prompts()]
         if i == 0:
             with model.disable_adapter():
-                refs[None] = [peft_greedy(model, p, MAX_TOKENS) for p in prompts()]
+                refs[None] = [greedy_logprobs(model, p, MAX_TOKENS) for p in prompts()]
     llm = make_llm(base)
     yield llm, folders, refs
     llm.exit()

@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 import torch
-from hf_reference import GreedyRef, assert_greedy_match
+from hf_reference import assert_greedy_match, greedy_logprobs
 
 from nanovllm import LLM, SamplingParams
 from nanovllm.utils.checkpoint import TOKENIZER_DIR
@@ -56,20 +56,6 @@ def qwen35(tmp_path_factory):
     return path, model
 
 
-def reference(model, prompt: list[int]) -> tuple[GreedyRef, list[float]]:
-    """transformers' greedy tokens (full recompute each token) and their log-probabilities."""
-    ids, tokens, gaps, logprobs = list(prompt), [], [], []
-    with torch.no_grad():
-        for _ in range(MAX_TOKENS):
-            logits = model(torch.tensor([ids])).logits[0, -1].double()
-            top = logits.topk(2).values
-            tokens.append(int(logits.argmax()))
-            gaps.append(float(top[0] - top[1]))
-            logprobs.append(float(torch.log_softmax(logits, -1)[tokens[-1]]))
-            ids.append(tokens[-1])
-    return GreedyRef(tokens, gaps, False), logprobs
-
-
 def prompts() -> list[list[int]]:
     rng = random.Random(0)
     return [[rng.randrange(512) for _ in range(n)] for n in (1, 3, 12, 17, 28, 60, 70, 130)]
@@ -97,7 +83,7 @@ def test_greedy_matches_transformers(qwen35, engine):
         again = llm.generate(prompts()[5:], greedy(2), use_tqdm=False)
         stats = llm.get_stats()
     for i, (out, prompt) in enumerate(zip(outs, prompts())):
-        ref, logprobs = reference(model, prompt)
+        ref, logprobs = greedy_logprobs(model, prompt, MAX_TOKENS)
         got = out.outputs[0]
         assert_greedy_match(got.token_ids, ref, f"prompt {i}")
         if got.token_ids == ref.tokens:
