@@ -111,12 +111,15 @@ class GatedDeltaNet(nn.Module):
         conv = (self.conv1d.weight.shape[0], self.kernel - 1)
         return conv, (self.num_v_heads, self.head_k_dim, self.head_v_dim)
 
+    def project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``(mixed [T, q|k|v], z [T, Hv*Dv], a [T, Hv], b [T, Hv])``, this rank's heads."""
+        mixed, z = self.in_proj_qkv(hidden), self.in_proj_z(hidden)
+        return mixed, z, self.in_proj_a(hidden), self.in_proj_b(hidden)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, hidden] -> [T, hidden]; rows no sequence of the batch covers give zeros."""
         t = hidden.shape[0]
-        mixed = self.in_proj_qkv(hidden)
-        z = self.in_proj_z(hidden)
-        a, b = self.in_proj_a(hidden), self.in_proj_b(hidden)
+        mixed, z, a, b = self.project(hidden)
         g, beta = decay_and_beta(a, b, self.A_log, self.dt_bias)
         batch, conv_states, states = get_state_batch(), self.conv_states, self.recurrent_states
         if not batch.starts:  # standalone: one fresh sequence, temporary states
