@@ -31,8 +31,8 @@ CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
     # the MoE routing (softmax, top-k, renormalisation) and grouping (counts, offsets, scatter)
     # kernels
     ("MoE routing", ("_select_experts_kernel", "_count_kernel", "_scatter_kernel")),
-    # LoRA adapters: the expand kernel (nanovllm/lora/triton_ops.py; the shrink is a GEMM)
-    ("LoRA", ("_lora_expand_kernel",)),
+    # LoRA adapters: the kernel after the GEMM (nanovllm/lora/triton_ops.py; the shrink is in it)
+    ("LoRA", ("_lora_out_kernel",)),
     # the FP8 linears: the activations' quantization and the block-scaled GEMM (Triton's; cuBLAS's,
     # from 128 rows on Hopper, counts under GEMMs)
     ("FP8 linears", ("_fp8_gemm_kernel", "_quantize_kernel")),

@@ -1,13 +1,12 @@
-"""The batched multi-LoRA kernels (``add_lora``) beside the base linear they add to, on a CUDA GPU.
+"""The batched multi-LoRA layer (``lora_linear``) beside its base linear, on a CUDA GPU.
 
     python benchmarks/lora_kernels.py [--models 0.6b 8b] [--rank 16] [--slots 4] [--dtype bf16]
 
 For each projection of Qwen3-0.6B and Qwen3-8B (qkv, o, gate_up, down; the LoRA rank stacked per
 fused slice: qkv 3 * rank, gate_up 2 * rank) and each token count, rows spread evenly over the
-slots: GPU time of ``F.linear`` and of ``add_lora`` (one cuBLAS shrink for every slot, then one
-Triton expand) with ``max_rows`` the largest count (as run eagerly) and with ``max_rows`` the token
-count (as in a CUDA graph captured for that batch size), then with every count zero (256 tokens).
-``tile``: the expand's block_m x block_n x block_r that ``add_lora`` chose for ``max_rows`` = T.
+slots: GPU time of ``F.linear`` over the weight and of ``lora_linear`` (one cuBLAS GEMM over the
+weight and every slot's A, then one Triton kernel), with every row on an adapter and with none.
+``tile``: the kernel's block_m x block_n x block_r for T rows.
 Times are medians over CUDA-graph replays (each replays the call ``--calls`` times), timed with
 CUDA events: host launch overhead is not counted.
 """
@@ -88,38 +87,35 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("lora_kernels.py times GPU kernels: it needs a CUDA GPU (none is visible)")
-    from nanovllm.lora.triton_ops import add_lora, lora_tile
+    import numpy as np
+
+    from nanovllm.lora.triton_ops import block_table, launch_lora, lora_tile
 
     torch.manual_seed(0)
     dtype, dev, slots = DTYPES[args.dtype], "cuda", args.slots
     bench = lambda fn: time_us(fn, args.replays, args.calls)  # noqa: E731
-    as_tensor = lambda v: torch.tensor(v, dtype=torch.int32, device=dev)  # noqa: E731
-    header = f"{'model':5s} {'proj':7s} {'K':>5s} {'N':>6s} {'R':>3s} {'T':>5s} | "
-    print(header + "linear us | lora us: max_rows=max count, =T | tile (=T) | lora(=T)/linear")
+    header = f"{'model':5s} {'proj':7s} {'K':>5s} {'N':>6s} {'W':>3s} {'T':>5s} | "
+    print(header + "linear us | lora us: all rows, none | tile | lora(all)/linear")
     for model in args.models:
-        for proj, (k, n, rank) in projections(model, args.rank).items():
-            w = torch.randn(n, k, device=dev, dtype=dtype) * k**-0.5
-            lora_a = torch.randn(slots, rank, k, device=dev, dtype=dtype) * k**-0.5
-            lora_b = torch.randn(slots, n, rank, device=dev, dtype=dtype) * 0.01
-            for num_tokens in [*args.tokens, 0]:
-                zero = num_tokens == 0  # every count zero, at 256 tokens
-                num_tokens = 256 if zero else num_tokens
+        for proj, (k, n, width) in projections(model, args.rank).items():
+            ext = torch.randn(n + slots * width, k, device=dev, dtype=dtype) * k**-0.5
+            w, lora_b = ext[:n], torch.randn(slots, n, width, device=dev, dtype=dtype) * 0.01
+            for num_tokens in args.tokens:
                 x = torch.randn(num_tokens, k, device=dev, dtype=dtype)
-                y = torch.zeros(num_tokens, n, device=dev, dtype=dtype)
-                counts = [0] * slots if zero else even_counts(num_tokens, slots)
-                starts = [sum(counts[:s]) for s in range(slots)]
-                order = as_tensor(list(range(num_tokens)))
-                starts, counts, max_count = as_tensor(starts), as_tensor(counts), max(counts)
-                lora = lambda rows: add_lora(y, x, lora_a, lora_b, order, starts, counts, rows)  # noqa: E731
+                counts = even_counts(num_tokens, slots)
+                spread = np.repeat(np.arange(slots), counts)
+                times = []
+                for rows in (spread, np.full(num_tokens, -1)):
+                    blocks, order = (
+                        torch.from_numpy(t).to(dev) for t in block_table(rows, num_tokens, slots)
+                    )
+                    times.append(bench(lambda: launch_lora(x, ext, lora_b, None, blocks, order)))
                 linear = bench(lambda: F.linear(x, w))
-                by_count = "-" if zero else f"{bench(lambda: lora(max_count)):.1f}"
-                by_tokens = bench(lambda: lora(num_tokens))
-                tile = "x".join(map(str, lora_tile(num_tokens, rank)))
-                label = "0/256" if zero else str(num_tokens)  # rows with an adapter / rows
+                tile = "x".join(map(str, lora_tile(num_tokens, width)))
                 print(
-                    f"{model:5s} {proj:7s} {k:5d} {n:6d} {rank:3d} {label:>5s} | {linear:9.1f} | "
-                    f"{by_count:>17s} {by_tokens:9.1f}{'':4s} | {tile:>9s} | "
-                    f"{by_tokens / linear:15.2f}"
+                    f"{model:5s} {proj:7s} {k:5d} {n:6d} {width:3d} {num_tokens:5d} | "
+                    f"{linear:9.1f} | {times[0]:16.1f} {times[1]:5.1f} | {tile:>9s} | "
+                    f"{times[0] / linear:16.2f}"
                 )
 
 

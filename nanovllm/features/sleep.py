@@ -16,11 +16,12 @@ MODES = ("abort", "wait", "keep")  # what sleep(mode) does to queued requests
 
 @dataclass
 class Offloaded:
-    tensor: torch.Tensor
-    shape: torch.Size
-    stride: tuple[int, ...]
-    dtype: torch.dtype
-    host: torch.Tensor | None
+    """One storage and the parameters and buffers viewing it (a LoRA layer's weight and its
+    adapters share one): ``views`` holds (tensor, shape, stride, offset, dtype)."""
+
+    views: list[tuple[torch.Tensor, torch.Size, tuple[int, ...], int, torch.dtype]]
+    nbytes: int
+    host: torch.Tensor | None  # the storage's bytes
 
 
 class HostArena:
@@ -51,21 +52,35 @@ class HostArena:
         return out
 
 
+def _bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+
+
 @torch.no_grad()
 def offload(model: nn.Module, level: int, arena: HostArena) -> list[Offloaded]:
-    """Empty every parameter and buffer in place; host copies of buffers and (level 1) weights."""
+    """Empty every parameter and buffer in place, a storage at a time; host copies of the
+    storages of buffers and (level 1) weights."""
     kept = [(p, level == 1) for p in model.parameters()] + [(b, True) for b in model.buffers()]
+    groups: dict[int, tuple[torch.UntypedStorage, list, list[bool]]] = {}
+    for t, keep in kept:
+        storage = t.untyped_storage()
+        key = storage.data_ptr() if storage.nbytes() else -id(t)
+        group = groups.setdefault(key, (storage, [], []))
+        group[1].append((t, t.shape, t.stride(), t.storage_offset(), t.dtype))
+        group[2].append(keep)
+    groups = list(groups.values())
     # every host copy first: if host memory runs out, the model is still whole
-    to_copy = [t.data for t, keep in kept if keep]
+    to_copy = [_bytes(s, views[0][0].device) for s, views, keep in groups if any(keep)]
     if to_copy and to_copy[0].device.type != "cpu":
         to_copy = arena.copies(to_copy)
-    hosts = iter(to_copy)  # on the CPU a tensor's own storage is its host copy
+    hosts = iter(to_copy)  # on the CPU a storage is its own host copy
     out = [
-        Offloaded(t, t.shape, t.stride(), t.dtype, next(hosts) if keep else None)
-        for t, keep in kept
+        Offloaded(views, storage.nbytes(), next(hosts) if any(keep) else None)
+        for storage, views, keep in groups
     ]
     for entry in out:
-        entry.tensor.data = torch.empty(0, dtype=entry.dtype, device=entry.tensor.device)
+        for t, *_, dtype in entry.views:
+            t.data = torch.empty(0, dtype=dtype, device=t.device)
     return out
 
 
@@ -75,12 +90,14 @@ def restore(offloaded: list[Offloaded], device: torch.device) -> None:
         if entry.host is not None and entry.host.device == device:  # the CPU: its own storage again
             data = entry.host
         else:
-            data = torch.empty_strided(entry.shape, entry.stride, dtype=entry.dtype, device=device)
+            data = torch.empty(entry.nbytes, dtype=torch.uint8, device=device)
             if entry.host is None:
                 data.zero_()
             else:
                 data.copy_(entry.host)
-        entry.tensor.data = data
+        storage = data.untyped_storage()
+        for t, shape, stride, offset, dtype in entry.views:
+            t.data = torch.empty(0, dtype=dtype, device=device).set_(storage, offset, shape, stride)
 
 
 def check_level(level) -> int:

@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 
-from nanovllm.lora.batch import AdapterBatch, add_lora
+from nanovllm.lora.batch import AdapterBatch, lora_linear
 
 # a fused layer's slices, in the order of its shard ids; a checkpoint module -> (layer, slice)
 SLICES = {"qkv_proj": ("q", "k", "v"), "o_proj": (None,), "gate_up_proj": (0, 1)}
@@ -16,16 +16,16 @@ MODULE_SLICE |= {"up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0)}
 class LoRAMethod:
     """``base``'s GEMM, then ``y[t] += (x[t] A_s^T) B_s^T`` for the rows of each slot ``s``.
     The layer holds ``lora_a [slots, S*r, in]`` and ``lora_b [slots, out, S*r]``: slice ``j`` of
-    ``S`` owns columns ``j*r:(j+1)*r`` (B is block-diagonal), ``r`` = max_lora_rank."""
+    ``S`` owns columns ``j*r:(j+1)*r`` (B is block-diagonal), ``r`` = max_lora_rank. The weight
+    and ``lora_a`` are views of one buffer, ``lora_ext = [weight; lora_a]`` (one GEMM on a GPU)."""
 
     def __init__(self, base, batch: AdapterBatch):
         self.base, self.batch = base, batch
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None):
-        y = self.base.apply(layer, x, bias)
-        if self.batch.active:
-            add_lora(y, x, layer.lora_a, layer.lora_b, self.batch)
-        return y
+        if not self.batch.active:
+            return self.base.apply(layer, x, bias)
+        return lora_linear(layer, x, bias, self.base, self.batch)
 
     def missing(self, layer: nn.Module) -> list[str]:
         return self.base.missing(layer)
@@ -43,7 +43,11 @@ def wrap_model(model: nn.Module, max_loras: int, max_rank: int, batch: AdapterBa
                 n_out, n_in = layer.weight.shape
                 kind = {"dtype": layer.weight.dtype, "device": layer.weight.device}
                 width = len(slices) * max_rank
-                a = torch.zeros(max_loras, width, n_in, **kind)
+                ext = torch.zeros(n_out + max_loras * width, n_in, **kind)
+                ext[:n_out].copy_(layer.weight.data)
+                layer.weight.data = ext[:n_out]  # the weight's own storage is freed
+                layer.register_buffer("lora_ext", ext, persistent=False)
+                a = ext[n_out:].view(max_loras, width, n_in)
                 layer.register_buffer("lora_a", a, persistent=False)
                 b = torch.zeros(max_loras, n_out, width, **kind)
                 layer.register_buffer("lora_b", b, persistent=False)

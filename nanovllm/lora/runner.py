@@ -34,13 +34,14 @@ class LoRARunner:
 
     def run(self, step: Step):
         lora = step.adapters is not None and max(step.adapters) >= 0
-        graphed = lora and not step.is_prefill and self.graphs is not None
-        graphed = graphed and self.graphs.padded_batch(step.num_seqs) is not None
+        padded = None
+        if lora and not step.is_prefill and self.graphs is not None:
+            padded = self.graphs.padded_batch(step.num_seqs)
+        graphed = padded is not None
         if lora:
             slots = np.array(step.adapters)
-            self.adapters.set_rows(
-                np.repeat(slots, step.num_new) if step.is_prefill else slots, graphed
-            )
+            rows = np.repeat(slots, step.num_new) if step.is_prefill else slots
+            self.adapters.set_rows(rows, padded or len(rows), graphed)
         else:
             self.adapters.active = False  # the base model's rows only
         if self.graphs is not None:

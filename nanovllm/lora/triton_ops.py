@@ -1,10 +1,13 @@
-"""Batched multi-LoRA on a GPU: every slot's shrink ``u = x @ A_all.T`` as one cuBLAS GEMM (the
-rank is small: the slots a row does not use cost little), then one Triton kernel that adds each
-row's own slot, ``y[t] += u[t, s*R : (s+1)*R] @ B[s].T``, over rows grouped by slot. No host
-sync and no value-dependent shapes: safe inside CUDA-graph capture."""
+"""Batched multi-LoRA on a GPU, folded into the base GEMM. A target layer's weight is the first N
+rows of ``ext = [W; A_0; ...; A_{L-1}]``, so one cuBLAS GEMM gives ``z = x @ ext.T = [x W^T | u_0
+| ... | u_{L-1}]``; one Triton kernel then writes ``out[t] = z[t, :N] + u_s[t] @ B_s^T (+ bias)``
+for each row ``t`` of slot ``s`` (rows of no slot: ``z[t, :N] (+ bias)``). Rows come grouped by
+slot in blocks (``block_table``, built on the host); no host sync and no value-dependent shapes:
+safe inside CUDA-graph capture."""
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -18,130 +21,171 @@ class LoraTile(NamedTuple):
     block_r: int  # rank columns per step (a power of two >= 16)
 
 
-def lora_tile(max_rows: int, rank: int) -> LoraTile:
-    """Few rows per slot (decode): 16-row blocks; many (prefill): 64 rows, wider columns."""
-    block_m = 16 if max_rows <= 64 else 32 if max_rows <= 256 else 64
-    block_n = 64 if max_rows <= 256 else 128
-    return LoraTile(block_m, block_n, min(64, max(16, triton.next_power_of_2(rank))))
+def block_rows(num_rows: int) -> int:
+    """Rows per block for a step of ``num_rows`` rows: 16 for decode-sized steps, 64 above."""
+    return 16 if num_rows <= 512 else 64
+
+
+def lora_tile(num_rows: int, width: int) -> LoraTile:
+    block_m = block_rows(num_rows)
+    return LoraTile(
+        block_m, 64 if block_m == 16 else 128, min(64, max(16, 2 ** (width - 1).bit_length()))
+    )
+
+
+def max_blocks(num_rows: int, num_slots: int, block_m: int) -> int:
+    """An upper bound on the blocks of any grouping of ``num_rows`` rows (slots and no slot)."""
+    return -(-num_rows // block_m) + num_slots + 1
+
+
+def block_table(slots: np.ndarray, num_rows: int, num_slots: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(blocks, order)``, int32. Row ``t`` runs slot ``slots[t]`` (-1, or ``t >= len(slots)``:
+    none). ``order`` lists the ``num_rows`` rows grouped by slot (no slot last); ``blocks`` is
+    ``[count, (slot, first, rows) * count]``: a block's rows are ``order[first : first + rows]``,
+    at most ``block_rows(num_rows)`` of one slot (-1: none)."""
+    key = np.full(num_rows, num_slots, dtype=np.int64)
+    key[: len(slots)] = np.where(slots >= 0, slots, num_slots)
+    order = np.argsort(key, kind="stable").astype(np.int32)
+    counts = np.bincount(key, minlength=num_slots + 1)
+    block_m, entries, first = block_rows(num_rows), [], 0
+    for slot, count in enumerate(counts.tolist()):
+        for offset in range(0, count, block_m):
+            rows = min(block_m, count - offset)
+            entries.append((slot if slot < num_slots else -1, first + offset, rows))
+        first += count
+    blocks = np.array([len(entries), *(v for e in entries for v in e)], dtype=np.int32)
+    return blocks, order
 
 
 @triton.jit
-def _lora_expand_kernel(
-    u_ptr,
+def _lora_out_kernel(
+    z_ptr,
     b_ptr,
-    y_ptr,
+    bias_ptr,
+    out_ptr,
+    blocks_ptr,
     order_ptr,
-    starts_ptr,
-    counts_ptr,
     n,
-    rank,
-    stride_ut,
+    width,
+    stride_z,
     stride_bl,
     stride_bn,
-    stride_yt,
+    stride_o,
+    HAS_BIAS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
-    block, pid_n, slot = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    count = tl.load(counts_ptr + slot)
-    if block * BLOCK_M >= count:
+    block, pid_n = tl.program_id(0), tl.program_id(1)
+    if block >= tl.load(blocks_ptr):
         return
-    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    slot = tl.load(blocks_ptr + 1 + 3 * block)
+    first = tl.load(blocks_ptr + 2 + 3 * block)
+    count = tl.load(blocks_ptr + 3 + 3 * block)
+    offs_m = tl.arange(0, BLOCK_M)
     row_mask = offs_m < count
-    start = tl.load(starts_ptr + slot)
-    rows = tl.load(order_ptr + start + offs_m, mask=row_mask, other=0).to(tl.int64)
+    rows = tl.load(order_ptr + first + offs_m, mask=row_mask, other=0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for r0 in range(0, rank, BLOCK_R):
-        offs_r = r0 + tl.arange(0, BLOCK_R)
-        r_mask = offs_r < rank
-        u_ptrs = u_ptr + rows[:, None] * stride_ut + slot * rank + offs_r[None, :]
-        u = tl.load(u_ptrs, mask=row_mask[:, None] & r_mask[None, :], other=0.0)
-        b_ptrs = b_ptr + slot * stride_bl + offs_n[:, None] * stride_bn + offs_r[None, :]
-        b = tl.load(b_ptrs, mask=n_mask[:, None] & r_mask[None, :], other=0.0)
-        acc += tl.dot(u, tl.trans(b), input_precision=DOT_PRECISION)
-    y_ptrs = y_ptr + rows[:, None] * stride_yt + offs_n[None, :]
     mask = row_mask[:, None] & n_mask[None, :]
-    y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptrs, (y + acc).to(y_ptr.dtype.element_ty), mask=mask)
+    z_rows = z_ptr + rows[:, None] * stride_z
+    y = tl.load(z_rows + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    if slot >= 0:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for r0 in range(0, width, BLOCK_R):
+            offs_r = r0 + tl.arange(0, BLOCK_R)
+            r_mask = offs_r < width
+            u_mask = row_mask[:, None] & r_mask[None, :]
+            u = tl.load(z_rows + n + slot * width + offs_r[None, :], mask=u_mask, other=0.0)
+            b_ptrs = b_ptr + slot * stride_bl + offs_n[:, None] * stride_bn + offs_r[None, :]
+            b = tl.load(b_ptrs, mask=n_mask[:, None] & r_mask[None, :], other=0.0)
+            acc += tl.dot(u, tl.trans(b), input_precision=DOT_PRECISION)
+        y += acc
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    out_ptrs = out_ptr + rows[:, None] * stride_o + offs_n[None, :]
+    tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _check(y, x, lora_a, lora_b, order, starts, counts, max_rows) -> None:
-    if y.dim() != 2 or x.dim() != 2 or x.shape[0] != y.shape[0]:
+def _check(x, ext, lora_b, bias, blocks, order) -> None:
+    if x.dim() != 2 or ext.dim() != 2 or ext.shape[1] != x.shape[1]:
         raise ValueError(
-            f"y and x must be [T, N] and [T, K], got shapes {tuple(y.shape)} and {tuple(x.shape)}"
+            f"x and ext must be [T, K] and [N + L*W, K], "
+            f"got {tuple(x.shape)} and {tuple(ext.shape)}"
         )
-    if y.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"y.dtype must be one of {SUPPORTED_DTYPES}, got {y.dtype}")
-    for name, t in (("x", x), ("lora_a", lora_a), ("lora_b", lora_b)):
-        if t.dtype != y.dtype:
-            raise TypeError(f"{name}.dtype must equal y.dtype ({y.dtype}), got {t.dtype}")
-    if lora_a.dim() != 3 or lora_a.shape[2] != x.shape[1] or lora_a.shape[1] == 0:
-        raise ValueError(f"lora_a must be [L, R, K={x.shape[1]}], got {tuple(lora_a.shape)}")
-    num_slots, rank = lora_a.shape[0], lora_a.shape[1]
-    if tuple(lora_b.shape) != (num_slots, y.shape[1], rank):
-        expected = (num_slots, y.shape[1], rank)
-        raise ValueError(f"lora_b must be [L, N, R] = {expected}, got {tuple(lora_b.shape)}")
-    for name, t in (("order", order), ("starts", starts), ("counts", counts)):
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"x.dtype must be one of {SUPPORTED_DTYPES}, got {x.dtype}")
+    for name, t in (("ext", ext), ("lora_b", lora_b), ("bias", bias)):
+        if t is not None and t.dtype != x.dtype:
+            raise TypeError(f"{name}.dtype must equal x.dtype ({x.dtype}), got {t.dtype}")
+    if lora_b.dim() != 3 or lora_b.shape[1] + lora_b.shape[0] * lora_b.shape[2] != ext.shape[0]:
+        raise ValueError(
+            f"lora_b must be [L, N, W] with N + L*W = {ext.shape[0]} (ext's rows), "
+            f"got {tuple(lora_b.shape)}"
+        )
+    if bias is not None and tuple(bias.shape) != (lora_b.shape[1],):
+        raise ValueError(f"bias must be [N={lora_b.shape[1]}], got {tuple(bias.shape)}")
+    for name, t in (("blocks", blocks), ("order", order)):
         if t.dtype != torch.int32 or t.dim() != 1:
             raise TypeError(f"{name} must be a 1-D torch.int32 tensor, got {t.dtype} {t.dim()}-D")
-    if order.numel() < y.shape[0]:
-        raise ValueError(f"order must have >= T = {y.shape[0]} elements, got {order.numel()}")
-    if starts.numel() != num_slots or counts.numel() != num_slots:
+    if order.numel() < x.shape[0]:
+        raise ValueError(f"order must have >= T = {x.shape[0]} elements, got {order.numel()}")
+    need = 1 + 3 * max_blocks(x.shape[0], lora_b.shape[0], block_rows(x.shape[0]))
+    if blocks.numel() < need:
         raise ValueError(
-            f"starts and counts must have L = {num_slots} elements, "
-            f"got {starts.numel()} and {counts.numel()}"
+            f"blocks must have >= {need} elements for T = {x.shape[0]}, got {blocks.numel()}"
         )
-    if y.stride(1) != 1 or not (lora_a.is_contiguous() and lora_b.is_contiguous()):
-        raise ValueError("y's rows, lora_a and lora_b must be contiguous")
-    if not isinstance(max_rows, int) or max_rows < 0:
-        raise ValueError(f"max_rows must be an int >= 0 (>= every count), got {max_rows!r}")
+    if x.stride(1) != 1 or not (ext.is_contiguous() and lora_b.is_contiguous()):
+        raise ValueError("x's rows, ext and lora_b must be contiguous")
 
 
-def add_lora(y, x, lora_a, lora_b, order, starts, counts, max_rows: int) -> None:
-    """y[t] += (x[t] @ lora_a[s].T) @ lora_b[s].T for every adapter slot s and every row t in
-    order[starts[s] : starts[s] + counts[s]]; other rows of y are untouched. ``max_rows`` (a
-    host int >= every count) sizes the grid."""
-    _check(y, x, lora_a, lora_b, order, starts, counts, max_rows)
-    launch_lora(y, x, lora_a, lora_b, order, starts, counts, max_rows)
+def lora_linear(x, ext, lora_b, bias, blocks, order) -> torch.Tensor:
+    """``out [T, N]``: ``x @ ext[:N].T (+ bias)``, plus ``(x @ A_s.T) @ lora_b[s].T`` on the rows
+    of each slot ``s`` (``A_s`` = ext's rows ``N + s*W : N + (s+1)*W``), per ``blocks``/``order``
+    from ``block_table`` for T rows."""
+    _check(x, ext, lora_b, bias, blocks, order)
+    return launch_lora(x, ext, lora_b, bias, blocks, order)
 
 
-def launch_lora(y, x, lora_a, lora_b, order, starts, counts, max_rows: int, tile=None) -> None:
-    """``add_lora`` with its inputs unchecked (the engine's call), or with a given tile."""
-    num_slots, rank, k = lora_a.shape
-    n = y.shape[1]
-    if max_rows == 0 or x.shape[0] == 0 or n == 0:
-        return
-    u = torch.mm(x, lora_a.view(num_slots * rank, k).t())  # [T, L*R], rounded to x's dtype
-    tile = tile or lora_tile(max_rows, rank)
-    grid = (triton.cdiv(max_rows, tile.block_m), triton.cdiv(n, tile.block_n), num_slots)
-    _lora_expand_kernel[grid](
-        u,
+def launch_lora(x, ext, lora_b, bias, blocks, order, tile=None) -> torch.Tensor:
+    """``lora_linear`` with its inputs unchecked (the engine's call), or with a given tile."""
+    num_slots, n, width = lora_b.shape
+    t = x.shape[0]
+    z = torch.mm(x, ext.t())
+    out = z.new_empty(t, n)
+    if t == 0 or n == 0:
+        return out
+    tile = tile or lora_tile(t, width)
+    grid = (max_blocks(t, num_slots, tile.block_m), triton.cdiv(n, tile.block_n))
+    _lora_out_kernel[grid](
+        z,
         lora_b,
-        y,
+        bias if bias is not None else z,
+        out,
+        blocks,
         order,
-        starts,
-        counts,
         n,
-        rank,
-        u.stride(0),
+        width,
+        z.stride(0),
         lora_b.stride(0),
         lora_b.stride(1),
-        y.stride(0),
+        out.stride(0),
+        HAS_BIAS=bias is not None,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=tile.block_m,
         BLOCK_N=tile.block_n,
         BLOCK_R=tile.block_r,
     )
+    return out
 
 
-def add_lora_reference(y, x, lora_a, lora_b, order, starts, counts) -> None:
-    """``add_lora`` in plain torch (a host loop over slots, in the inputs' dtype)."""
-    for slot, (start, count) in enumerate(zip(starts.tolist(), counts.tolist())):
-        if count:
-            rows = order[start : start + count].long()
-            u = x.index_select(0, rows) @ lora_a[slot].T
-            y.index_add_(0, rows, u @ lora_b[slot].T)
+def lora_linear_reference(x, ext, lora_b, bias, slots) -> torch.Tensor:
+    """``lora_linear`` in plain torch, from each row's slot (-1: none), in the inputs' dtype."""
+    num_slots, n, width = lora_b.shape
+    out = x @ ext[:n].T + (0 if bias is None else bias)
+    for slot in range(num_slots):
+        rows = (slots == slot).nonzero().flatten()
+        a = ext[n + slot * width : n + (slot + 1) * width]
+        out.index_add_(0, rows, (x[rows] @ a.T) @ lora_b[slot].T)
+    return out

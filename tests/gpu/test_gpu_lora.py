@@ -61,3 +61,20 @@ def test_gpu_adapters_match_the_cpu_torch_path(setup, enforce_eager):
     for (p, lora), tokens in zip(rows, gpu):
         by_adapter.setdefault(tuple(p), set()).add(tuple(tokens))
     assert all(len(v) == 4 for v in by_adapter.values())  # every adapter changes the tokens
+
+
+def test_gpu_sleep_keeps_the_weights_and_adapters_in_one_buffer(setup):
+    """Level 1 moves each target layer's one buffer (weight and adapters' A) to the host and back:
+    after waking, the weight is again a view of it and the tokens are the same."""
+    path, rows, _ = setup
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    kwargs = dict(enable_lora=True, max_loras=4, max_lora_rank=16, dtype="float32")
+    with LLM(path, max_model_len=1024, enable_sleep_mode=True, **kwargs) as llm:
+        prompts, loras = [p for p, _ in rows], [q for _, q in rows]
+        before = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+        llm.sleep(1)
+        llm.wake_up()
+        layers = llm.core.executor.runner.lora_layers.values()
+        assert all(m.weight.data_ptr() == m.lora_ext.data_ptr() for m in layers)
+        after = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+        assert [o.outputs[0].token_ids for o in after] == [o.outputs[0].token_ids for o in before]

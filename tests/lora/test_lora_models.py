@@ -80,6 +80,8 @@ def test_sleep_and_wake_up_keep_the_adapters(tmp_path):
         before = tokens(llm.generate(prompts(), greedy(), False, [lora, None, lora, None, lora]))
         llm.sleep(1)
         llm.wake_up()
+        layers = llm.core.executor.runner.lora_layers.values()
+        assert all(m.weight.data_ptr() == m.lora_ext.data_ptr() for m in layers)  # one buffer
         after = tokens(llm.generate(prompts(), greedy(), False, [lora, None, lora, None, lora]))
         assert (
             after == before and before[0] != tokens(llm.generate(prompts()[:1], greedy(), False))[0]
