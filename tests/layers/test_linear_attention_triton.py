@@ -16,6 +16,8 @@ from triton_interpreter import (
     squeeze_interpreter_loop_bounds,
 )
 
+from nanovllm.layers.linear_attention.states import StateBatch
+
 DIMS = (2, 4, 16, 32, 4)  # Hk, Hv, Dk, Dv, W
 # (length, slot, fresh): the slots out of order, the spare slot 7 for two padding rows
 STEP = [(5, 3, True), (1, 0, False), (2, 5, False), (0, 2, False), (9, 1, False), (1, 6, True)]
@@ -115,11 +117,52 @@ def check_step(dtype=torch.float32, gate=True, step=STEP, device="cpu", seed=0, 
     return compare(kernels(s, gate), reference(s), s)
 
 
+def check_layer(dtype=torch.float32) -> dict:  # bf16: the GPU tests
+    """A whole GatedDeltaNet layer: ``gpu_step.mix_step`` (the kernels) and its torch path, on
+    copies of the same states, over STEP."""
+    from types import SimpleNamespace
+
+    from nanovllm.layers.linear_attention.gpu_step import mix_step
+    from nanovllm.layers.linear_attention.layer import GatedDeltaNet
+    from nanovllm.layers.linear_attention.states import state_batch
+
+    hk, hv, dk, dv, w = DIMS
+    config = SimpleNamespace(hidden_size=48, linear_num_key_heads=hk, linear_num_value_heads=hv,
+                             linear_key_head_dim=dk, linear_value_head_dim=dv,
+                             linear_conv_kernel_dim=w, rms_norm_eps=1e-6)  # fmt: skip
+    torch.manual_seed(3)
+    layer = GatedDeltaNet(config)
+    with torch.no_grad():
+        for name, param in layer.named_parameters():
+            param.normal_(0.0, 0.3 if param.dim() > 1 else 0.1)
+            if name == "A_log":
+                param.uniform_(-2, 1)
+    layer = layer.to(dtype)
+    s = make_step(4, dtype)
+    hidden = torch.randn(s["mixed"].shape[0], 48).to(dtype)
+    batch = StateBatch(*s["host"], tensors=s["tensors"], max_len=max(s["host"][1]))
+    conv, rec = s["conv"], s["rec"]
+    layer.conv_states, layer.recurrent_states = conv.clone(), rec.clone()
+    with torch.no_grad(), state_batch(StateBatch(*s["host"])):
+        want = layer(hidden)
+    want_states = layer.conv_states, layer.recurrent_states
+    layer.conv_states, layer.recurrent_states = conv.clone(), rec.clone()
+    with torch.no_grad():
+        got = layer.out_proj(mix_step(layer, *layer.project(hidden), batch))
+    diff = lambda a, b: (a.double() - b.double()).abs().max().item()  # noqa: E731
+    return {
+        "out": diff(got, want) / want.abs().max().item(),
+        "conv": diff(layer.conv_states, want_states[0]),
+        "rec": diff(layer.recurrent_states, want_states[1]),
+    }
+
+
 INTERPRETER_CASES = {
     "float32_gate": lambda: check_step(),
-    "float32_g_beta": lambda: check_step(gate=False, seed=1),
+    "float32_g_beta": lambda: check_step(gate=False, step=[(2, 1, True), (3, 0, False)], seed=1),
     "bf16_gate": lambda: check_step(torch.bfloat16, seed=2),
     "float32_padded_decode": lambda: check_step(step=[(1, 4, False), (1, 2, True)] + PADDED),
+    "layer_float32": lambda: check_layer(),
 }
 
 
@@ -145,9 +188,34 @@ def interpreter_results() -> dict:
 def test_kernels_match_torch_ops_interpreter(interpreter_results, case):
     result = interpreter_results[case]
     assert "error" not in result, result["error"]
+    if case.startswith("layer"):
+        assert result["out"] <= 2e-5, result
+        assert result["conv"] == 0 and result["rec"] <= 2e-5, result
+        return
     for name in ("x", "out", "normed", "conv", "rec"):
         assert result[name] <= tolerance(name, case), (name, result)
     assert result["uncovered_out_zero"] and result["spare_finite"], result
+
+
+def test_decode_rows_pad_on_the_spare_slot():
+    """StateRunner's graphed decode step: slots and fresh of its rows, then padding (spare, fresh),
+    into the static rows the graphs read; a prefill step gets its own rows and cu_seqlens."""
+    from types import SimpleNamespace
+
+    from nanovllm.runner.state_runner import StateRunner
+
+    runner = SimpleNamespace(spare=8, graphs=SimpleNamespace(padded_batch=lambda n: 4))
+    runner._tensor = lambda data, dtype: torch.tensor(data, dtype=dtype)
+    runner.decode_rows = torch.tensor([list(range(8)), [1] * 8, [8] * 8, [1] * 8]).int()
+    step = SimpleNamespace(num_seqs=3, is_prefill=False)
+    batch = StateBatch([0, 1, 2], [1, 1, 1], [5, 0, 3], [False, False, False])
+    StateRunner._send(runner, step, batch)
+    assert batch.tensors is runner.decode_rows and batch.max_len == 1
+    assert runner.decode_rows[2:, :5].tolist() == [[5, 0, 3, 8, 8], [0, 0, 0, 1, 1]]
+    prefill = StateBatch([0, 4], [4, 2], [1, 2], [True, False])
+    StateRunner._send(runner, SimpleNamespace(num_seqs=2, is_prefill=True), prefill)
+    assert prefill.tensors.tolist() == [[0, 4], [4, 2], [1, 2], [1, 0]] and prefill.max_len == 4
+    assert prefill.cu_seqlens.tolist() == [0, 4, 6] == prefill.cu_seqlens_cpu.tolist()
 
 
 if __name__ == "__main__":
