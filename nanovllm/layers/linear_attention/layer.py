@@ -1,5 +1,6 @@
 """Gated DeltaNet, the linear-attention layer of Qwen3.5: projections over the whole step, then the
-conv and the delta rule per sequence with its slot's carried states."""
+conv and the delta rule with each sequence's carried states: on a GPU over the whole step in Triton
+kernels (``gpu_step.py``), elsewhere per sequence in torch ops (``ops.py``)."""
 
 import torch
 from torch import nn
@@ -120,8 +121,12 @@ class GatedDeltaNet(nn.Module):
         """hidden [T, hidden] -> [T, hidden]; rows no sequence of the batch covers give zeros."""
         t = hidden.shape[0]
         mixed, z, a, b = self.project(hidden)
-        g, beta = decay_and_beta(a, b, self.A_log, self.dt_bias)
         batch, conv_states, states = get_state_batch(), self.conv_states, self.recurrent_states
+        if batch.tensors is not None and hidden.is_cuda:  # the whole step in Triton kernels
+            from nanovllm.layers.linear_attention.gpu_step import mix_step
+
+            return self.out_proj(mix_step(self, mixed, z, a, b, batch))
+        g, beta = decay_and_beta(a, b, self.A_log, self.dt_bias)
         if not batch.starts:  # standalone: one fresh sequence, temporary states
             batch = StateBatch([0], [t], [0], [True])
             conv_shape, state_shape = self.state_shapes()
