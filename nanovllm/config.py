@@ -86,6 +86,10 @@ class Config:
             raise
         except Exception as e:  # transformers' own checks of the other keys
             raise ValueError(f"{config_file}: {e}") from e
+        if hasattr(self.hf_config, "text_config"):  # multimodal: the language model alone
+            from nanovllm.models.qwen3_5 import language_config
+
+            self.hf_config = language_config(self.hf_config)
         from nanovllm.models.registry import architecture
 
         architecture(self.hf_config)  # an unsupported model fails here, before any weights load
@@ -202,7 +206,7 @@ def check_model_config(path: str) -> None:
 
     from nanovllm.utils.model_folder import read_json
 
-    raw = read_json(path)
+    raw = (top := read_json(path)).get("text_config") or top  # multimodal: the language model's
     aliases = getattr(CONFIG_MAPPING.get(raw.get("model_type")), "attribute_map", {})
     keys = list(MODEL_CONFIG_KEYS)
     for name in raw.get("architectures") or []:
