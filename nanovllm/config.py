@@ -29,6 +29,7 @@ MODEL_CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", 
 MODEL_CONFIG_KEYS += ("vocab_size",)
 MOE_CONFIG_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
 ARCHITECTURE_CONFIG_KEYS = {"Qwen3MoeForCausalLM": MOE_CONFIG_KEYS}
+UNREAD_KEYS = {"qwen3_5_moe_text": ("intermediate_size",)}  # model_type: no dense MLP
 
 
 @dataclass
@@ -208,7 +209,7 @@ def check_model_config(path: str) -> None:
 
     raw = (top := read_json(path)).get("text_config") or top  # multimodal: the language model's
     aliases = getattr(CONFIG_MAPPING.get(raw.get("model_type")), "attribute_map", {})
-    keys = list(MODEL_CONFIG_KEYS)
+    keys = [k for k in MODEL_CONFIG_KEYS if k not in UNREAD_KEYS.get(raw.get("model_type"), ())]
     for name in raw.get("architectures") or []:
         keys += ARCHITECTURE_CONFIG_KEYS.get(name, ())
     values = {}
