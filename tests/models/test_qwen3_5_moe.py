@@ -16,8 +16,8 @@ MOE.update(shared_expert_intermediate_size=48)
 del MOE["intermediate_size"]
 
 
-def randomised(model):
-    torch.manual_seed(2)
+def randomised(model, seed: int = 2):
+    torch.manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if not name.endswith(("A_log", "dt_bias")):

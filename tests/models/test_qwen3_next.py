@@ -16,7 +16,7 @@ NEXT = dict(MOE, mlp_only_layers=[1], intermediate_size=80, norm_topk_prob=True)
 def qwen3_next(tmp_path_factory):
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
-    model = randomised(Qwen3NextForCausalLM(Qwen3NextConfig(**NEXT)))
+    model = randomised(Qwen3NextForCausalLM(Qwen3NextConfig(**NEXT)), seed=3)
     return save_with_tokenizer(model, str(tmp_path_factory.mktemp("qwen3_next"))), model
 
 
