@@ -123,8 +123,8 @@ def main() -> None:
         metavar="SHAPE",
         default=None,
         help="benchmark a randomly initialised checkpoint of this shape (qwen3-0.6b, qwen3-4b, "
-        "qwen3-8b, qwen3-30b-a3b, qwen2.5-0.5b, llama3.2-1b); above 8 GiB of weights with "
-        "load_format='dummy'",
+        "qwen3-8b, qwen3-30b-a3b, qwen2.5-0.5b, llama3.2-1b, qwen3.5-9b, qwen3.5-35b-a3b); above "
+        "8 GiB of weights, and Qwen3.5's, with load_format='dummy'",
     )
     parser.add_argument(
         "--backend", default="auto", help="attention backend: auto, flash-attn, triton, torch"
@@ -207,10 +207,11 @@ def main() -> None:
         import torch
 
         from nanovllm.utils.checkpoint import make_random_checkpoint, model_config, weight_bytes
+        from nanovllm.utils.hybrid_shapes import HYBRID_SHAPES
 
         tmp = tempfile.TemporaryDirectory(prefix="nanovllm-bench-")
         # shapes over DUMMY_ABOVE bytes are not written: their weights are drawn on the device
-        dummy = (
+        dummy = args.random in HYBRID_SHAPES or (  # hybrid shapes: never written
             weight_bytes(model_config(args.random), quantization=args.quantization) > DUMMY_ABOVE
         )
         path = make_random_checkpoint(

@@ -29,6 +29,7 @@ MODEL_CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", 
 MODEL_CONFIG_KEYS += ("vocab_size",)
 MOE_CONFIG_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
 ARCHITECTURE_CONFIG_KEYS = {"Qwen3MoeForCausalLM": MOE_CONFIG_KEYS}
+UNREAD_KEYS = {"qwen3_5_moe_text": ("intermediate_size",)}  # model_type: no dense MLP
 
 
 @dataclass
@@ -86,6 +87,10 @@ class Config:
             raise
         except Exception as e:  # transformers' own checks of the other keys
             raise ValueError(f"{config_file}: {e}") from e
+        if hasattr(self.hf_config, "text_config"):  # multimodal: the language model alone
+            from nanovllm.models.qwen3_5 import language_config
+
+            self.hf_config = language_config(self.hf_config)
         from nanovllm.models.registry import architecture
 
         architecture(self.hf_config)  # an unsupported model fails here, before any weights load
@@ -202,9 +207,9 @@ def check_model_config(path: str) -> None:
 
     from nanovllm.utils.model_folder import read_json
 
-    raw = read_json(path)
+    raw = (top := read_json(path)).get("text_config") or top  # multimodal: the language model's
     aliases = getattr(CONFIG_MAPPING.get(raw.get("model_type")), "attribute_map", {})
-    keys = list(MODEL_CONFIG_KEYS)
+    keys = [k for k in MODEL_CONFIG_KEYS if k not in UNREAD_KEYS.get(raw.get("model_type"), ())]
     for name in raw.get("architectures") or []:
         keys += ARCHITECTURE_CONFIG_KEYS.get(name, ())
     values = {}

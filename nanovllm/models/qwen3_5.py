@@ -11,8 +11,15 @@ from nanovllm.layers.linear_attention.layer import GatedDeltaNet
 from nanovllm.models.config import head_dim
 from nanovllm.models.llama import GatedMLP, LlamaForCausalLM
 from nanovllm.parallel.distributed import get_tp_size
+from nanovllm.utils.loader import packed_target
 
 LAYER_TYPES = ("linear_attention", "full_attention")
+# a multimodal checkpoint whose language model runs alone -> the text architecture that runs it
+MULTIMODAL = {
+    "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
+}
+SKIPPED_PREFIXES = ("model.visual.", "mtp.")  # the vision tower, the multi-token-prediction head
 
 
 def zero_centred_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -98,15 +105,18 @@ class GatedAttention(nn.Module):
 
 
 class Qwen3_5DecoderLayer(nn.Module):
-    def __init__(self, config, layer_type: str):
+    """``mixer`` (GatedDeltaNet as ``linear_attn``, GatedAttention as ``self_attn``), then ``mlp``,
+    each behind a zero-centred RMSNorm and added to the residual."""
+
+    def __init__(self, config, layer_type: str, mixer: nn.Module, mlp: nn.Module):
         super().__init__()
         self.layer_type = layer_type
         if layer_type == "linear_attention":
-            self.linear_attn = GatedDeltaNet(config)
+            self.linear_attn = mixer
         else:
-            self.self_attn = GatedAttention(config)
+            self.self_attn = mixer
+        self.mlp = mlp
         hidden, eps = config.hidden_size, config.rms_norm_eps
-        self.mlp = GatedMLP(hidden, config.intermediate_size, config.hidden_act)
         self.input_layernorm = ZeroCentredRMSNorm(hidden, eps)
         self.post_attention_layernorm = ZeroCentredRMSNorm(hidden, eps)
 
@@ -129,11 +139,10 @@ def layer_types(config) -> list[str]:
 
 
 class Qwen3_5TextModel(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, layers: list[nn.Module]):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        types = layer_types(config)
-        self.layers = nn.ModuleList(Qwen3_5DecoderLayer(config, t) for t in types)
+        self.layers = nn.ModuleList(layers)
         self.norm = ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -144,22 +153,63 @@ class Qwen3_5TextModel(nn.Module):
 
 
 class Qwen3_5ForCausalLM(nn.Module):
-    """Qwen3.5's text model with Hugging Face's ``Qwen3_5ForCausalLM`` weight names. Full-attention
-    layers hold ``Attention`` modules (the KV cache); linear ones ``GatedDeltaNet`` (the states)."""
+    """Qwen3.5's text model with Hugging Face's ``Qwen3_5ForCausalLM`` weight names, or a
+    ``Qwen3_5ForConditionalGeneration`` checkpoint's language model (``language_config``).
+    Full-attention layers hold ``Attention`` modules (the KV cache); linear ones
+    ``GatedDeltaNet`` (the states). Subclasses change ``linear_attention`` and ``make_mlp``."""
 
     packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
+    linear_attention = GatedDeltaNet
+
+    def make_mlp(self, config, layer_idx: int) -> nn.Module:
+        return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
 
     def __init__(self, config, quant_config=None):
         super().__init__()
         if quant_config is not None:
-            raise ValueError("quantization is not supported for Qwen3_5ForCausalLM (only None)")
-        self.model = Qwen3_5TextModel(config)
+            msg = f"quantization is not supported for {type(self).__name__} (only None)"
+            raise ValueError(msg)
+        layers = []
+        for i, kind in enumerate(layer_types(config)):
+            if kind == "linear_attention":
+                mixer = self.linear_attention(config)
+            else:
+                mixer = GatedAttention(config)
+            layers.append(Qwen3_5DecoderLayer(config, kind, mixer, self.make_mlp(config, i)))
+        self.model = Qwen3_5TextModel(config, layers)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    def map_checkpoint_name(cls, name: str) -> tuple[str | None, tuple]:
+        """(parameter, loader arguments); a multimodal checkpoint's ``model.language_model.*`` as
+        ``model.*``, its vision tower and multi-token-prediction head skipped (None)."""
+        if name.startswith(SKIPPED_PREFIXES):
+            return None, ()
+        return cls.map_text_name(name.replace("model.language_model.", "model.", 1))
+
+    @classmethod
+    def map_text_name(cls, name: str) -> tuple[str, tuple]:
+        return packed_target(name, cls.packed_modules_mapping)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden_states: torch.Tensor, out=None, gather: bool = True):
         return self.lm_head(hidden_states, out, gather)
+
+
+def language_config(hf_config):
+    """A ``...ForConditionalGeneration`` config (``MULTIMODAL``) as its language model's:
+    ``text_config`` with the text architecture and the checkpoint's ``tie_word_embeddings``;
+    any other config as it is."""
+    names = [
+        MULTIMODAL[n] for n in getattr(hf_config, "architectures", None) or [] if n in MULTIMODAL
+    ]
+    if not names:
+        return hf_config
+    text = hf_config.text_config
+    text.architectures = names[:1]
+    text.tie_word_embeddings = getattr(hf_config, "tie_word_embeddings", False)
+    return text

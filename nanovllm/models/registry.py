@@ -6,6 +6,8 @@ import importlib
 ARCHITECTURES = {
     "Qwen3ForCausalLM": ("nanovllm.models.qwen3", "Qwen3ForCausalLM"),
     "Qwen3_5ForCausalLM": ("nanovllm.models.qwen3_5", "Qwen3_5ForCausalLM"),
+    "Qwen3_5MoeForCausalLM": ("nanovllm.models.qwen3_5_moe", "Qwen3_5MoeForCausalLM"),
+    "Qwen3NextForCausalLM": ("nanovllm.models.qwen3_next", "Qwen3NextForCausalLM"),
     "Qwen3MoeForCausalLM": ("nanovllm.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     "Qwen2ForCausalLM": ("nanovllm.models.qwen2", "Qwen2ForCausalLM"),
     "LlamaForCausalLM": ("nanovllm.models.llama", "LlamaForCausalLM"),
@@ -14,9 +16,8 @@ ARCHITECTURES = {
 QUANTIZATIONS = {"fp8": ("nanovllm.quantization.fp8_method", "Fp8Config")}
 
 
-def _load(entry: tuple[str, str]):
-    module, name = entry
-    return getattr(importlib.import_module(module), name)
+def _load(entry: tuple[str, str]):  # (module, name)
+    return getattr(importlib.import_module(entry[0]), entry[1])
 
 
 def architecture(hf_config) -> str:

@@ -6,7 +6,7 @@ TP_SPLIT_KEYS = ("num_attention_heads", "num_key_value_heads", "vocab_size", "in
 def check_parallel(config, device: str) -> None:
     tp, dp = config.tensor_parallel_size, config.data_parallel_size
     for name in TP_SPLIT_KEYS:  # KV heads may instead be fewer than ranks: then replicated
-        value = getattr(config.hf_config, name)
+        value = getattr(config.hf_config, name, None) or tp  # none: Qwen3.5-MoE, no dense MLP
         if value % tp and (name != "num_key_value_heads" or tp % value):
             msg = f"must divide the model's {name} ({value})"
             raise ValueError(f"Config.tensor_parallel_size={tp} {msg}")

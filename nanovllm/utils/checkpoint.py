@@ -9,6 +9,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from nanovllm.utils.hybrid_shapes import HYBRID_SHAPES
+
 TOKENIZER_DIR = os.path.join(
     os.path.dirname(os.path.dirname(__file__)), "assets", "qwen3-tokenizer"
 )
@@ -115,6 +117,8 @@ COMMON = dict(
 
 def model_config(shape: str = "qwen3-0.6b", **overrides) -> dict:
     """``config.json`` as a dict: ``shape`` on its architecture's base, then ``overrides``."""
+    if shape in HYBRID_SHAPES:
+        return dict(HYBRID_SHAPES[shape], **overrides)
     if shape not in SHAPES:
         raise ValueError(f"shape must be one of {', '.join(SHAPES)}, got {shape!r}")
     values = dict(SHAPES[shape])
@@ -244,8 +248,8 @@ def make_random_checkpoint(
 ) -> str:
     """Write config.json, model.safetensors (not without ``weights``: for load_format="dummy") and
     the tokenizer and generation config into ``path``; ``quantization="fp8"``: Qwen's format."""
-    if shape not in SHAPES:
-        raise ValueError(f"shape must be one of {', '.join(SHAPES)}, got {shape!r}")
+    if shape not in SHAPES and shape not in HYBRID_SHAPES:
+        raise ValueError(f"shape must be one of {', '.join(SHAPES | HYBRID_SHAPES)}, got {shape!r}")
     if quantization not in (None, "fp8"):
         raise ValueError(f"quantization must be None or 'fp8', got {quantization!r}")
     config = model_config(shape, torch_dtype=str(dtype).removeprefix("torch."), **overrides)
@@ -254,7 +258,7 @@ def make_random_checkpoint(
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
-    if weights:
+    if weights and shape not in HYBRID_SHAPES:  # those: load_format="dummy"
         tensors = random_weights(config, dtype, seed, std)
         if quantization == "fp8":
             tensors = quantize_checkpoint(tensors)

@@ -50,10 +50,10 @@ def plan_weights(
     params = dict(model.named_parameters(remove_duplicate=False))
     entries = []
     for index, (name, shape) in enumerate(shapes):
-        if name.endswith("rotary_emb.inv_freq"):
-            continue
         mapped = map_name(name)
         target, args = mapped if mapped is not None else packed_target(name, packed)
+        if target is None or name.endswith("rotary_emb.inv_freq"):  # None: the model skips it
+            continue
         if target not in params:
             raise ValueError(f"checkpoint tensor {name!r}{where} has no matching model parameter")
         shape, expected = tuple(shape), checkpoint_shape(model, target, args)

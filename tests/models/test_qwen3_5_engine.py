@@ -50,10 +50,7 @@ def qwen35(tmp_path_factory):
             if name.endswith("A_log") or name.endswith("dt_bias"):
                 continue
             param.normal_(0.0, 0.3 if param.dim() > 1 else 0.1)
-    model.save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(os.path.join(TOKENIZER_DIR, name), os.path.join(path, name))
-    return path, model
+    return save_with_tokenizer(model, path), model
 
 
 def prompts() -> list[list[int]]:
@@ -65,18 +62,29 @@ def greedy(n: int = 1) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, n=n, logprobs=0)
 
 
-@pytest.mark.parametrize(
-    "engine",
-    [
-        dict(),
-        dict(max_num_batched_tokens=7),  # chunks of 7 tokens split the 4-wide conv window
-        dict(num_kvcache_blocks=12, max_num_batched_tokens=64),  # preemption
-        dict(tensor_parallel_size=2),  # heads of both layer kinds split over two ranks
-    ],
-    ids=["plain", "chunked", "preempted", "tp2"],
+ENGINES = dict(
+    plain=dict(),
+    chunked=dict(max_num_batched_tokens=7),  # chunks of 7 tokens split the 4-wide conv window
+    preempted=dict(num_kvcache_blocks=12, max_num_batched_tokens=64),  # preemption
+    tp2=dict(tensor_parallel_size=2),  # heads of both layer kinds split over two ranks
 )
+
+
+@pytest.mark.parametrize("engine", ENGINES.values(), ids=ENGINES.keys())
 def test_greedy_matches_transformers(qwen35, engine):
-    path, model = qwen35
+    check_engine(*qwen35, engine)
+
+
+def save_with_tokenizer(model, path: str) -> str:
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(os.path.join(TOKENIZER_DIR, name), os.path.join(path, name))
+    return path
+
+
+def check_engine(path: str, model, engine: dict) -> None:
+    """The engine's greedy tokens and log-probabilities (``engine``: LLM keywords) equal the
+    transformers ``model``'s; n=2 repeats them; no prefix cache; preemption when asked for."""
     kwargs = dict(device="cpu", kvcache_block_size=16, num_kvcache_blocks=128, max_model_len=256)
     with LLM(path, **(kwargs | engine)) as llm:
         outs = llm.generate(prompts(), greedy(), use_tqdm=False)
@@ -93,5 +101,5 @@ def test_greedy_matches_transformers(qwen35, engine):
         assert [c.token_ids for c in out.outputs] == [first.outputs[0].token_ids] * 2
         assert out.num_cached_tokens == 0  # no prefix cache for hybrid models
     assert stats["prefix_cache_hits"] == 0 and stats["prefix_caching"] is False
-    if "max_num_batched_tokens" in engine and engine["max_num_batched_tokens"] == 64:
+    if engine.get("max_num_batched_tokens") == 64:
         assert stats["num_preemptions"] > 0
