@@ -16,8 +16,9 @@ ARCHITECTURES = {
 QUANTIZATIONS = {"fp8": ("nanovllm.quantization.fp8_method", "Fp8Config")}
 
 
-def _load(entry: tuple[str, str]):  # (module, name)
-    return getattr(importlib.import_module(entry[0]), entry[1])
+def _load(entry: tuple[str, str]):
+    module, name = entry
+    return getattr(importlib.import_module(module), name)
 
 
 def architecture(hf_config) -> str:
