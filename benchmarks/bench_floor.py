@@ -1,7 +1,9 @@
 """The memory floor of ``bench.py``'s workload: the bytes its decode steps must read from device
 memory, and the time that takes at a given bandwidth.
 
-Every decode step reads each weight it uses once and the KV cache of every running sequence. The
+Every decode step reads each weight it uses once and the KV cache of every running sequence (a
+hybrid model's full-attention layers only; its linear-attention layers read and write each
+sequence's recurrent states once). The
 model assumed here is the one ``bench.py`` runs when the cache holds every request at once: all
 256 prompts are prefilled first, then step t decodes every request with more than t + 1 output
 tokens, over its prompt plus t + 1 tokens of context. A Qwen3-MoE layer reads only the experts its
@@ -51,46 +53,56 @@ def weight_bytes_by_kind(
     return expert, dense
 
 
+def state_bytes(config: dict) -> int:
+    """Bytes of one sequence's recurrent states over a hybrid model's linear-attention layers
+    (``layer_types``): the float32 delta-rule state and the bf16 convolution window; 0 else."""
+    layers = (config.get("layer_types") or []).count("linear_attention")
+    if not layers:
+        return 0
+    hk, hv = config["linear_num_key_heads"], config["linear_num_value_heads"]
+    dk, dv = config["linear_key_head_dim"], config["linear_value_head_dim"]
+    window = (2 * hk * dk + hv * dv) * (config["linear_conv_kernel_dim"] - 1) * 2
+    return layers * (hv * dk * dv * 4 + window)
+
+
 def step_bytes(
     config: dict,
     contexts: list[int],
     kv_bytes_per_token_head: float,
     by_kind: tuple[int, int] | None = None,
-) -> tuple[float, float]:
-    """(weight bytes, KV bytes) one decode step reads for a batch of these context lengths.
-    ``kv_bytes_per_token_head``: what the cache stores of one token and KV head, K and V together
-    (bf16: 4 * head_dim; FP8: 2 * head_dim plus two 4-byte scales). ``by_kind``: the config's
-    ``weight_bytes_by_kind``, if already computed."""
+) -> tuple[float, float, float]:
+    """(weight bytes, KV bytes, state bytes) one decode step moves for a batch of these context
+    lengths. ``kv_bytes_per_token_head``: what the cache stores of one token and KV head, K and V
+    together (bf16: 4 * head_dim; FP8: 2 * head_dim plus two 4-byte scales); KV only in the
+    full-attention layers of a hybrid model, whose recurrent states are read and written once
+    each. ``by_kind``: the config's ``weight_bytes_by_kind``, if already computed."""
     expert, dense = by_kind or weight_bytes_by_kind(config)
     if expert:  # every MoE layer reads the same expected share of its experts
         experts, k = config["num_experts"], config["num_experts_per_tok"]
         dense += expert * (1 - (1 - k / experts) ** len(contexts))
-    kv = (
-        sum(contexts)
-        * config["num_hidden_layers"]
-        * config["num_key_value_heads"]
-        * kv_bytes_per_token_head
-    )
-    return dense, kv
+    kinds = config.get("layer_types")
+    layers = kinds.count("full_attention") if kinds else config["num_hidden_layers"]
+    kv = sum(contexts) * layers * config["num_key_value_heads"] * kv_bytes_per_token_head
+    return dense, kv, 2 * len(contexts) * state_bytes(config)
 
 
 def workload_floor(
     config: dict, num_seqs: int, kv_bytes_per_token_head: float, quantization: str | None = None
-) -> tuple[float, float, int]:
-    """(weight bytes, KV bytes) over all decode steps of the workload, and the number of steps."""
+) -> tuple[float, float, float, int]:
+    """(weight, KV, state bytes) over all decode steps of the workload, and the number of
+    steps."""
     prompts, params = workload(num_seqs)
     by_kind = weight_bytes_by_kind(config, quantization=quantization)
-    weights = kv = 0.0
-    steps = (
-        max(p.max_tokens for p in params) - 1
-    )  # the first token of each request comes from its prefill
+    weights = kv = state = 0.0
+    # the first token of each request comes from its prefill
+    steps = max(p.max_tokens for p in params) - 1
     for t in range(steps):
         contexts = [
             len(prompt) + t + 1 for prompt, p in zip(prompts, params) if p.max_tokens > t + 1
         ]
-        w, c = step_bytes(config, contexts, kv_bytes_per_token_head, by_kind)
-        weights, kv = weights + w, kv + c
-    return weights, kv, steps
+        w, c, r = step_bytes(config, contexts, kv_bytes_per_token_head, by_kind)
+        weights, kv, state = weights + w, kv + c, state + r
+    return weights, kv, state, steps
 
 
 def measured_bandwidth() -> float:
@@ -152,21 +164,22 @@ def main() -> None:
     prompts, params = workload(args.num_seqs)
     full = [len(p) + 1 for p in prompts]
     by_kind = weight_bytes_by_kind(config, quantization=args.quantization)
-    w1, kv1 = step_bytes(config, full, per_head, by_kind)
-    weights, kv, steps = workload_floor(config, args.num_seqs, per_head, args.quantization)
+    w1, kv1, state1 = step_bytes(config, full, per_head, by_kind)
+    weights, kv, state, steps = workload_floor(config, args.num_seqs, per_head, args.quantization)
     tokens = sum(p.max_tokens for p in params)
     shape = " ".join([args.shape] + args.set + ([args.quantization] if args.quantization else []))
     print(
         f"{shape}: first decode step ({len(full)} sequences): weights {w1 / 1e9:.2f} GB, "
-        f"KV {kv1 / 1e9:.2f} GB"
+        f"KV {kv1 / 1e9:.2f} GB" + (f", states {state1 / 1e9:.2f} GB" if state1 else "")
     )
     print(
         f"{steps} decode steps: weights {weights / 1e12:.2f} TB, KV {kv / 1e12:.2f} TB, "
-        f"{tokens} output tokens"
+        + (f"states {state / 1e12:.2f} TB, " if state else "")
+        + f"{tokens} output tokens"
     )
     bandwidth = measured_bandwidth() if args.measure else (args.bandwidth or 0) * 1e12
     if bandwidth:
-        floor = (weights + kv) / bandwidth
+        floor = (weights + kv + state) / bandwidth
         print(
             f"at {bandwidth / 1e12:.2f} TB/s: decode floor {floor:.2f} s, "
             f"{tokens / floor:,.0f} tok/s"

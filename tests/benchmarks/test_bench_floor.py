@@ -12,7 +12,7 @@ sys.path[:0] = [
     str(ROOT / "benchmarks"),
 ]  # bench.py at the repo root, bench_floor.py in benchmarks/
 
-from bench_floor import step_bytes, weight_bytes_by_kind, workload_floor  # noqa: E402
+from bench_floor import state_bytes, step_bytes, weight_bytes_by_kind, workload_floor  # noqa: E402
 
 from bench import workload  # noqa: E402
 from nanovllm.utils.checkpoint import model_config, weight_bytes  # noqa: E402
@@ -37,10 +37,11 @@ def test_moe_experts_and_routing():
     assert experts == 48 * expert_layer
     assert dense + experts == weight_bytes(config) - 151936 * 2048 * 2
     # one token touches exactly its 8 experts; KV: 48 layers, 4 KV heads
-    weights, kv = step_bytes(config, [100], 512)
+    weights, kv, state = step_bytes(config, [100], 512)
+    assert state == 0
     assert weights == pytest.approx(dense + 48 * expert_layer * 8 / 128)
     assert kv == 100 * 48 * 4 * 512
-    weights, _ = step_bytes(config, [1] * 256, 512)  # at 256 tokens every expert is expected
+    weights, _, _ = step_bytes(config, [1] * 256, 512)  # at 256 tokens every expert is expected
     assert weights == pytest.approx(dense + 48 * expert_layer * (1 - (120 / 128) ** 256))
 
 
@@ -54,7 +55,8 @@ def test_workload_kv_is_the_closed_form_sum():
         per_token * (len(p) * (sp.max_tokens - 1) + sp.max_tokens * (sp.max_tokens - 1) // 2)
         for p, sp in zip(prompts, params)
     )
-    weights, kv, steps = workload_floor(config, 256, 4 * 128)
+    weights, kv, state, steps = workload_floor(config, 256, 4 * 128)
+    assert state == 0
     assert steps == max(sp.max_tokens for sp in params) - 1
     assert kv == expected
     assert weights == steps * weight_bytes(config)
@@ -78,3 +80,15 @@ def test_fp8_weights_count_one_byte_plus_block_scales():
     assert weight_bytes(config, quantization="fp8") == weight_bytes(config) - 36 * (
         values - 4 * blocks
     )
+
+
+def test_hybrid_kv_in_full_attention_layers_and_states():
+    """Qwen3.5-9B's shape: KV in its 8 full-attention layers only; each of its 24 linear-attention
+    layers reads and writes a float32 32 x 128 x 128 state and a 3-token bf16 window of its
+    16 * 128 * 2 + 32 * 128 channels, once per sequence and step."""
+    config = model_config("qwen3.5-9b")
+    assert config["layer_types"].count("full_attention") == 8
+    per_seq = 24 * (32 * 128 * 128 * 4 + (16 * 128 * 2 + 32 * 128) * 3 * 2)
+    assert state_bytes(config) == per_seq
+    _, kv, state = step_bytes(config, [100, 50], 4 * 256)
+    assert kv == 150 * 8 * 4 * 4 * 256 and state == 2 * 2 * per_seq

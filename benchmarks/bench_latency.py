@@ -1,0 +1,77 @@
+"""Decode latency at batch 1: milliseconds per decode step of one request, from two generate calls
+that differ only in their output length (the prefill and the first token cancel out). Random
+weights of a named shape, drawn on the device; CUDA graphs unless --enforce-eager.
+
+    python benchmarks/bench_latency.py --random qwen3-0.6b
+    python benchmarks/bench_latency.py --random qwen3.5-9b --repeats 5 --steps 256
+"""
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--random", required=True, help="a shape bench.py knows, e.g. qwen3-0.6b")
+    parser.add_argument("--backend", default="auto", help="attention backend")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=256, help="decode steps timed per call")
+    parser.add_argument("--repeats", type=int, default=5, help="pairs of calls (median)")
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--quantization", choices=("fp8",), default=None)
+    args = parser.parse_args(argv)
+    for name in ("prompt_len", "steps", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    import torch
+
+    from nanovllm import LLM, SamplingParams
+    from nanovllm.utils.checkpoint import make_random_checkpoint
+
+    kwargs = dict(load_format="dummy", attention_backend=args.backend)
+    kwargs |= dict(
+        enforce_eager=args.enforce_eager, max_model_len=args.prompt_len + args.steps + 64
+    )
+    if args.kv_cache_dtype != "auto":
+        kwargs["kv_cache_dtype"] = args.kv_cache_dtype
+    if args.quantization:
+        kwargs["quantization"] = args.quantization
+    prompt = [list(range(1000, 1000 + args.prompt_len))]
+    with tempfile.TemporaryDirectory(prefix="nanovllm-latency-") as tmp:
+        path = make_random_checkpoint(
+            tmp, args.random, torch.bfloat16, weights=False, quantization=args.quantization
+        )
+        with LLM(path, **kwargs) as llm:
+
+            def seconds(max_tokens: int) -> float:
+                params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+                start = time.perf_counter()
+                llm.generate(prompt, params, use_tqdm=False)
+                return time.perf_counter() - start
+
+            seconds(args.steps + 1)  # warm-up
+            ms = []
+            for _ in range(args.repeats):
+                short, long = seconds(1), seconds(args.steps + 1)
+                ms.append((long - short) / args.steps * 1e3)
+    spread = f"{min(ms):.3f}-{max(ms):.3f}"
+    print(
+        f"{args.random} decode at batch 1: {statistics.median(ms):.3f} ms/step "
+        f"(median of {args.repeats}, {spread}; prompt {args.prompt_len}, {args.steps} steps)"
+    )
+
+
+if __name__ == "__main__":
+    main()
