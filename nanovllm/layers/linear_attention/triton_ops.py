@@ -66,10 +66,10 @@ def _causal_conv_kernel(
             for m in tl.static_range(W - 1):
                 src = n - (W - 1) + m  # < 0: still in the old window, at column n + m > m
                 x_mask = offs_c < tl.where(src >= 0, C, 0)
-                xv = tl.load(x_ptr + (start + src) * stride_x + offs_c, mask=x_mask, other=0.0)
+                cur = tl.load(x_ptr + (start + src) * stride_x + offs_c, mask=x_mask, other=0.0)
                 old_mask = offs_c < tl.where((src < 0) & keep, C, 0)
                 old = tl.load(state + n + m, mask=old_mask, other=0.0)
-                new = tl.where(src >= 0, xv, old.to(xv.dtype))
+                new = tl.where(src >= 0, cur, old.to(cur.dtype))
                 tl.store(state + m, new.to(state_ptr.dtype.element_ty), mask=c_mask)
 
 
