@@ -3,7 +3,8 @@ torch ops (the interpreter file's ``check_step``: uneven, fresh and continued se
 of order, decode padding) in float32 and bf16, at the tiny test shape and at Qwen3.5's (Dk = Dv =
 128, 16 key / 32 value heads); fla-core's chunked prefill where it imports. Then a tiny random
 Qwen3.5 through the engine in float32, eager and with CUDA graphs, with the recurrent kernel or
-fla for prefill: the same greedy tokens as the CPU torch path, log-probabilities within 1e-3."""
+fla for prefill: the same greedy tokens as the CPU torch path, log-probabilities within 1e-4
+(fla, whose dots run in tf32: 3e-3)."""
 
 import importlib.util
 import random
@@ -69,7 +70,7 @@ def test_fla_chunked_matches_torch_ops(dtype):
         )
         tol = 2e-3 if dtype == torch.float32 else 2e-2  # fla's dots run in tf32 / bf16
         torch.testing.assert_close(got[r].float(), want.float(), atol=tol, rtol=tol)
-    torch.testing.assert_close(rec, want_rec, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(rec, want_rec, atol=tol, rtol=tol)
 
 
 LAYERS = ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 2
@@ -133,10 +134,13 @@ def test_engine_matches_cpu_torch_path(qwen35, monkeypatch, prefill, enforce_eag
         pytest.skip("fla-core does not import")
     if prefill == "recurrent":
         monkeypatch.setattr(gpu_step, "FLA_MIN_LEN", 10**9)
+    else:  # the engine keeps float32 models off fla (tf32 dots): here it is asked to use it
+        monkeypatch.setattr(gpu_step, "FLA_DTYPES", (torch.float32,))
     path, prompts, cpu = qwen35
     extra = {} if chunk is None else dict(max_num_batched_tokens=chunk, max_model_len=512)
     kwargs = dict(kvcache_block_size=256, max_model_len=512, attention_backend="triton") | extra
     gpu = generate(path, prompts, enforce_eager=enforce_eager, max_num_seqs=16, **kwargs)
     for i, ((tokens, logprobs), (want, want_lp)) in enumerate(zip(gpu, cpu)):
         assert tokens == want, f"prompt {i}"
-        assert logprobs == pytest.approx(want_lp, abs=1e-3), f"prompt {i}"
+        tol = 1e-4 if prefill == "recurrent" else 3e-3  # fla: tf32 dots in the prefill
+        assert logprobs == pytest.approx(want_lp, abs=tol), f"prompt {i}"

@@ -12,6 +12,8 @@ import triton.language as tl
 from nanovllm.layers.linear_attention.triton_ops import causal_conv_varlen, delta_rule_varlen
 
 FLA_MIN_LEN = 16  # prefill steps whose longest sequence is shorter stay on the recurrent kernel
+# fla's chunked dots run in bf16 / tf32: a float32 model keeps the recurrent kernel (float32 exact)
+FLA_DTYPES = (torch.bfloat16, torch.float16)
 
 
 @triton.jit
@@ -79,8 +81,9 @@ def delta_rule_chunked_fla(q, k, v, g, beta, states, batch) -> torch.Tensor:
     return out[0]
 
 
-def use_fla(batch) -> bool:
-    return batch.cu_seqlens is not None and batch.max_len >= FLA_MIN_LEN and fla_chunked()
+def use_fla(batch, dtype: torch.dtype) -> bool:
+    long_prefill = batch.cu_seqlens is not None and batch.max_len >= FLA_MIN_LEN
+    return long_prefill and dtype in FLA_DTYPES and fla_chunked() is not None
 
 
 def mix_step(layer, mixed, z, a, b, batch) -> torch.Tensor:
@@ -97,7 +100,7 @@ def mix_step(layer, mixed, z, a, b, batch) -> torch.Tensor:
     q, k, v = x.split([hk * dk, hk * dk, hv * dv], dim=-1)
     q, k, v = q.view(t, hk, dk), k.view(t, hk, dk), v.view(t, hv, dv)
     states = layer.recurrent_states
-    if use_fla(batch):
+    if use_fla(batch, mixed.dtype):
         from nanovllm.layers.linear_attention.ops import decay_and_beta
 
         g, beta = decay_and_beta(a, b, layer.A_log, layer.dt_bias)
