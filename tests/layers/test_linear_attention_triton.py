@@ -169,6 +169,8 @@ INTERPRETER_CASES = {
 def tolerance(name: str, case: str) -> float:
     if "bf16" in case and name in ("x", "out", "normed", "conv"):
         return 8e-3 if name != "conv" else 0.0  # bf16 outputs; the window is copied exactly
+    if "bf16" in case and name == "rec":  # float32 state from bf16 inputs (1.3e-4 at Dk = 128)
+        return 5e-4
     return 2e-5 if name != "conv" else 0.0
 
 
