@@ -40,8 +40,13 @@ class AdapterBatch:
         self.meta[: len(host)].copy_(torch.from_numpy(host).pin_memory(), non_blocking=True)
 
     def capturing(self) -> None:
-        """A CUDA graph is being captured: the kernels run, with no blocks yet."""
-        self.blocks[0] = 0
+        """CUDA graphs are being captured: the kernels run over rows of no slot (the captures'
+        outputs feed the next capture's inputs, so they must be the base model's)."""
+        from nanovllm.lora.triton_ops import capture_table
+
+        blocks, order = capture_table(len(self.order))
+        self.blocks[: len(blocks)].copy_(torch.from_numpy(blocks))
+        self.order.copy_(torch.from_numpy(order))
         self.active, self.groups = True, []
 
 

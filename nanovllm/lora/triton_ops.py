@@ -57,6 +57,15 @@ def block_table(slots: np.ndarray, num_rows: int, num_slots: int) -> tuple[np.nd
     return blocks, order
 
 
+def capture_table(max_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """``block_table`` of ``max_rows`` rows of no slot, in order, 16-row blocks: valid for a
+    graph's capture at any batch up to ``max_rows`` (the kernel clips blocks to its rows), so the
+    captured runs copy the base output instead of leaving it unwritten."""
+    count = -(-max_rows // 16)
+    blocks = [count, *(v for i in range(count) for v in (-1, 16 * i, 16))]
+    return np.array(blocks, dtype=np.int32), np.arange(max_rows, dtype=np.int32)
+
+
 @triton.jit
 def _lora_out_kernel(
     z_ptr,
@@ -65,6 +74,7 @@ def _lora_out_kernel(
     out_ptr,
     blocks_ptr,
     order_ptr,
+    num_rows,
     n,
     width,
     stride_z,
@@ -82,7 +92,7 @@ def _lora_out_kernel(
         return
     slot = tl.load(blocks_ptr + 1 + 3 * block)
     first = tl.load(blocks_ptr + 2 + 3 * block)
-    count = tl.load(blocks_ptr + 3 + 3 * block)
+    count = tl.minimum(tl.load(blocks_ptr + 3 + 3 * block), num_rows - first)
     offs_m = tl.arange(0, BLOCK_M)
     row_mask = offs_m < count
     rows = tl.load(order_ptr + first + offs_m, mask=row_mask, other=0).to(tl.int64)
@@ -165,6 +175,7 @@ def launch_lora(x, ext, lora_b, bias, blocks, order, tile=None) -> torch.Tensor:
         out,
         blocks,
         order,
+        t,
         n,
         width,
         z.stride(0),

@@ -20,6 +20,7 @@ from triton_interpreter import results_under_interpreter, run_cases, squeeze_int
 from nanovllm.lora.triton_ops import (
     LoraTile,
     block_table,
+    capture_table,
     launch_lora,
     lora_linear,
     lora_linear_reference,
@@ -80,6 +81,20 @@ def check_lora_linear(num_rows, k, n, width, num_slots, used=None, *, tile=None,
     }
 
 
+def check_capture_table(num_rows: int, max_rows: int) -> dict:
+    """A graph's capture at ``num_rows`` with the table of ``max_rows``: every row gets the base
+    output (plus bias), none past ``num_rows`` is touched."""
+    case = make_case(num_rows, 24, 40, 16, np.full(num_rows, -1), 3, bias=True)
+    blocks, order = capture_table(max_rows)
+    padded = np.zeros(max(len(blocks), len(case["blocks"])), dtype=np.int32)
+    padded[: len(blocks)] = blocks
+    case["blocks"], case["order"] = torch.from_numpy(padded), torch.from_numpy(order)
+    out = lora_linear(**case)
+    ref = case["x"].double() @ case["ext"][:40].double().T + case["bias"].double()
+    return {"rel_err": ((out.double() - ref).norm() / ref.norm()).item(), "base_err": 0.0,
+            "rows_with_slot": 1}  # fmt: skip
+
+
 CPU_TOL = 1e-5  # float32 against float64
 check, F16 = check_lora_linear, torch.float16
 INTERPRETER_CASES = {  # 16-row blocks up to 512 rows, then 64
@@ -92,6 +107,8 @@ INTERPRETER_CASES = {  # 16-row blocks up to 512 rows, then 64
     "64_row_blocks": lambda: check(600, 24, 72, 20, 2, used=590),
     "tile_32x16x16": lambda: check(48, 24, 40, 24, 3, tile=LoraTile(32, 16, 16)),
     "fp16": lambda: check(20, 64, 48, 24, 3, dtype=F16, bias=True),
+    "capture_table_20_of_70_rows": lambda: check_capture_table(20, 70),
+    "capture_table_all_rows": lambda: check_capture_table(33, 33),
 }
 # no bf16 case: the interpreter's (3.9) tl.dot on bf16 inputs is wrong by orders of magnitude; the
 # GPU tests cover bf16. fp16: z rounded to fp16 (2**-11) before the kernel.
@@ -134,6 +151,12 @@ def test_block_table_exact():
         slots = random_slots(num_rows, num_slots, num_rows)
         blocks, _ = block_table(slots, num_rows, num_slots)
         assert blocks[0] <= max_blocks(num_rows, num_slots, 16 if num_rows <= 512 else 64)
+
+
+def test_capture_table_exact():
+    blocks, order = capture_table(40)
+    assert blocks.tolist() == [3, -1, 0, 16, -1, 16, 16, -1, 32, 16]
+    assert order.tolist() == list(range(40))
 
 
 def test_reference_matches_definition():
