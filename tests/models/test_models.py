@@ -179,7 +179,8 @@ def test_unsupported_architecture_is_refused_before_loading(checkpoints, tmp_pat
     with pytest.raises(
         ValueError,
         match=r"'MistralForCausalLM' is not supported; supported: Qwen3ForCausalLM, "
-        r"Qwen3_5ForCausalLM, Qwen3MoeForCausalLM, Qwen2ForCausalLM, LlamaForCausalLM",
+        r"Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM, Qwen3MoeForCausalLM, "
+        r"Qwen2ForCausalLM, LlamaForCausalLM",
     ):
         LLM(path)
 
