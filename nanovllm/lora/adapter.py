@@ -33,14 +33,18 @@ class Adapter:
         return self.request.lora_name
 
 
+GATED_QUERY = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")  # q_proj: [query | gate]
+
+
 def module_shapes(hf_config) -> dict[str, tuple[int, int]]:
     """Each target module's (input, output) features."""
     from nanovllm.models.config import head_dim
 
     hd, hidden = head_dim(hf_config), hf_config.hidden_size
     q, kv = hf_config.num_attention_heads * hd, hf_config.num_key_value_heads * hd
-    inter = hf_config.intermediate_size
-    shapes = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv)}
+    inter = getattr(hf_config, "intermediate_size", None)
+    q_out = 2 * q if hf_config.model_type in GATED_QUERY else q
+    shapes = {"q_proj": (hidden, q_out), "k_proj": (hidden, kv), "v_proj": (hidden, kv)}
     shapes.update(o_proj=(q, hidden), gate_proj=(hidden, inter), up_proj=(hidden, inter))
     return shapes | {"down_proj": (inter, hidden)}
 

@@ -32,10 +32,11 @@ class LoRAMethod:
 
 
 def wrap_model(model: nn.Module, max_loras: int, max_rank: int, batch: AdapterBatch) -> dict:
-    """Give every attention and dense MLP projection its slots; ``{(layer, name): module}``."""
+    """Give every attention and dense MLP projection its slots; ``{(layer, name): module}``
+    (a hybrid model's linear-attention layers have none)."""
     layers = {}
     for i, decoder in enumerate(model.model.layers):
-        for part in (decoder.self_attn, decoder.mlp):
+        for part in (getattr(decoder, "self_attn", None), decoder.mlp):
             for name, slices in SLICES.items():
                 layer = getattr(part, name, None)
                 if layer is None:

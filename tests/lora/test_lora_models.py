@@ -1,4 +1,5 @@
 """Adapters on the other paths: Qwen3-MoE (attention adapters against PEFT; experts refused),
+Qwen3.5 (its full-attention and MLP projections against PEFT; linear-attention layers have none),
 the FP8 KV cache (an adapter equals its weights merged into the base model), and sleep mode
 (the adapters' slots come back with the weights)."""
 
@@ -53,6 +54,46 @@ def test_moe_attention_adapter_matches_peft_and_experts_are_refused(tmp_path):
             llm.generate(prompts(), greedy(), False, bad)
     finally:
         llm.exit()
+
+
+def qwen3_5_base(path: str) -> str:
+    """A tiny random Qwen3.5 (one linear-attention and one full-attention layer) saved by
+    transformers, with the tokenizer files."""
+    import shutil
+
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    from nanovllm.utils.checkpoint import TOKENIZER_DIR
+
+    config = dict(SIZES, head_dim=32, layer_types=["linear_attention", "full_attention"])
+    config |= dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16)
+    config |= dict(linear_value_head_dim=16, linear_conv_kernel_dim=4, tie_word_embeddings=False)
+    torch.manual_seed(5)
+    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**config, eos_token_id=513, bos_token_id=0))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if not name.endswith(("A_log", "dt_bias")):
+                param.normal_(0.0, 0.2 if param.dim() > 1 else 0.1)
+    model.float().save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(f"{TOKENIZER_DIR}/{name}", f"{path}/{name}")
+    return path
+
+
+def test_qwen3_5_adapter_matches_peft(tmp_path):
+    """A hybrid model: PEFT finds q/k/v/o only in the full-attention layer, the MLP projections
+    in both; the engine (with its recurrent-state slots) gives PEFT's greedy tokens."""
+    base = qwen3_5_base(str(tmp_path / "q35"))
+    model = peft_model(base, 53)
+    lora = LoRARequest("hybrid", 1, save_adapter(model, str(tmp_path / "hybrid")))
+    with make_llm(base) as llm:
+        outs = llm.generate(prompts(), greedy(), False, lora)
+        base_outs = llm.generate(prompts(), greedy(), False)
+    for i, (out, p) in enumerate(zip(outs, prompts())):
+        assert_greedy_match(
+            out.outputs[0].token_ids, greedy_logprobs(model, p, MAX_TOKENS)[0], f"{i}"
+        )
+    assert tokens(outs) != tokens(base_outs)
 
 
 def test_fp8_kv_cache_adapter_equals_merged_weights(tmp_path):
