@@ -7,8 +7,8 @@ from nanovllm.engine.sequence import Sequence, SequenceStatus
 
 
 class Scheduler:
-    """``waiting``: prompts not fully computed (only the head holds blocks, in a chunked prefill);
-    ``running``: sequences in decode. Both FIFO."""
+    """``waiting``: prompts not fully computed (a chunked prefill holds blocks, first after any
+    that a processor holds back); ``running``: sequences in decode. Both FIFO."""
 
     def __init__(self, config, num_blocks: int, eos_token_ids: list[int]):
         """``config``: ``Config``'s limits and block size."""
@@ -35,6 +35,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         bm = self.block_manager
         num_seqs = len(self.running)  # a chunked prefill in progress counts from its admission
+        held = []  # held back by a processor (a LoRA adapter waiting for a slot): others pass
         while self.waiting and budget > 0 and num_seqs < self.max_num_seqs:
             seq = self.waiting[0]
             lead = seq.wait_for  # completion 0: it computes the prompt's blocks, hit them next step
@@ -48,7 +49,8 @@ class Scheduler:
                 if (scheduled and num_uncached > budget) or not bm.can_allocate(seq, hits):
                     break
                 if seq.processors and not all([p.admit(seq) for p in seq.processors]):
-                    break  # held back (a LoRA adapter waiting for a device slot)
+                    held.append(self.waiting.popleft())
+                    continue
                 bm.allocate(seq, hits)
             seq.num_scheduled_tokens = min(num_uncached, budget)
             budget -= seq.num_scheduled_tokens
@@ -59,6 +61,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+        self.waiting.extendleft(reversed(held))
         if scheduled:
             return scheduled, True
 
