@@ -4,6 +4,8 @@ weights of a named shape, drawn on the device; CUDA graphs unless --enforce-eage
 
     python benchmarks/bench_latency.py --random qwen3-0.6b
     python benchmarks/bench_latency.py --random qwen3.5-9b --repeats 5 --steps 256
+    python benchmarks/bench_latency.py --random qwen3-8b --profile   # GPU time per kernel
+        # category of one long call (its prefill included), and the GPU idle share
 """
 
 import argparse
@@ -26,6 +28,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--quantization", choices=("fp8",), default=None)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--profile", action="store_true", help="profile one more long call")
     args = parser.parse_args(argv)
     for name in ("prompt_len", "steps", "repeats"):
         if getattr(args, name) < 1:
@@ -56,7 +60,9 @@ def main(argv=None) -> None:
         with LLM(path, **kwargs) as llm:
 
             def seconds(max_tokens: int) -> float:
-                params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+                params = SamplingParams(
+                    temperature=args.temperature, max_tokens=max_tokens, ignore_eos=True
+                )
                 start = time.perf_counter()
                 llm.generate(prompt, params, use_tqdm=False)
                 return time.perf_counter() - start
@@ -66,11 +72,21 @@ def main(argv=None) -> None:
             for _ in range(args.repeats):
                 short, long = seconds(1), seconds(args.steps + 1)
                 ms.append((long - short) / args.steps * 1e3)
+            if args.profile:
+                from benchmarks.bench_profile import GpuProfiler, format_notes, format_table
+
+                with GpuProfiler() as profiler:
+                    wall = seconds(args.steps + 1)
+                summary = profiler.summary(wall)
     spread = f"{min(ms):.3f}-{max(ms):.3f}"
     print(
         f"{args.random} decode at batch 1: {statistics.median(ms):.3f} ms/step "
         f"(median of {args.repeats}, {spread}; prompt {args.prompt_len}, {args.steps} steps)"
     )
+    if args.profile:
+        print(f"GPU time by kernel category, one call of {args.steps + 1} tokens ({wall:.3f} s):")
+        print(format_table(summary))
+        print(format_notes(summary, profiler.window))
 
 
 if __name__ == "__main__":
