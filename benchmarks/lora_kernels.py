@@ -89,7 +89,8 @@ def main(argv=None) -> None:
         sys.exit("lora_kernels.py times GPU kernels: it needs a CUDA GPU (none is visible)")
     import numpy as np
 
-    from nanovllm.lora.triton_ops import block_table, launch_lora, lora_tile
+    from nanovllm.lora.batch import block_table
+    from nanovllm.lora.triton_ops import launch_lora, lora_tile
 
     torch.manual_seed(0)
     dtype, dev, slots = DTYPES[args.dtype], "cuda", args.slots

@@ -17,15 +17,13 @@ import pytest
 import torch
 from triton_interpreter import results_under_interpreter, run_cases, squeeze_interpreter_loop_bounds
 
+from nanovllm.lora.batch import block_table, capture_table, max_blocks
 from nanovllm.lora.triton_ops import (
     LoraTile,
-    block_table,
-    capture_table,
     launch_lora,
     lora_linear,
     lora_linear_reference,
     lora_tile,
-    max_blocks,
 )
 
 I32 = torch.int32
