@@ -89,7 +89,7 @@ def main(argv=None) -> None:
         sys.exit("lora_kernels.py times GPU kernels: it needs a CUDA GPU (none is visible)")
     import numpy as np
 
-    from nanovllm.lora.batch import block_table
+    from nanovllm.lora.blocks import block_table
     from nanovllm.lora.triton_ops import launch_lora, lora_tile
 
     torch.manual_seed(0)

@@ -2,7 +2,7 @@
 rows of ``ext = [W; A_0; ...; A_{L-1}]``, so one cuBLAS GEMM gives ``z = x @ ext.T = [x W^T | u_0
 | ... | u_{L-1}]``; one Triton kernel then writes ``out[t] = z[t, :N] + u_s[t] @ B_s^T (+ bias)``
 for each row ``t`` of slot ``s`` (rows of no slot: ``z[t, :N] (+ bias)``). Rows come grouped by
-slot in blocks (``batch.block_table``, built on the host); no host sync and no value-dependent
+slot in blocks (``blocks.block_table``, built on the host); no host sync and no value-dependent
 shapes: safe inside CUDA-graph capture."""
 
 from typing import NamedTuple
@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.lora.batch import block_rows, max_blocks
+from nanovllm.lora.blocks import block_rows, max_blocks
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from triton_interpreter import results_under_interpreter, run_cases, squeeze_interpreter_loop_bounds
 
-from nanovllm.lora.batch import block_table, capture_table, max_blocks
+from nanovllm.lora.blocks import block_table, capture_table, max_blocks
 from nanovllm.lora.triton_ops import (
     LoraTile,
     launch_lora,
