@@ -27,7 +27,8 @@ def _layer_types(layers: int, interval: int = 4) -> list[str]:
 
 
 HYBRID_SHAPES = {
-    # https://huggingface.co/Qwen/Qwen3.5-9B/blob/main/config.json (text_config)
+    # Qwen/Qwen3.5-9B's text_config: hidden 4096, 16/4 heads of 256, intermediate 12288 as
+    # published; 32 layers as transformers' Qwen3_5TextConfig defaults ("Qwen3.5-9B style")
     "qwen3.5-9b": dict(
         QWEN3_5_COMMON,
         architectures=["Qwen3_5ForCausalLM"],
@@ -40,7 +41,8 @@ HYBRID_SHAPES = {
         num_key_value_heads=4,
         tie_word_embeddings=False,
     ),
-    # https://huggingface.co/Qwen/Qwen3.5-35B-A3B/blob/main/config.json (text_config)
+    # Qwen/Qwen3.5-35B-A3B's text_config (the same dimensions in transformers' Qwen3.5-MoE
+    # defaults and in published training recipes for this size)
     "qwen3.5-35b-a3b": dict(
         QWEN3_5_COMMON,
         architectures=["Qwen3_5MoeForCausalLM"],
