@@ -6,6 +6,7 @@ from random import Random
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence, request_sequences
 from nanovllm.engine.step import build_step
+from nanovllm.models.config import kv_layers
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.profiling import phase
 
@@ -45,7 +46,7 @@ class EngineCore:
         self.eos_token_ids = eos_token_ids
         self.rng = Random(config.seed)  # draws seeds of unseeded requests
         self.scheduler.block_manager.caching = config.enable_prefix_caching
-        if "linear_attention" in (getattr(config.hf_config, "layer_types", None) or ()):
+        if kv_layers(config.hf_config) < config.hf_config.num_hidden_layers:
             from nanovllm.engine.state_slots import StateSlotBlockManager  # hybrid models
 
             slots = (self.num_kvcache_blocks, config.kvcache_block_size, config.max_num_seqs + 1)

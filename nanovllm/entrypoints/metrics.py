@@ -6,7 +6,7 @@ IDLE = {"num_requests_running": 0, "num_requests_waiting": 0, "kv_cache_usage": 
 def get_stats(llm) -> dict:
     """The core's counters, the last ``generate`` call's throughput and whether prefix caching
     is on; once exited, the counters at exit with nothing running."""
-    from nanovllm.runner.kv_cache import kv_layers
+    from nanovllm.models.config import kv_layers
 
     stats = llm.core.stats() if llm._final_stats is None else {**llm._final_stats, **IDLE}
     if llm._final_stats is not None and "replicas" in stats:

@@ -6,13 +6,9 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.layers.attention import Attention, is_fp8_kv_cache
+from nanovllm.models.config import kv_layers
 
 CPU_KV_CACHE_SHARE = 0.25  # on CPU, num_kvcache_blocks=-1 takes this share of available memory
-
-
-def kv_layers(hf_config) -> int:  # all but a hybrid model's linear-attention layers
-    types = list(getattr(hf_config, "layer_types", None) or ())
-    return hf_config.num_hidden_layers - types.count("linear_attention")
 
 
 def block_bytes(config, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
