@@ -96,3 +96,27 @@ def round_interpreter_casts_to_nearest() -> None:
         return trunc(self, src, dst_type)
 
     builder.create_fp_to_fp, builder.create_fp_trunc = create_fp_to_fp, create_fp_trunc
+
+
+def multiply_bf16_as_floats() -> None:
+    """The Triton interpreter (3.9) multiplies bfloat16 operands of ``tl.dot`` as the integers of
+    their bit patterns (NumPy has no bfloat16). Widen them to float32 first, exactly, as the GPU's
+    MMA does."""
+    import numpy as np
+    import torch
+    from triton import language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    create_dot = builder.create_dot
+
+    def widened(handle):
+        if handle.dtype.scalar != tl.bfloat16:
+            return handle
+        bits = torch.from_numpy(np.ascontiguousarray(handle.data).view(np.int16))
+        return interpreter.TensorHandle(bits.view(torch.bfloat16).float().numpy(), tl.float32)
+
+    def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return create_dot(self, widened(a), widened(b), d, input_precision, max_num_imprecise_acc)
+
+    builder.create_dot = dot

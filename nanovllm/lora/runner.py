@@ -25,6 +25,7 @@ class LoRARunner:
         return model
 
     def capture_graphs(self, largest_only: bool = False):
+        self.adapters.active = False  # the base graphs hold no LoRA kernel (nor a stale table)
         base = super().capture_graphs(largest_only)
         self.adapters.capturing()
         try:

@@ -72,9 +72,17 @@ def test_gpu_sleep_keeps_the_weights_and_adapters_in_one_buffer(setup):
     with LLM(path, max_model_len=1024, enable_sleep_mode=True, **kwargs) as llm:
         prompts, loras = [p for p, _ in rows], [q for _, q in rows]
         before = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+        base_before = llm.generate(prompts, params, use_tqdm=False)
+        i = next(i for i, q in enumerate(loras) if q is not None)  # a LoRA step last
+        llm.generate([prompts[i] * 2], params, use_tqdm=False, lora_request=[loras[i]])
         llm.sleep(1)
         llm.wake_up()
         layers = llm.core.executor.runner.lora_layers.values()
         assert all(m.weight.data_ptr() == m.lora_ext.data_ptr() for m in layers)
         after = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+        # the base graphs, captured after a LoRA step, must not replay its kernel with the
+        # table the last LoRA step left
+        base_after = llm.generate(prompts, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in after] == [o.outputs[0].token_ids for o in before]
+        tokens = [[o.outputs[0].token_ids for o in out] for out in (base_before, base_after)]
+        assert tokens[0] == tokens[1]

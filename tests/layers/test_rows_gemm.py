@@ -1,0 +1,103 @@
+"""The few-rows linear kernel (``layers/rows_gemm.py``) against torch under the Triton interpreter
+(one subprocess: this file run as a script): one row and sixteen, N and K that are not multiples of
+the tiles, a bias, the gated input (``silu(gate) * up``), K cut into ranges (uneven and empty ones;
+each case runs twice, so the arrival counters must have been set back), float32, bf16 and fp16.
+
+Float32 differs from the float64 product only by the order of the sums (a few ulps of the sums'
+magnitude); bf16/fp16 results by one rounding step of the result (the products are exact in
+float32, the sums in float32 in another order).
+"""
+
+import pytest
+import torch
+from triton_interpreter import (
+    multiply_bf16_as_floats,
+    results_under_interpreter,
+    round_interpreter_casts_to_nearest,
+    run_cases,
+    squeeze_interpreter_loop_bounds,
+)
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+
+
+def check(m: int, n: int, k: int, dtype=F32, bias=False, gated=False, **choice) -> dict:
+    from nanovllm.layers.rows_gemm import rows_linear
+
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, 2 * k if gated else k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) * 0.05).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    h = x
+    if gated:  # as the kernel: silu(gate) * up in float32, rounded once
+        gate, up = x.float().chunk(2, dim=-1)
+        h = (torch.nn.functional.silu(gate) * up).to(dtype)
+    want = h.double() @ w.double().T + (0 if b is None else b.double())
+    got = rows_linear(x, w, b, gated=gated, **choice)
+    again = rows_linear(x, w, b, gated=gated, **choice)
+    return {
+        "repeatable": bool(torch.equal(got, again)),
+        "shape": list(got.shape),
+        "dtype": str(got.dtype),
+        "max_diff": (got.double() - want).abs().max().item(),
+        "max_ref": want.abs().max().item(),
+        # the sums' magnitude: what float32's order of additions is relative to
+        "max_terms": (h.double().abs() @ w.double().abs().T).max().item(),
+    }
+
+
+CASES = {
+    "one_row": dict(m=1, n=256, k=256),
+    "sixteen_rows_ragged": dict(m=16, n=300, k=200),
+    "bias": dict(m=3, n=200, k=384, bias=True),
+    "gated": dict(m=2, n=96, k=256, gated=True),
+    "bf16": dict(m=4, n=256, k=512, dtype=BF16),
+    "bf16_gated_bias": dict(m=5, n=130, k=384, dtype=BF16, gated=True, bias=True),
+    "fp16": dict(m=8, n=128, k=256, dtype=F16),
+    "split_uneven": dict(m=5, n=300, k=640, splits=3),  # k-blocks 2, 2, 1
+    "split_empty_range": dict(m=7, n=256, k=384, splits=4, dtype=BF16, bias=True),  # 1, 1, 1, 0
+    "split_narrow_tiles": dict(m=1, n=100, k=1024, splits=8, block_n=32),
+}
+
+
+def run_interpreter_cases() -> dict:
+    """Runs in the subprocess, with TRITON_INTERPRET=1 already in the environment."""
+    squeeze_interpreter_loop_bounds()
+    round_interpreter_casts_to_nearest()
+    multiply_bf16_as_floats()
+    return run_cases(CASES, lambda case: check(**case))
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    return results_under_interpreter(__file__)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_kernel_matches_torch(results, case):
+    r, c = results[case], CASES[case]
+    assert "error" not in r, r["error"]
+    dtype = c.get("dtype", F32)
+    assert r["shape"] == [c["m"], c["n"]] and r["dtype"] == str(dtype) and r["repeatable"], r
+    if dtype == F32:
+        assert r["max_diff"] <= 2**-23 * 16 * r["max_terms"], r
+    else:  # one rounding step of the result, plus the float32 sums' order
+        step = {BF16: 2**-8, F16: 2**-11}[dtype]
+        assert r["max_diff"] <= step * r["max_ref"] + 2**-20 * r["max_terms"], r
+
+
+def test_choice_fills_the_gpu():
+    """Tiles and ranges: about two programs per SM, ranges of at least two 128-wide blocks."""
+    from nanovllm.layers.rows_gemm import choose
+
+    assert choose(4096, 1024, 132) == (64, 4)  # Qwen3-0.6B qkv: 64 tiles x 4 ranges of 2 blocks
+    assert choose(1024, 3072, 132) == (64, 8)  # its down projection: 16 tiles x 8 ranges
+    assert choose(24576, 4096, 132) == (64, 1)  # Qwen3-8B gate-up: 384 tiles already
+    assert choose(4096, 4096, 132) == (64, 8)  # Qwen3-8B o_proj: 64 tiles x 8 ranges
+    assert choose(100, 128, 132) == (32, 1)  # one block of K: nothing to split
+
+
+if __name__ == "__main__":
+    import json
+
+    print(json.dumps(run_interpreter_cases()))
