@@ -109,18 +109,6 @@ def main() -> None:
             results.sort()
             best = ", ".join(f"{b}/{s}/{st}: {t * 1e6:.1f}" for t, b, s, st in results[:4])
             print(f"  sweep {name} (block_n/splits/stages: us): {best}", flush=True)
-        # the gated input: silu(gate) * up read inside the kernel, against silu + F.linear
-        if name.endswith("down"):
-            x = torch.randn(1, 2 * k, device="cuda", dtype=torch.bfloat16)
-            h = (F.silu(x[:, :k].float()) * x[:, k:].float()).bfloat16()
-            check(rows_linear(x, ws[0], gated=True), F.linear(h, ws[0]), f"{name} gated")
-            t_two = graph_time(lambda i: F.linear(F.silu(x[:, :k]) * x[:, k:], ws[i]), len(ws))
-            t_one = graph_time(lambda i: rows_linear(x, ws[i], gated=True), len(ws))
-            print(
-                f"  {name} gated, 1 row: silu then cuBLAS {t_two * 1e6:.1f} us, one kernel "
-                f"{t_one * 1e6:.1f} us",
-                flush=True,
-            )
         ws.clear()  # free the copies before the next shape
 
 

@@ -20,11 +20,10 @@ class LinearMethod:
         layer.weight.weight_loader = layer.weight_loader
 
     def apply(self, layer: "LinearBase", x: torch.Tensor, bias: torch.Tensor | None):
-        if x.is_cuda and x.shape[0] <= 16:  # decode at small batch: layers/rows_gemm.py
-            from nanovllm.layers.rows_gemm import rows_linear, usable
+        if x.is_cuda and x.shape[0] <= 8:  # decode at small batch: layers/rows_gemm.py
+            from nanovllm.layers.rows_gemm import linear
 
-            if usable(x, layer.weight):
-                return rows_linear(x, layer.weight, bias)
+            return linear(x, layer.weight, bias)
         return F.linear(x, layer.weight, bias)
 
     def missing(self, layer: "LinearBase") -> list[str]:  # unloaded after load_model

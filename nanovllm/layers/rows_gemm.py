@@ -1,7 +1,7 @@
 """``x @ W.T`` for a few rows (decode at small batch) on a GPU: one Triton kernel that streams the
-weight with TMA, splits K so every SM reads, and sums the ranges in its last program (no second
-kernel); ``gated`` reads ``[gate | up]`` rows and multiplies by ``silu(gate) * up`` on the way in.
-cuBLAS picks tiles for larger batches and leaves SMs idle on these shapes (docs/kernels.md)."""
+weight with TMA in narrow tiles, splits K where the weight is too narrow to fill the SMs, and sums
+the ranges in its last program (no second kernel). cuBLAS's choices at one row leave SMs idle on
+narrow weights (BENCHMARKS.md, "Decode at batch 1")."""
 
 import functools
 import os
@@ -13,23 +13,11 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from nanovllm.utils.dependent_launch import launch_options, pdl, prefetch_l2, wait_for_inputs
 
-MAX_ROWS = 16  # more rows go to cuBLAS
+MAX_ROWS = 8  # more rows go to cuBLAS (at 16 it is as fast or faster)
 # NANOVLLM_ROWS_GEMM=0: every linear calls F.linear (benchmarks compare the two)
 ENABLED = os.environ.get("NANOVLLM_ROWS_GEMM", "1") != "0"
 BLOCK_M, BLOCK_K = 16, 128
 MAX_TILES = 4096  # output tiles a call may have (one arrival counter each)
-
-
-@triton.jit
-def _load_rows(x_ptr, rm, k, M, K, stride_xm, GATED: tl.constexpr):
-    mask = (rm < M)[:, None] & (k < K)[None, :]
-    offsets = rm[:, None] * stride_xm + k[None, :]
-    x = tl.load(x_ptr + offsets, mask=mask, other=0.0)
-    if GATED:  # [gate | up]: silu(gate) * up in float32, rounded once
-        up = tl.load(x_ptr + K + offsets, mask=mask, other=0.0).to(tl.float32)
-        gate = x.to(tl.float32)
-        x = (gate / (1.0 + tl.exp(-gate)) * up).to(x.dtype)
-    return x
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -48,7 +36,6 @@ def _rows_gemm_kernel(
     stride_wn,
     stride_om,
     TMA: tl.constexpr,
-    GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -72,7 +59,8 @@ def _rows_gemm_kernel(
     acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
     for kb in range(first_kb, last_kb):
         k = kb * 128 + tl.arange(0, 128)
-        x = _load_rows(x_ptr, rm, k, M, K, stride_xm, GATED)
+        x_mask = (rm < M)[:, None] & (k < K)[None, :]
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=x_mask, other=0.0)
         if TMA:  # out-of-bounds rows and columns read as zeros
             w = w_src.load([pid_n * BLOCK_N, kb * 128])
         else:
@@ -108,61 +96,54 @@ def _counters(device: torch.device) -> torch.Tensor:
     return torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # the interpreter: choose as on an H100
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def choose(n: int, k: int, sms: int) -> tuple[int, int]:
-    """(BLOCK_N, SPLIT_K): tiles of 64 columns (32 for narrow weights), K cut into power-of-two
-    ranges of at least two 128-wide blocks until about two programs per SM read."""
-    block_n = 64 if n >= 1024 else 32
-    tiles, k_blocks, splits = triton.cdiv(n, block_n), triton.cdiv(k, 128), 1
-    while tiles * splits < 2 * sms and k_blocks >= 4 * splits and splits < 16:
+def choose(n: int, k: int) -> tuple[int, int, int]:
+    """(BLOCK_N, SPLIT_K, stages), from a sweep at one row on Qwen3's shapes: tiles of 32
+    columns (64 past 8,192), K cut in two until 128 programs read (each range keeping at least
+    two 128-wide blocks), deeper pipelines for long ranges of narrow tiles."""
+    block_n = 32 if n <= 8192 else 64
+    tiles, k_blocks, splits = triton.cdiv(n, block_n), triton.cdiv(k, BLOCK_K), 1
+    while tiles * splits < 128 and k_blocks >= 4 * splits:
         splits *= 2
-    return block_n, splits
+    stages = 6 if block_n == 32 and k_blocks // splits >= 16 else 4
+    return block_n, splits, stages
 
 
-def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``rows_linear`` takes this call (the caller falls back to F.linear)."""
-    return (
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear``, by ``rows_linear`` where it takes the call (MAX_ROWS rows of bf16/fp16)."""
+    if (
         ENABLED
-        and x.is_cuda
         and x.dim() == 2
         and 0 < x.shape[0] <= MAX_ROWS
         and x.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == x.dtype
         and x.stride(-1) == 1
         and weight.stride(-1) == 1
-    )
+    ):
+        return rows_linear(x, weight, bias)
+    return torch.nn.functional.linear(x, weight, bias)
 
 
 def rows_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
-    gated: bool = False,
     block_n: int | None = None,
     splits: int | None = None,
-    num_stages: int = 4,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
-    """``x [M <= 16, K] @ weight [N, K].T (+ bias)``; ``gated``: x is ``[M, 2K]`` = [gate | up]
-    and the product is ``(silu(gate) * up) @ weight.T``. ``block_n``/``splits`` override
-    ``choose``."""
-    m, n = x.shape[0], weight.shape[0]
-    k = x.shape[1] // 2 if gated else x.shape[1]
-    if m > MAX_ROWS or weight.shape[1] != k or x.stride(-1) != 1 or weight.stride(-1) != 1:
+    """``x [M <= 16, K] @ weight [N, K].T (+ bias)``; ``block_n``, ``splits`` and ``num_stages``
+    override ``choose``."""
+    (m, k), n = x.shape, weight.shape[0]
+    if m > 16 or weight.shape[1] != k or x.stride(-1) != 1 or weight.stride(-1) != 1:
         raise ValueError(
-            f"rows_linear takes x [M <= {MAX_ROWS}, K{' * 2' if gated else ''}] and weight "
-            f"[N, K], both with contiguous rows; got {tuple(x.shape)} and {tuple(weight.shape)}"
+            "rows_linear takes x [M <= 16, K] and weight [N, K], both with contiguous rows; "
+            f"got {tuple(x.shape)} and {tuple(weight.shape)}"
         )
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    auto_n, auto_splits = choose(n, k, _sm_count(x.device))
-    block_n, splits = block_n or auto_n, splits or auto_splits
+    auto = choose(n, k)
+    block_n, splits, num_stages = block_n or auto[0], splits or auto[1], num_stages or auto[2]
     tiles = triton.cdiv(n, block_n)
     if splits > 1 and tiles > MAX_TILES:
         splits = 1
@@ -193,7 +174,6 @@ def rows_linear(
         weight.stride(0),
         out.stride(0),
         TMA=tma,
-        GATED=gated,
         HAS_BIAS=bias is not None,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_N=block_n,

@@ -10,7 +10,7 @@ import triton.language as tl
 
 from nanovllm.layers.attention.fp8_kv import FP8_DTYPE
 from nanovllm.layers.attention.interface import AttentionBackend
-from nanovllm.layers.attention.triton_decode import _decode_kernel, _decode_reduce_kernel
+from nanovllm.layers.attention.triton_decode import _decode_kernel
 from nanovllm.layers.attention.triton_kernels import LOG2E
 from nanovllm.layers.attention.triton_prefill import _prefill_kernel
 from nanovllm.layers.attention.triton_tiles import (
@@ -24,6 +24,13 @@ from nanovllm.quantization.fp8_rows import empty_quantized
 from nanovllm.quantization.fp8_types import BLOCK, QuantizedRows
 from nanovllm.utils.context import Context
 from nanovllm.utils.dependent_launch import launch_options, pdl
+
+
+@functools.cache
+def _split_counters(device: torch.device) -> torch.Tensor:
+    """One arrival counter per (row, KV head) of a split decode; splits stop below
+    PROGRAMS_PER_SM x SMs programs, far fewer."""
+    return torch.zeros(1 << 16, dtype=torch.int32, device=device)
 
 
 @functools.lru_cache(maxsize=None)
@@ -194,21 +201,25 @@ class TritonAttentionBackend(AttentionBackend):
         num_splits = self.num_splits or self._pick_num_splits(
             num_seqs * num_kv_heads, width * block_size, tile.block_n, q.device
         )
+        rows = m_out if quantize else num_seqs  # the program writing a row runs for padding too
         if num_splits == 1:
-            part_acc = part_ml = out  # unused
+            part_acc = part_ml = counters = out  # unused
         else:
             part_acc = torch.empty(
-                num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device
+                rows, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device
             )
             part_ml = torch.empty(
-                2, num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device
+                2, rows, num_heads, num_splits, dtype=torch.float32, device=q.device
             )
-        # the program writing the output runs for the padding rows too (zeros, scale 1)
-        _decode_kernel[(m_out if num_splits == 1 else num_seqs, num_kv_heads, num_splits)](
+            counters = _split_counters(q.device)
+            if rows * num_kv_heads > counters.numel():
+                raise ValueError(f"{rows} x {num_kv_heads} split decode programs: too many")
+        _decode_kernel[(rows, num_kv_heads, num_splits)](
             q,
             out,
             part_acc,
             part_ml,
+            counters,
             k_cache,
             v_cache,
             tables,
@@ -243,25 +254,6 @@ class TritonAttentionBackend(AttentionBackend):
             num_stages=tile.num_stages,
             **launch_options(q.device),
         )
-        if num_splits > 1:
-            _decode_reduce_kernel[(m_out, num_heads)](
-                out,
-                part_acc,
-                part_ml,
-                out.stride(0),
-                out.stride(1),
-                qo,
-                qo_scales,
-                num_seqs,
-                m_out,
-                NUM_HEADS=num_heads,
-                HEAD_DIM=head_dim,
-                NUM_SPLITS=num_splits,
-                QUANTIZE=quantize,
-                PDL=pdl(q.device),
-                num_warps=4,
-                **launch_options(q.device),
-            )
         return QuantizedRows(qo, qo_scales, num_seqs, q.dtype) if quantize else out
 
     def _pick_num_splits(

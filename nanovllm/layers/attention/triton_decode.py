@@ -1,5 +1,5 @@
-"""Paged decode: one query per sequence over its cached keys, optionally split along the keys
-and merged by ``_decode_reduce_kernel``."""
+"""Paged decode: one query per sequence over its cached keys, optionally split along the keys;
+the last split of a (sequence, KV head) to finish merges them (one kernel either way)."""
 
 import triton
 import triton.language as tl
@@ -64,6 +64,7 @@ def _decode_kernel(
     o_ptr,
     part_acc_ptr,
     part_ml_ptr,
+    counter_ptr,
     k_cache_ptr,
     v_cache_ptr,
     block_tables_ptr,
@@ -100,7 +101,9 @@ def _decode_kernel(
     PDL: tl.constexpr,
 ):
     """The GROUP query heads of one KV head over one split of one sequence's keys; grid
-    (num_seqs or m_out, num_kv_heads, NUM_SPLITS). Rows past num_seqs read nothing: zeros."""
+    (num_seqs or m_out, num_kv_heads, NUM_SPLITS). Rows past num_seqs read nothing: zeros. Split,
+    each program leaves its partial sums, and the last of a (sequence, KV head) to arrive merges
+    them and sets its counter back to 0."""
     wait_for_inputs(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -179,62 +182,71 @@ def _decode_kernel(
             QUANTIZE,
         )
     else:
-        # part_acc: [num_seqs, NUM_HEADS, NUM_SPLITS, HEAD_DIM]
-        # part_ml: [2, num_seqs, NUM_HEADS, NUM_SPLITS]
-        part = (seq * NUM_HEADS + heads).to(tl.int64) * NUM_SPLITS + split
+        # part_acc: [rows, NUM_HEADS, NUM_SPLITS, HEAD_DIM]; part_ml: [2, rows, NUM_HEADS,
+        # NUM_SPLITS], rows = the grid's
+        first = (seq * NUM_HEADS + heads).to(tl.int64) * NUM_SPLITS
+        l_offset = tl.num_programs(0) * NUM_HEADS * NUM_SPLITS
+        part = first + split
         tl.store(
             part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None]
         )
         tl.store(part_ml_ptr + part, m_i, mask=g_mask)
-        tl.store(part_ml_ptr + num_seqs * NUM_HEADS * NUM_SPLITS + part, l_i, mask=g_mask)
+        tl.store(part_ml_ptr + l_offset + part, l_i, mask=g_mask)
+        tl.debug_barrier()  # every partial sum is written before the count releases them
+        counter = counter_ptr + seq * tl.num_programs(1) + kv_head
+        if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:
+            out = _merge_splits(
+                part_acc_ptr, part_ml_ptr, first, l_offset, g_mask, NUM_SPLITS, GROUP_PAD, HEAD_DIM
+            )
+            _store_output(
+                out,
+                o_ptr,
+                qo_ptr,
+                qo_scale_ptr,
+                seq,
+                heads,
+                g_mask,
+                m_out,
+                stride_ot,
+                stride_oh,
+                NUM_HEADS,
+                HEAD_DIM,
+                QUANTIZE,
+            )
+            tl.atomic_xchg(counter, 0)  # ready for the next call or graph replay
 
 
-@triton.jit(do_not_specialize=["num_seqs", "m_out"])
-def _decode_reduce_kernel(
-    o_ptr,
+@triton.jit
+def _merge_splits(
     part_acc_ptr,
     part_ml_ptr,
-    stride_ot,
-    stride_oh,
-    qo_ptr,
-    qo_scale_ptr,
-    num_seqs,
-    m_out,
-    NUM_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
+    first,
+    l_offset,
+    g_mask,
     NUM_SPLITS: tl.constexpr,
-    QUANTIZE: tl.constexpr,
-    PDL: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
 ):
-    """Merge the splits of one (sequence, head); grid (num_seqs or m_out, num_heads)."""
-    wait_for_inputs(PDL)
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    real_seq = tl.minimum(seq, num_seqs - 1)
-    offs_s = tl.arange(0, NUM_SPLITS)
+    """The heads' outputs from their NUM_SPLITS partial sums (read from L2, ".cg": other SMs
+    wrote them); a head with no key (every l 0) comes out as zeros."""
+    m = tl.full([GROUP_PAD], MASKED, tl.float32)
+    for s in range(NUM_SPLITS):
+        m_s = tl.load(part_ml_ptr + first + s, mask=g_mask, other=MASKED, cache_modifier=".cg")
+        m = tl.maximum(m, m_s)
+    total = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     offs_d = tl.arange(0, HEAD_DIM)
-    part = (real_seq * NUM_HEADS + head).to(tl.int64) * NUM_SPLITS + offs_s
-    m = tl.load(part_ml_ptr + part)
-    l_part = tl.load(part_ml_ptr + num_seqs * NUM_HEADS * NUM_SPLITS + part)
-    # [NUM_SPLITS, HEAD_DIM]
-    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :])
-    weight = tl.exp2(m - tl.max(m, 0))
-    total = tl.sum(l_part * weight, 0)
-    out = tl.sum(acc * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
-    out = tl.where(seq < num_seqs, out, 0.0)  # a padding row
-    heads = head + tl.arange(0, 1)
-    _store_output(
-        out[None, :],
-        o_ptr,
-        qo_ptr,
-        qo_scale_ptr,
-        seq,
-        heads,
-        heads < NUM_HEADS,
-        m_out,
-        stride_ot,
-        stride_oh,
-        NUM_HEADS,
-        HEAD_DIM,
-        QUANTIZE,
-    )
+    for s in range(NUM_SPLITS):
+        part = first + s
+        m_s = tl.load(part_ml_ptr + part, mask=g_mask, other=MASKED, cache_modifier=".cg")
+        l_s = tl.load(part_ml_ptr + l_offset + part, mask=g_mask, other=0.0, cache_modifier=".cg")
+        weight = tl.exp2(m_s - m)
+        total += l_s * weight
+        acc_s = tl.load(
+            part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
+            mask=g_mask[:, None],
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        acc += weight[:, None] * acc_s
+    return acc / tl.where(total == 0.0, 1.0, total)[:, None]

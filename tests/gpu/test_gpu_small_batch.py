@@ -1,0 +1,98 @@
+"""Decode at small batch on a CUDA GPU (skipped without one). The few-rows linear
+(``layers/rows_gemm.py``) against a float32 product of its inputs (TMA loads, programmatic
+dependent launch, K cut into ranges) within one bf16 rounding step, also replayed in a CUDA graph
+(the arrival counters set back); a bf16 engine's tokens with it and without it. The flash-attn
+backend's decode of a few sequences (the Triton kernel) against flash-attn's own."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from nanovllm.layers import rows_gemm
+from nanovllm.layers.rows_gemm import rows_linear
+
+pytestmark = pytest.mark.gpu  # skipped without a CUDA GPU (tests/conftest.py)
+
+
+def within_rounding(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return bool(((got.float() - want).abs() <= 2**-8 * want.abs() + 1e-4).all())
+
+
+@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("n,k", [(4096, 1024), (1024, 3072), (300, 200), (6144, 4096)])
+def test_rows_linear_matches_float32(m, n, k):
+    g = torch.Generator(device="cuda").manual_seed(m + n + k)
+    x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).bfloat16()
+    b = torch.randn(n, device="cuda", generator=g).bfloat16()
+    assert within_rounding(rows_linear(x, w), x.float() @ w.float().T)
+    assert within_rounding(rows_linear(x, w, b), x.float() @ w.float().T + b.float())
+    for splits in (2, 8):  # K cut into ranges, whatever ``choose`` picks
+        assert within_rounding(rows_linear(x, w, splits=splits), x.float() @ w.float().T)
+
+
+def test_rows_linear_in_a_cuda_graph_repeats():
+    x = torch.randn(3, 4096, device="cuda").bfloat16()
+    w = (torch.randn(4096, 4096, device="cuda") * 0.02).bfloat16()
+    eager = rows_linear(x, w, splits=8)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = rows_linear(x, w, splits=8)
+    outs = []
+    for _ in range(3):
+        graph.replay()
+        outs.append(out.clone())
+    assert all(torch.equal(o, eager) for o in outs)
+
+
+def test_engine_tokens_with_and_without_the_kernel(tmp_path, monkeypatch):
+    from nanovllm import LLM, SamplingParams
+    from nanovllm.utils.checkpoint import make_random_checkpoint
+
+    shape = dict(hidden_size=256, intermediate_size=512, head_dim=128, num_hidden_layers=3)
+    path = make_random_checkpoint(str(tmp_path), "tiny", dtype=torch.bfloat16, **shape)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [[1 + i, 2 + i, 3 + i] * (i + 1) for i in range(4)]
+    tokens = {}
+    for enabled in (True, False):
+        monkeypatch.setattr(rows_gemm, "ENABLED", enabled)
+        with LLM(path, max_model_len=256) as llm:
+            out = llm.generate(prompts, params, use_tqdm=False)
+        tokens[enabled] = [o.outputs[0].token_ids for o in out]
+    # bf16 sums in another order may break a near-tie; on these few tokens none is expected
+    assert tokens[True] == tokens[False]
+
+
+@pytest.mark.skipif(not importlib.util.find_spec("flash_attn"), reason="flash-attn not installed")
+@pytest.mark.parametrize("lens", [(1,), (300, 5, 700), (256, 257, 1, 1000)])
+def test_small_decode_matches_flash_attn(lens):
+    from flash_attn import flash_attn_with_kvcache
+
+    from nanovllm.layers.attention.flash import SMALL_DECODE, FlashAttentionBackend
+    from nanovllm.utils.context import Context
+
+    assert len(lens) <= SMALL_DECODE
+    g = torch.Generator(device="cuda").manual_seed(len(lens))
+    blocks, kv_heads, heads, dim = 16, 8, 16, 128
+    k_cache, v_cache = (
+        torch.randn(blocks, 256, kv_heads, dim, device="cuda", generator=g).bfloat16()
+        for _ in range(2)
+    )
+    q = torch.randn(len(lens), heads, dim, device="cuda", generator=g).bfloat16()
+    tables = torch.randperm(blocks, device="cuda", generator=g)[: 4 * len(lens)]
+    tables = tables.view(len(lens), 4).int()
+    context_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    context = Context(is_prefill=False, context_lens=context_lens, block_tables=tables)
+    got = FlashAttentionBackend().decode(q, k_cache, v_cache, context, dim**-0.5)
+    want = flash_attn_with_kvcache(
+        q.unsqueeze(1),
+        k_cache,
+        v_cache,
+        cache_seqlens=context_lens,
+        block_table=tables,
+        softmax_scale=dim**-0.5,
+        causal=True,
+    ).squeeze(1)
+    assert got.shape == want.shape
+    assert (got.float() - want.float()).abs().max().item() <= 2**-7
