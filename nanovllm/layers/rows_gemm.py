@@ -16,7 +16,8 @@ from nanovllm.utils.dependent_launch import launch_options, pdl, prefetch_l2, wa
 MAX_ROWS = 8  # more rows go to cuBLAS (at 16 it is as fast or faster)
 # NANOVLLM_ROWS_GEMM=0: every linear calls F.linear (benchmarks compare the two)
 ENABLED = os.environ.get("NANOVLLM_ROWS_GEMM", "1") != "0"
-BLOCK_M, BLOCK_K = 16, 128
+BLOCK_M, BLOCK_K = 16, 128  # rows padded to BLOCK_M for the tensor cores
+_BLOCK_M, _BLOCK_K = tl.constexpr(BLOCK_M), tl.constexpr(BLOCK_K)
 MAX_TILES = 4096  # output tiles a call may have (one arrival counter each)
 
 
@@ -46,23 +47,23 @@ def _rows_gemm_kernel(
     """Program (n tile, k range); with SPLIT_K > 1 a tile's last program to arrive adds the
     ranges' float32 sums in order and sets its counter back to 0."""
     pid_n, split = tl.program_id(0), tl.program_id(1)
-    rm = tl.arange(0, 16)
+    rm = tl.arange(0, _BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
-    k_blocks = tl.cdiv(tl.cdiv(K, 128), SPLIT_K)
+    k_blocks = tl.cdiv(tl.cdiv(K, _BLOCK_K), SPLIT_K)
     first_kb = split * k_blocks
-    last_kb = tl.minimum(first_kb + k_blocks, tl.cdiv(K, 128))
+    last_kb = tl.minimum(first_kb + k_blocks, tl.cdiv(K, _BLOCK_K))
     if PREFETCH:  # the weights depend on no kernel before: ask for them before waiting
-        first = tl.minimum(first_kb, K // 128 - 2)
-        prefetch_l2(w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * stride_wn + first * 128)
+        first = tl.minimum(first_kb, K // _BLOCK_K - 2)
+        prefetch_l2(w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * stride_wn + first * _BLOCK_K)
     wait_for_inputs(PDL)
-    acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((_BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(first_kb, last_kb):
-        k = kb * 128 + tl.arange(0, 128)
+        k = kb * _BLOCK_K + tl.arange(0, _BLOCK_K)
         x_mask = (rm < M)[:, None] & (k < K)[None, :]
         x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=x_mask, other=0.0)
         if TMA:  # out-of-bounds rows and columns read as zeros
-            w = w_src.load([pid_n * BLOCK_N, kb * 128])
+            w = w_src.load([pid_n * BLOCK_N, kb * _BLOCK_K])
         else:
             w_mask = n_ok[:, None] & (k < K)[None, :]
             w = tl.load(w_src + rn[:, None] * stride_wn + k[None, :], mask=w_mask, other=0.0)
@@ -75,7 +76,7 @@ def _rows_gemm_kernel(
         tl.store(partial_ptr + split * M * N + tile, acc, mask=mask)
         tl.debug_barrier()  # the whole range's sum is written before the count releases it
         if tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel") == SPLIT_K - 1:
-            acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+            acc = tl.zeros((_BLOCK_M, BLOCK_N), dtype=tl.float32)
             for s in range(SPLIT_K):  # from L2 (".cg"): other SMs wrote them
                 partial = partial_ptr + s * M * N + tile
                 acc += tl.load(partial, mask=mask, other=0.0, cache_modifier=".cg")
