@@ -1,7 +1,7 @@
 """The few-rows linear kernel (``layers/rows_gemm.py``) against torch under the Triton interpreter
 (one subprocess: this file run as a script): one row and sixteen, N and K that are not multiples of
-the tiles, a bias, K cut into ranges (uneven and empty ones;
-each case runs twice, so the arrival counters must have been set back), float32, bf16 and fp16.
+the tiles, a bias, K cut into ranges (uneven and empty ones; each case runs twice, so the arrival
+counters must have been set back), float32, bf16 and fp16.
 
 Float32 differs from the float64 product only by the order of the sums (a few ulps of the sums'
 magnitude); bf16/fp16 results by one rounding step of the result (the products are exact in
@@ -91,8 +91,8 @@ def test_kernel_matches_torch(results, case):
 
 
 def test_choice_follows_the_sweep():
-    """(BLOCK_N, SPLIT_K, stages) at Qwen3's decode shapes, as the sweep of
-    benchmarks/bench_rows_gemm.py found fastest (or within a few percent of it)."""
+    """(BLOCK_N, SPLIT_K, stages) at Qwen3's decode shapes: the rule drawn from the sweep of
+    benchmarks/bench_rows_gemm.py (its figures in BENCHMARKS.md, "Decode at batch 1")."""
     from nanovllm.layers.rows_gemm import choose
 
     assert choose(4096, 1024) == (32, 1, 4)  # Qwen3-0.6B qkv: 128 tiles already
