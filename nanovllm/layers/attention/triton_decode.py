@@ -99,6 +99,7 @@ def _decode_kernel(
     DOT_DTYPE: tl.constexpr,
     QUANTIZE: tl.constexpr,
     PDL: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):
     """The GROUP query heads of one KV head over one split of one sequence's keys; grid
     (num_seqs or m_out, num_kv_heads, NUM_SPLITS). Rows past num_seqs read nothing: zeros. Split,
@@ -138,7 +139,7 @@ def _decode_kernel(
     m_i = tl.full([GROUP_PAD], MASKED, tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    for start in range(lo, hi, BLOCK_N):
+    for start in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         pos = start + offs_n
         kv_mask = pos < hi
         if TABLE_PAD:
