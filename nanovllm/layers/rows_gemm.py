@@ -157,9 +157,11 @@ def rows_linear(
     partials = (
         torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else out
     )
-    tma = (
+    tma = (  # Hopper or newer, 16-byte aligned rows, a box no larger than the weight
         x.is_cuda
         and torch.cuda.get_device_capability(x.device) >= (9, 0)
+        and n >= block_n
+        and k >= BLOCK_K
         and k % 16 == 0
         and weight.stride(0) % 8 == 0
         and weight.data_ptr() % 16 == 0
