@@ -53,10 +53,9 @@ def _rows_gemm_kernel(
     k_blocks = tl.cdiv(tl.cdiv(K, _BLOCK_K), SPLIT_K)
     first_kb = split * k_blocks
     last_kb = tl.minimum(first_kb + k_blocks, tl.cdiv(K, _BLOCK_K))
-    if PREFETCH:  # the weights depend on no kernel before: into L2 while that one runs
-        rows = w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * stride_wn
-        for kb in range(first_kb, last_kb):  # 256 bytes = one 128-wide block of a row
-            prefetch_l2(rows + kb * _BLOCK_K)
+    if PREFETCH:  # the weights depend on no kernel before: ask for them before waiting
+        first = tl.minimum(first_kb, K // _BLOCK_K - 2)
+        prefetch_l2(w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * stride_wn + first * _BLOCK_K)
     wait_for_inputs(PDL)
     acc = tl.zeros((_BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(first_kb, last_kb):
@@ -188,7 +187,7 @@ def rows_linear(
         BLOCK_N=block_n,
         SPLIT_K=splits,
         PDL=dependent,
-        PREFETCH=dependent and tma and k % BLOCK_K == 0,
+        PREFETCH=dependent and tma and k % BLOCK_K == 0 and k >= 2 * BLOCK_K,
         num_warps=4,
         num_stages=num_stages,
         **launch_options(x.device),
