@@ -250,8 +250,8 @@ def main() -> None:
         "--tile",
         action="append",
         default=[],
-        metavar="BLOCK_N,STAGES,WARPS",
-        help="also time this Triton tile (repeatable)",
+        metavar="BLOCK_N,STAGES,WARPS[,WS]",
+        help="also time this Triton tile (repeatable; WS 1: warp-specialized key loop)",
     )
     parser.add_argument(
         "--split-rule",

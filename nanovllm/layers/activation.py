@@ -15,4 +15,8 @@ class SiluAndMul(nn.Module):
     """[gate | up] on the last dim -> SiLU(gate) * up."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and x.dim() == 2 and x.shape[0] <= 8:  # decode at small batch
+            from nanovllm.layers.few_rows import silu_and_mul as few_rows_silu_and_mul
+
+            return few_rows_silu_and_mul(x)
         return silu_and_mul(x)

@@ -46,7 +46,14 @@ class ParallelLMHead(VocabParallelEmbedding):
         context = get_context()
         if context.is_prefill:
             x = x[context.cu_seqlens_q[1:] - 1].contiguous()
-        logits = F.linear(x, self.weight) if out is None else torch.mm(x, self.weight.t(), out=out)
+        if x.is_cuda and x.shape[0] <= 8:  # decode at small batch: layers/rows_gemm.py
+            from nanovllm.layers.rows_gemm import linear
+
+            logits = linear(x, self.weight, None, out)
+        else:
+            logits = (
+                F.linear(x, self.weight) if out is None else torch.mm(x, self.weight.t(), out=out)
+            )
         return self.gather(logits) if gather else logits
 
     def gather(self, logits: torch.Tensor) -> torch.Tensor | None:

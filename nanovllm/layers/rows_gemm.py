@@ -109,8 +109,9 @@ def choose(n: int, k: int) -> tuple[int, int, int]:
     return block_n, splits, stages
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear``, by ``rows_linear`` where it takes the call (MAX_ROWS rows of bf16/fp16)."""
+def linear(x, weight, bias=None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` (into ``out`` if given, without a bias), by ``rows_linear`` where it takes the
+    call (MAX_ROWS rows of bf16/fp16)."""
     if (
         ENABLED
         and x.dim() == 2
@@ -120,7 +121,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
         and x.stride(-1) == 1
         and weight.stride(-1) == 1
     ):
-        return rows_linear(x, weight, bias)
+        return rows_linear(x, weight, bias, out=out)
+    if out is not None:
+        return torch.mm(x, weight.t(), out=out)
     return torch.nn.functional.linear(x, weight, bias)
 
 
@@ -131,16 +134,18 @@ def rows_linear(
     block_n: int | None = None,
     splits: int | None = None,
     num_stages: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``x [M <= 16, K] @ weight [N, K].T (+ bias)``; ``block_n``, ``splits`` and ``num_stages``
-    override ``choose``."""
+    """``x [M <= 16, K] @ weight [N, K].T (+ bias)``, into ``out`` if given (rows of unit
+    stride); ``block_n``, ``splits`` and ``num_stages`` override ``choose``."""
     (m, k), n = x.shape, weight.shape[0]
     if m > 16 or weight.shape[1] != k or x.stride(-1) != 1 or weight.stride(-1) != 1:
         raise ValueError(
             "rows_linear takes x [M <= 16, K] and weight [N, K], both with contiguous rows; "
             f"got {tuple(x.shape)} and {tuple(weight.shape)}"
         )
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
     auto = choose(n, k)

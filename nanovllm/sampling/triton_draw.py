@@ -101,10 +101,16 @@ def gumbel_argmax(
     temperatures: torch.Tensor,
     seeds: torch.Tensor,
     out: torch.Tensor | None = None,
-    chunk: int = CHUNK,
+    chunk: int | None = None,
 ) -> torch.Tensor:
-    """Token ids into ``out`` [rows] int64; T = 0: argmax, T < 0: the row is skipped."""
+    """Token ids into ``out`` [rows] int64; T = 0: argmax, T < 0: the row is skipped. ``chunk``:
+    logits per program; by default CHUNK, halved down to BLOCK while fewer than 128 programs
+    would run (at batch 1 a row is 75 programs, not 10)."""
     rows, vocab = logits.shape
+    if chunk is None:
+        chunk = CHUNK
+        while chunk > BLOCK and rows * triton.cdiv(vocab, chunk) < 128:
+            chunk //= 2
     if out is None:
         out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if not rows:

@@ -15,8 +15,8 @@ from nanovllm.layers.rows_gemm import rows_linear
 pytestmark = pytest.mark.gpu  # skipped without a CUDA GPU (tests/conftest.py)
 
 
-def within_rounding(got: torch.Tensor, want: torch.Tensor) -> bool:
-    return bool(((got.float() - want).abs() <= 2**-8 * want.abs() + 1e-4).all())
+def within_rounding(got: torch.Tensor, want: torch.Tensor, step: float = 2**-8) -> bool:
+    return bool(((got.float() - want).abs() <= step * want.abs() + 1e-4).all())
 
 
 @pytest.mark.parametrize("m", [1, 5, 16])
@@ -44,6 +44,23 @@ def test_rows_linear_in_a_cuda_graph_repeats():
         graph.replay()
         outs.append(out.clone())
     assert all(torch.equal(o, eager) for o in outs)
+
+
+@pytest.mark.parametrize("rows,n", [(1, 1024), (8, 4096), (3, 5120)])
+def test_few_rows_norm_and_activation_match_torch(rows, n):
+    from nanovllm.layers import few_rows
+    from nanovllm.layers.activation import silu_and_mul
+    from nanovllm.layers.layernorm import add_rms_norm
+
+    g = torch.Generator(device="cuda").manual_seed(n)
+    x, r = (torch.randn(rows, n, device="cuda", generator=g).bfloat16() for _ in range(2))
+    w = (1 + 0.1 * torch.randn(n, device="cuda", generator=g)).bfloat16()
+    (got, got_sum), (want, want_sum) = few_rows.rms_norm(x, w, 1e-6, r), add_rms_norm(x, r, w, 1e-6)
+    assert torch.equal(got_sum, want_sum)
+    assert within_rounding(got, want.float(), 2**-6)  # two bf16 steps: sums in another order
+    h = torch.randn(rows, 2 * n, device="cuda", generator=g).bfloat16()
+    # one step: the compiled torch path rounds silu(gate) * up once, this kernel as eager torch
+    assert within_rounding(few_rows.silu_and_mul(h), silu_and_mul(h).float(), 2**-6)
 
 
 def test_engine_tokens_with_and_without_the_kernel(tmp_path, monkeypatch):

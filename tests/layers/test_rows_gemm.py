@@ -21,7 +21,7 @@ from triton_interpreter import (
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 
 
-def check(m: int, n: int, k: int, dtype=F32, bias=False, **choice) -> dict:
+def check(m: int, n: int, k: int, dtype=F32, bias=False, into=False, **choice) -> dict:
     from nanovllm.layers.rows_gemm import rows_linear
 
     g = torch.Generator().manual_seed(m * 1000 + n + k)
@@ -29,10 +29,15 @@ def check(m: int, n: int, k: int, dtype=F32, bias=False, **choice) -> dict:
     w = (torch.randn(n, k, generator=g) * 0.05).to(dtype)
     b = torch.randn(n, generator=g).to(dtype) if bias else None
     want = x.double() @ w.double().T + (0 if b is None else b.double())
-    got = rows_linear(x, w, b, **choice)
+    buffer = torch.full((m, 2 * n), 7.0, dtype=dtype)  # rows of stride 2n: the LM head's out
+    out = buffer[:, :n] if into else None
+    got = rows_linear(x, w, b, out=out, **choice)
     again = rows_linear(x, w, b, **choice)
     return {
         "repeatable": bool(torch.equal(got, again)),
+        "into_out": bool(
+            not into or (got.data_ptr() == buffer.data_ptr() and (buffer[:, n:] == 7).all())
+        ),
         "shape": list(got.shape),
         "dtype": str(got.dtype),
         "max_diff": (got.double() - want).abs().max().item(),
@@ -53,6 +58,8 @@ CASES = {
     "split_uneven": dict(m=5, n=300, k=640, splits=3),  # k-blocks 2, 2, 1
     "split_empty_range": dict(m=7, n=256, k=384, splits=4, dtype=BF16, bias=True),  # 1, 1, 1, 0
     "split_narrow_tiles": dict(m=1, n=100, k=1024, splits=8, block_n=32),
+    "into_given_rows": dict(m=2, n=200, k=256, dtype=BF16, into=True),
+    "into_given_rows_split": dict(m=1, n=130, k=512, into=True, splits=2),
 }
 
 
@@ -75,6 +82,7 @@ def test_kernel_matches_torch(results, case):
     assert "error" not in r, r["error"]
     dtype = c.get("dtype", F32)
     assert r["shape"] == [c["m"], c["n"]] and r["dtype"] == str(dtype) and r["repeatable"], r
+    assert r["into_out"], r
     if dtype == F32:
         assert r["max_diff"] <= 2**-23 * 16 * r["max_terms"], r
     else:  # one rounding step of the result, plus the float32 sums' order

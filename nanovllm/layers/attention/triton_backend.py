@@ -250,6 +250,7 @@ class TritonAttentionBackend(AttentionBackend):
             DOT_DTYPE=dot_dtype,
             QUANTIZE=quantize,
             PDL=pdl(q.device),
+            WARP_SPECIALIZE=bool(tile.warp_specialize),
             num_warps=tile.num_warps,
             num_stages=tile.num_stages,
             **launch_options(q.device),

@@ -99,6 +99,7 @@ def _decode_kernel(
     DOT_DTYPE: tl.constexpr,
     QUANTIZE: tl.constexpr,
     PDL: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):
     """The GROUP query heads of one KV head over one split of one sequence's keys; grid
     (num_seqs or m_out, num_kv_heads, NUM_SPLITS). Rows past num_seqs read nothing: zeros. Split,
@@ -138,7 +139,7 @@ def _decode_kernel(
     m_i = tl.full([GROUP_PAD], MASKED, tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    for start in range(lo, hi, BLOCK_N):
+    for start in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         pos = start + offs_n
         kv_mask = pos < hi
         if TABLE_PAD:
@@ -164,8 +165,28 @@ def _decode_kernel(
         qk = tl.where(kv_mask[None, :], qk, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(qk, v, v_scale, m_i, l_i, acc, FP8, DOT_DTYPE)
 
-    if NUM_SPLITS == 1:
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # context_len 0 (a padded row): zeros
+    last = True  # the program that writes the output: each, or the last of a split to arrive
+    if NUM_SPLITS > 1:
+        # part_acc: [rows, NUM_HEADS, NUM_SPLITS, HEAD_DIM]; part_ml: [2, rows, NUM_HEADS,
+        # NUM_SPLITS], rows = the grid's
+        first = (seq * NUM_HEADS + heads).to(tl.int64) * NUM_SPLITS
+        l_offset = tl.num_programs(0) * NUM_HEADS * NUM_SPLITS
+        part = first + split
+        tl.store(
+            part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None]
+        )
+        tl.store(part_ml_ptr + part, m_i, mask=g_mask)
+        tl.store(part_ml_ptr + l_offset + part, l_i, mask=g_mask)
+        tl.debug_barrier()  # every partial sum is written before the count releases them
+        counter = counter_ptr + seq * tl.num_programs(1) + kv_head
+        last = tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1
+    if last:
+        if NUM_SPLITS > 1:
+            acc, l_i = _merge_splits(
+                part_acc_ptr, part_ml_ptr, first, l_offset, g_mask, NUM_SPLITS, GROUP_PAD, HEAD_DIM
+            )
+            tl.atomic_xchg(counter, 0)  # ready for the next call or graph replay
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # no key (a padded row): zeros
         _store_output(
             out,
             o_ptr,
@@ -181,39 +202,6 @@ def _decode_kernel(
             HEAD_DIM,
             QUANTIZE,
         )
-    else:
-        # part_acc: [rows, NUM_HEADS, NUM_SPLITS, HEAD_DIM]; part_ml: [2, rows, NUM_HEADS,
-        # NUM_SPLITS], rows = the grid's
-        first = (seq * NUM_HEADS + heads).to(tl.int64) * NUM_SPLITS
-        l_offset = tl.num_programs(0) * NUM_HEADS * NUM_SPLITS
-        part = first + split
-        tl.store(
-            part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None]
-        )
-        tl.store(part_ml_ptr + part, m_i, mask=g_mask)
-        tl.store(part_ml_ptr + l_offset + part, l_i, mask=g_mask)
-        tl.debug_barrier()  # every partial sum is written before the count releases them
-        counter = counter_ptr + seq * tl.num_programs(1) + kv_head
-        if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:
-            out = _merge_splits(
-                part_acc_ptr, part_ml_ptr, first, l_offset, g_mask, NUM_SPLITS, GROUP_PAD, HEAD_DIM
-            )
-            _store_output(
-                out,
-                o_ptr,
-                qo_ptr,
-                qo_scale_ptr,
-                seq,
-                heads,
-                g_mask,
-                m_out,
-                stride_ot,
-                stride_oh,
-                NUM_HEADS,
-                HEAD_DIM,
-                QUANTIZE,
-            )
-            tl.atomic_xchg(counter, 0)  # ready for the next call or graph replay
 
 
 @triton.jit
@@ -227,8 +215,8 @@ def _merge_splits(
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
 ):
-    """The heads' outputs from their NUM_SPLITS partial sums (read from L2, ".cg": other SMs
-    wrote them); a head with no key (every l 0) comes out as zeros."""
+    """The heads' (unnormalised output, softmax sum) from their NUM_SPLITS partial sums (read
+    from L2, ".cg": other SMs wrote them)."""
     m = tl.full([GROUP_PAD], MASKED, tl.float32)
     for s in range(NUM_SPLITS):
         m_s = tl.load(part_ml_ptr + first + s, mask=g_mask, other=MASKED, cache_modifier=".cg")
@@ -249,4 +237,4 @@ def _merge_splits(
             cache_modifier=".cg",
         )
         acc += weight[:, None] * acc_s
-    return acc / tl.where(total == 0.0, 1.0, total)[:, None]
+    return acc, total

@@ -45,6 +45,7 @@ class DecodeTile(NamedTuple):
     block_n: int
     num_stages: int
     num_warps: int = 4
+    warp_specialize: bool = False  # Triton's automatic warp specialization of the key loop
 
 
 def shared_memory_estimate(
