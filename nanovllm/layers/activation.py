@@ -16,7 +16,8 @@ class SiluAndMul(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and x.dim() == 2 and x.shape[0] <= 8:  # decode at small batch
-            from nanovllm.layers.few_rows import silu_and_mul as few_rows_silu_and_mul
+            from nanovllm.layers import few_rows
 
-            return few_rows_silu_and_mul(x)
+            if few_rows.ENABLED:
+                return few_rows.silu_and_mul(x)
         return silu_and_mul(x)

@@ -11,6 +11,7 @@ from nanovllm.layers import rows_gemm
 from nanovllm.utils.dependent_launch import launch_options, pdl, wait_for_inputs
 
 MAX_ROWS = 8  # as rows_gemm.MAX_ROWS: the decode steps whose linears it runs
+ENABLED = rows_gemm.ENABLED  # NANOVLLM_ROWS_GEMM=0 turns off every few-rows kernel
 
 
 @triton.jit
@@ -65,12 +66,6 @@ def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ):
     """``layernorm.rms_norm`` (``add_rms_norm`` with a residual: the pair it returns)."""
-    if not rows_gemm.ENABLED:  # NANOVLLM_ROWS_GEMM=0 turns off every few-rows kernel
-        from nanovllm.layers.layernorm import add_rms_norm, rms_norm
-
-        return (
-            rms_norm(x, weight, eps) if residual is None else add_rms_norm(x, residual, weight, eps)
-        )
     rows, n = x.shape
     out = torch.empty_like(x)
     total = torch.empty_like(x) if residual is not None else out
@@ -95,10 +90,6 @@ def rms_norm(
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``activation.silu_and_mul``: [gate | up] -> silu(gate) * up."""
-    if not rows_gemm.ENABLED:
-        from nanovllm.layers.activation import silu_and_mul as torch_silu_and_mul
-
-        return torch_silu_and_mul(x)
     rows, n = x.shape[0], x.shape[1] // 2
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     block = 1024

@@ -32,7 +32,8 @@ class RMSNorm(nn.Module):
         if x.is_cuda and x.dim() == 2 and x.shape[0] <= 8:  # decode at small batch
             from nanovllm.layers import few_rows
 
-            return few_rows.rms_norm(x, self.weight, self.eps, residual)
+            if few_rows.ENABLED:
+                return few_rows.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         return add_rms_norm(x, residual, self.weight, self.eps)

@@ -65,6 +65,7 @@ def test_few_rows_norm_and_activation_match_torch(rows, n):
 
 def test_engine_tokens_with_and_without_the_kernel(tmp_path, monkeypatch):
     from nanovllm import LLM, SamplingParams
+    from nanovllm.layers import few_rows
     from nanovllm.utils.checkpoint import make_random_checkpoint
 
     shape = dict(hidden_size=256, intermediate_size=512, head_dim=128, num_hidden_layers=3)
@@ -74,6 +75,7 @@ def test_engine_tokens_with_and_without_the_kernel(tmp_path, monkeypatch):
     tokens = {}
     for enabled in (True, False):
         monkeypatch.setattr(rows_gemm, "ENABLED", enabled)
+        monkeypatch.setattr(few_rows, "ENABLED", enabled)
         with LLM(path, max_model_len=256) as llm:
             out = llm.generate(prompts, params, use_tqdm=False)
         tokens[enabled] = [o.outputs[0].token_ids for o in out]
