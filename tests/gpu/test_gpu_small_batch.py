@@ -1,7 +1,8 @@
 """Decode at small batch on a CUDA GPU (skipped without one). The few-rows linear
 (``layers/rows_gemm.py``) against a float32 product of its inputs (TMA loads, programmatic
 dependent launch, K cut into ranges) within one bf16 rounding step, also replayed in a CUDA graph
-(the arrival counters set back); a bf16 engine's tokens with it and without it. The flash-attn
+(the arrival counters set back); the few-rows RMSNorm and SiLU-and-mul against the compiled torch
+path; a bf16 engine's tokens with all of them and without. The flash-attn
 backend's decode of a few sequences (the Triton kernel) against flash-attn's own."""
 
 import importlib.util
