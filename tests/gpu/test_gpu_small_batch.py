@@ -58,9 +58,11 @@ def test_few_rows_norm_and_activation_match_torch(rows, n):
     w = (1 + 0.1 * torch.randn(n, device="cuda", generator=g)).bfloat16()
     (got, got_sum), (want, want_sum) = few_rows.rms_norm(x, w, 1e-6, r), add_rms_norm(x, r, w, 1e-6)
     assert torch.equal(got_sum, want_sum)
-    assert within_rounding(got, want.float(), 2**-6)  # two bf16 steps: sums in another order
+    # two bf16 steps: the normalized value (a sum in another order) may round to the neighbouring
+    # step, and its product with the weight rounds again
+    assert within_rounding(got, want.float(), 2**-6)
     h = torch.randn(rows, 2 * n, device="cuda", generator=g).bfloat16()
-    # one step: the compiled torch path rounds silu(gate) * up once, this kernel as eager torch
+    # the compiled torch path rounds silu(gate) * up once, this kernel twice, as eager torch does
     assert within_rounding(few_rows.silu_and_mul(h), silu_and_mul(h).float(), 2**-6)
 
 
