@@ -14,8 +14,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "nanovllm")
 # 3,500 before hybrid models (state slots, registry rows, multimodal configs) and the scheduler
 # letting requests pass one that a processor holds back; one kv_layers for every "is it hybrid";
-# the norm, activation and LM head choosing the few-rows kernels at small batch on a GPU
-PLAIN_PATH_LINES = 3551
+# layers/small_batch.py, where the linears, norms, activation and LM head hand a few rows on a GPU
+# to their own kernels
+PLAIN_PATH_LINES = 3569
 FEATURES = (
     "nanovllm.features",
     "nanovllm.quantization",

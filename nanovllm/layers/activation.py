@@ -2,6 +2,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.layers import small_batch
 from nanovllm.utils.compile import compile_on_gpu
 
 
@@ -15,9 +16,8 @@ class SiluAndMul(nn.Module):
     """[gate | up] on the last dim -> SiLU(gate) * up."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and x.dim() == 2 and x.shape[0] <= 8:  # decode at small batch
+        if small_batch.takes(x):
             from nanovllm.layers import few_rows
 
-            if few_rows.ENABLED:
-                return few_rows.silu_and_mul(x)
+            return few_rows.silu_and_mul(x)
         return silu_and_mul(x)

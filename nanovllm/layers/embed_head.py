@@ -3,6 +3,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.layers import small_batch
 from nanovllm.parallel.distributed import all_reduce, get_tp_rank, get_tp_size
 from nanovllm.utils.context import get_context
 
@@ -46,7 +47,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         context = get_context()
         if context.is_prefill:
             x = x[context.cu_seqlens_q[1:] - 1].contiguous()
-        if x.is_cuda and x.shape[0] <= 8:  # decode at small batch: layers/rows_gemm.py
+        if small_batch.takes(x):
             from nanovllm.layers.rows_gemm import linear
 
             logits = linear(x, self.weight, None, out)

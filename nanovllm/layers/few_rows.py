@@ -7,11 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.layers import rows_gemm
 from nanovllm.utils.dependent_launch import launch_options, pdl, wait_for_inputs
-
-MAX_ROWS = 8  # as rows_gemm.MAX_ROWS: the decode steps whose linears it runs
-ENABLED = rows_gemm.ENABLED  # NANOVLLM_ROWS_GEMM=0 turns off every few-rows kernel
 
 
 @triton.jit

@@ -1,6 +1,7 @@
 import torch
 from torch import nn
 
+from nanovllm.layers import small_batch
 from nanovllm.utils.compile import compile_on_gpu
 
 
@@ -29,11 +30,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if x.is_cuda and x.dim() == 2 and x.shape[0] <= 8:  # decode at small batch
+        if small_batch.takes(x):
             from nanovllm.layers import few_rows
 
-            if few_rows.ENABLED:
-                return few_rows.rms_norm(x, self.weight, self.eps, residual)
+            return few_rows.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         return add_rms_norm(x, residual, self.weight, self.eps)

@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.layers import small_batch
 from nanovllm.parallel.distributed import all_reduce, get_tp_rank, get_tp_size
 
 
@@ -20,7 +21,7 @@ class LinearMethod:
         layer.weight.weight_loader = layer.weight_loader
 
     def apply(self, layer: "LinearBase", x: torch.Tensor, bias: torch.Tensor | None):
-        if x.is_cuda and x.shape[0] <= 8:  # decode at small batch: layers/rows_gemm.py
+        if small_batch.takes(x):
             from nanovllm.layers.rows_gemm import linear
 
             return linear(x, layer.weight, bias)

@@ -4,18 +4,15 @@ the ranges in its last program (no second kernel). cuBLAS's choices at one row l
 narrow weights (BENCHMARKS.md, "Decode at batch 1")."""
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from nanovllm.layers import small_batch
 from nanovllm.utils.dependent_launch import launch_options, pdl, prefetch_l2, wait_for_inputs
 
-MAX_ROWS = 8  # more rows go to cuBLAS (at 16 it is as fast or faster)
-# NANOVLLM_ROWS_GEMM=0: every linear calls F.linear (benchmarks compare the two)
-ENABLED = os.environ.get("NANOVLLM_ROWS_GEMM", "1") != "0"
 BLOCK_M, BLOCK_K = 16, 128  # rows padded to BLOCK_M for the tensor cores
 _BLOCK_M, _BLOCK_K = tl.constexpr(BLOCK_M), tl.constexpr(BLOCK_K)
 MAX_TILES = 4096  # output tiles a call may have (one arrival counter each)
@@ -111,11 +108,9 @@ def choose(n: int, k: int) -> tuple[int, int, int]:
 
 def linear(x, weight, bias=None, out: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` (into ``out`` if given, without a bias), by ``rows_linear`` where it takes the
-    call (MAX_ROWS rows of bf16/fp16)."""
+    call (``small_batch.takes`` rows of bf16/fp16)."""
     if (
-        ENABLED
-        and x.dim() == 2
-        and 0 < x.shape[0] <= MAX_ROWS
+        small_batch.takes(x)
         and x.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == x.dtype
         and x.stride(-1) == 1

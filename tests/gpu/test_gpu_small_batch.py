@@ -10,7 +10,6 @@ import importlib.util
 import pytest
 import torch
 
-from nanovllm.layers import rows_gemm
 from nanovllm.layers.rows_gemm import rows_linear
 
 pytestmark = pytest.mark.gpu  # skipped without a CUDA GPU (tests/conftest.py)
@@ -68,7 +67,7 @@ def test_few_rows_norm_and_activation_match_torch(rows, n):
 
 def test_engine_tokens_with_and_without_the_kernel(tmp_path, monkeypatch):
     from nanovllm import LLM, SamplingParams
-    from nanovllm.layers import few_rows
+    from nanovllm.layers import small_batch
     from nanovllm.utils.checkpoint import make_random_checkpoint
 
     shape = dict(hidden_size=256, intermediate_size=512, head_dim=128, num_hidden_layers=3)
@@ -77,8 +76,7 @@ def test_engine_tokens_with_and_without_the_kernel(tmp_path, monkeypatch):
     prompts = [[1 + i, 2 + i, 3 + i] * (i + 1) for i in range(4)]
     tokens = {}
     for enabled in (True, False):
-        monkeypatch.setattr(rows_gemm, "ENABLED", enabled)
-        monkeypatch.setattr(few_rows, "ENABLED", enabled)
+        monkeypatch.setattr(small_batch, "ENABLED", enabled)
         with LLM(path, max_model_len=256) as llm:
             out = llm.generate(prompts, params, use_tqdm=False)
         tokens[enabled] = [o.outputs[0].token_ids for o in out]
