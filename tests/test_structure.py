@@ -16,7 +16,7 @@ PACKAGE = os.path.join(ROOT, "nanovllm")
 # letting requests pass one that a processor holds back; one kv_layers for every "is it hybrid";
 # layers/small_batch.py, where the linears, norms, activation and LM head hand a few rows on a GPU
 # to their own kernels
-PLAIN_PATH_LINES = 3569
+PLAIN_PATH_LINES = 3571
 FEATURES = (
     "nanovllm.features",
     "nanovllm.quantization",

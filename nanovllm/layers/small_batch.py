@@ -12,5 +12,7 @@ ENABLED = os.environ.get("NANOVLLM_ROWS_GEMM", "1") != "0"
 
 
 def takes(x: torch.Tensor) -> bool:
-    """Whether ``x`` [rows, features] goes to the few-rows kernels."""
-    return ENABLED and x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS
+    """Whether ``x`` [rows, features] (features of unit stride) goes to the few-rows kernels."""
+    return (
+        ENABLED and x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.stride(1) == 1
+    )
