@@ -113,7 +113,6 @@ def linear(x, weight, bias=None, out: torch.Tensor | None = None) -> torch.Tenso
         small_batch.takes(x)
         and x.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == x.dtype
-        and x.stride(-1) == 1
         and weight.stride(-1) == 1
     ):
         return rows_linear(x, weight, bias, out=out)
