@@ -3,19 +3,18 @@ weight with TMA in narrow tiles, splits K where the weight is too narrow to fill
 the ranges in its last program (no second kernel). cuBLAS's choices at one row leave SMs idle on
 narrow weights (BENCHMARKS.md, "Decode at batch 1")."""
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from nanovllm.layers import small_batch
+from nanovllm.utils import split_k
 from nanovllm.utils.dependent_launch import launch_options, pdl, prefetch_l2, wait_for_inputs
+from nanovllm.utils.split_k import sum_ranges
 
 BLOCK_M, BLOCK_K = 16, 128  # rows padded to BLOCK_M for the tensor cores
 _BLOCK_M, _BLOCK_K = tl.constexpr(BLOCK_M), tl.constexpr(BLOCK_K)
-MAX_TILES = 4096  # output tiles a call may have (one arrival counter each)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -70,15 +69,11 @@ def _rows_gemm_kernel(
         _store(acc, bias_ptr, out_ptr, rm, rn, n_ok, mask, stride_om, HAS_BIAS)
     else:
         tile = rm[:, None] * N + rn[None, :]
-        tl.store(partial_ptr + split * M * N + tile, acc, mask=mask)
-        tl.debug_barrier()  # the whole range's sum is written before the count releases it
-        if tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel") == SPLIT_K - 1:
-            acc = tl.zeros((_BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s in range(SPLIT_K):  # from L2 (".cg"): other SMs wrote them
-                partial = partial_ptr + s * M * N + tile
-                acc += tl.load(partial, mask=mask, other=0.0, cache_modifier=".cg")
+        last, acc = sum_ranges(
+            acc, partial_ptr, counter_ptr + pid_n, tile, mask, split, M * N, SPLIT_K
+        )
+        if last:
             _store(acc, bias_ptr, out_ptr, rm, rn, n_ok, mask, stride_om, HAS_BIAS)
-            tl.atomic_xchg(counter_ptr + pid_n, 0)  # ready for the next call or graph replay
 
 
 @triton.jit
@@ -87,11 +82,6 @@ def _store(acc, bias_ptr, out_ptr, rm, rn, n_ok, mask, stride_om, HAS_BIAS: tl.c
         acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     out = acc.to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], out, mask=mask)
-
-
-@functools.cache
-def _counters(device: torch.device) -> torch.Tensor:
-    return torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
 
 
 def choose(n: int, k: int) -> tuple[int, int, int]:
@@ -145,7 +135,7 @@ def rows_linear(
     auto = choose(n, k)
     block_n, splits, num_stages = block_n or auto[0], splits or auto[1], num_stages or auto[2]
     tiles = triton.cdiv(n, block_n)
-    if splits > 1 and tiles > MAX_TILES:
+    if splits > 1 and tiles > split_k.MAX_TILES:
         splits = 1
     partials = (
         torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else out
@@ -168,7 +158,7 @@ def rows_linear(
         bias if bias is not None else out,
         out,
         partials,
-        _counters(x.device),
+        split_k.counters(x.device),
         m,
         n,
         k,

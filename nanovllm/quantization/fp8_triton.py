@@ -13,6 +13,7 @@ from nanovllm.quantization import fp8_cublas
 from nanovllm.quantization.fp8_rows import quantize_rows
 from nanovllm.quantization.fp8_types import BLOCK, QuantizedRows
 from nanovllm.utils.dependent_launch import launch_options, pdl, prefetch_l2, wait_for_inputs
+from nanovllm.utils.split_k import MAX_TILES, counters, sum_ranges
 
 _BLOCK_K = tl.constexpr(BLOCK)
 PRECISE = False  # the default of fp8_linear_triton's ``precise`` (tests comparing exactly set it)
@@ -106,21 +107,13 @@ def _fp8_gemm_kernel(
         _store_tile(acc, bias_ptr, out_ptr, rm, rn, m_ok, n_ok, stride_om, HAS_BIAS)
     else:
         mask = m_ok[:, None] & n_ok[None, :]
-        tile_offsets = rm[:, None] * N + rn[None, :]
-        tl.store(partial_ptr + tl.program_id(1) * M * N + tile_offsets, acc, mask=mask)
-        tl.debug_barrier()  # the whole sum is written before the count releases it
-        if tl.atomic_add(counter_ptr + pid, 1, sem="acq_rel") == SPLIT_K - 1:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            # from L2: other SMs wrote these (".cg" skips this SM's L1)
-            for split in range(SPLIT_K):
-                acc += tl.load(
-                    partial_ptr + split * M * N + tile_offsets,
-                    mask=mask,
-                    other=0.0,
-                    cache_modifier=".cg",
-                )
+        tile = rm[:, None] * N + rn[None, :]
+        split = tl.program_id(1)
+        last, acc = sum_ranges(
+            acc, partial_ptr, counter_ptr + pid, tile, mask, split, M * N, SPLIT_K
+        )
+        if last:
             _store_tile(acc, bias_ptr, out_ptr, rm, rn, m_ok, n_ok, stride_om, HAS_BIAS)
-            tl.atomic_xchg(counter_ptr + pid, 0)  # ready for the next call or graph replay
 
 
 @triton.jit
@@ -147,14 +140,6 @@ def _sm_count(device: torch.device) -> int:
         if device.type == "cuda"
         else 1
     )
-
-
-MAX_SPLIT_TILES = 4096  # tiles a split-K call may have (one counter each)
-
-
-@functools.cache
-def _split_counters(device: torch.device) -> torch.Tensor:
-    return torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
 
 
 def tile(num_tokens: int) -> GemmTile:
@@ -225,11 +210,9 @@ def fp8_linear_triton(
         t = gemm_tile or tile(m)
         tiles = triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n)
         splits = (
-            (splits or split_k(m, k, tiles, _sm_count(weight.device)))
-            if tiles <= MAX_SPLIT_TILES
-            else 1
+            (splits or split_k(m, k, tiles, _sm_count(weight.device))) if tiles <= MAX_TILES else 1
         )
-        counters = _split_counters(weight.device)
+        arrivals = counters(weight.device)
         partials = (
             torch.empty(splits, m, n, dtype=torch.float32, device=weight.device)
             if splits > 1
@@ -255,7 +238,7 @@ def fp8_linear_triton(
             bias if bias is not None else out,
             out,
             partials,
-            counters,
+            arrivals,
             m,
             n,
             k,

@@ -213,7 +213,8 @@ class TritonAttentionBackend(AttentionBackend):
             )
             counters = _split_counters(q.device)
             if rows * num_kv_heads > counters.numel():
-                raise ValueError(f"{rows} x {num_kv_heads} split decode programs: too many")
+                msg = f"a split decode of {rows} rows x {num_kv_heads} KV heads needs more than"
+                raise ValueError(f"{msg} the {counters.numel()} arrival counters")
         _decode_kernel[(rows, num_kv_heads, num_splits)](
             q,
             out,
