@@ -13,11 +13,10 @@ few-rows linear on the bf16 weight. Each FP8 variant is first checked against th
 """
 
 import argparse
-import itertools
 
 import torch
 import torch.nn.functional as F
-from bench_rows_gemm import graph_time, weights
+from bench_rows_gemm import graph_time, sweep, weights
 
 from nanovllm.layers.rows_gemm import rows_linear
 from nanovllm.quantization.fp8 import fp8_linear, quantize_weight_blocks
@@ -79,25 +78,15 @@ def main() -> None:
             )
         if args.sweep:
             x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-            rows, results = quantized(x), []
-            for block_n, splits, stages in itertools.product(
-                (32, 64, 128), (1, 2, 4, 8, 16), (3, 4, 6)
-            ):
-                if -(-k // 128) < splits:
-                    continue
+            rows = quantized(x)
+
+            def time_tile(block_n, splits, stages):
                 kw = dict(gemm_tile=GemmTile(16, block_n, 4, stages), splits=splits)
-                try:
-                    check(rows, x, *fp8[0], f"{name} {block_n}/{splits}/{stages}", **kw)
-                    t = graph_time(
-                        lambda i: fp8_linear_triton(rows, *fp8[i], cublas=False, **kw), len(fp8)
-                    )
-                except Exception as e:  # out of shared memory, say
-                    print(f"  {name} {block_n}/{splits}/{stages}: {type(e).__name__}")
-                    continue
-                results.append((t, block_n, splits, stages))
-            results.sort()
-            best = ", ".join(f"{b}/{s}/{st}: {t * 1e6:.1f}" for t, b, s, st in results[:4])
-            print(f"  sweep {name} (block_n/splits/stages: us): {best}", flush=True)
+                check(rows, x, *fp8[0], f"{name} {block_n}/{splits}/{stages}", **kw)
+                call = lambda i: fp8_linear_triton(rows, *fp8[i], cublas=False, **kw)  # noqa: E731
+                return graph_time(call, len(fp8))
+
+            sweep(name, k, time_tile)
         fp8.clear()
         bf16.clear()
 

@@ -69,6 +69,21 @@ def check(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
         raise SystemExit(f"{what}: differs from F.linear by {err}")
 
 
+def sweep(name: str, k: int, time_tile) -> None:
+    """Prints the four fastest (block_n, splits, stages) of ``time_tile`` (seconds per call)."""
+    results = []
+    for block_n, splits, stages in itertools.product((32, 64, 128), (1, 2, 4, 8, 16), (3, 4, 6)):
+        if -(-k // 128) < splits:
+            continue
+        try:
+            results.append((time_tile(block_n, splits, stages), block_n, splits, stages))
+        except Exception as e:  # out of shared memory, say
+            print(f"  {name} {block_n}/{splits}/{stages}: {type(e).__name__}")
+    results.sort()
+    best = ", ".join(f"{b}/{s}/{st}: {t * 1e6:.1f}" for t, b, s, st in results[:4])
+    print(f"  sweep {name} (block_n/splits/stages: us): {best}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true")
@@ -92,23 +107,13 @@ def main() -> None:
             )
         if args.sweep:
             x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-            results = []
-            for block_n, splits, stages in itertools.product(
-                (32, 64, 128), (1, 2, 4, 8, 16), (3, 4, 6)
-            ):
-                if -(-k // 128) < splits:
-                    continue
+
+            def time_tile(block_n, splits, stages):
                 kw = dict(block_n=block_n, splits=splits, num_stages=stages)
-                try:
-                    check(rows_linear(x, ws[0], **kw), F.linear(x, ws[0]), f"{name} {kw}")
-                    t = graph_time(lambda i: rows_linear(x, ws[i], **kw), len(ws))
-                except Exception as e:  # out of shared memory, say
-                    print(f"  {name} {kw}: {type(e).__name__}")
-                    continue
-                results.append((t, block_n, splits, stages))
-            results.sort()
-            best = ", ".join(f"{b}/{s}/{st}: {t * 1e6:.1f}" for t, b, s, st in results[:4])
-            print(f"  sweep {name} (block_n/splits/stages: us): {best}", flush=True)
+                check(rows_linear(x, ws[0], **kw), F.linear(x, ws[0]), f"{name} {kw}")
+                return graph_time(lambda i: rows_linear(x, ws[i], **kw), len(ws))
+
+            sweep(name, k, time_tile)
         ws.clear()  # free the copies before the next shape
 
 
