@@ -56,6 +56,7 @@ def check(rows: QuantizedRows, x: torch.Tensor, wq, ws, what: str, **kw) -> None
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--top", type=int, default=4, help="how many of the sweep to print")
     parser.add_argument("--rows", default="1,2,4,8,16")  # the few-rows linear takes up to 16
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -86,7 +87,7 @@ def main() -> None:
                 call = lambda i: fp8_linear_triton(rows, *fp8[i], cublas=False, **kw)  # noqa: E731
                 return graph_time(call, len(fp8))
 
-            sweep(name, k, time_tile)
+            sweep(name, k, time_tile, args.top)
         fp8.clear()
         bf16.clear()
 

@@ -69,8 +69,8 @@ def check(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
         raise SystemExit(f"{what}: differs from F.linear by {err}")
 
 
-def sweep(name: str, k: int, time_tile) -> None:
-    """Prints the four fastest (block_n, splits, stages) of ``time_tile`` (seconds per call)."""
+def sweep(name: str, k: int, time_tile, top: int = 4) -> None:
+    """Prints the ``top`` fastest (block_n, splits, stages) of ``time_tile`` (seconds per call)."""
     results = []
     for block_n, splits, stages in itertools.product((32, 64, 128), (1, 2, 4, 8, 16), (3, 4, 6)):
         if -(-k // 128) < splits:
@@ -80,13 +80,14 @@ def sweep(name: str, k: int, time_tile) -> None:
         except Exception as e:  # out of shared memory, say
             print(f"  {name} {block_n}/{splits}/{stages}: {type(e).__name__}")
     results.sort()
-    best = ", ".join(f"{b}/{s}/{st}: {t * 1e6:.1f}" for t, b, s, st in results[:4])
+    best = ", ".join(f"{b}/{s}/{st}: {t * 1e6:.1f}" for t, b, s, st in results[:top])
     print(f"  sweep {name} (block_n/splits/stages: us): {best}", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--top", type=int, default=4, help="how many of the sweep to print")
     parser.add_argument("--rows", default="1,2,4,8,16")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -113,7 +114,7 @@ def main() -> None:
                 check(rows_linear(x, ws[0], **kw), F.linear(x, ws[0]), f"{name} {kw}")
                 return graph_time(lambda i: rows_linear(x, ws[i], **kw), len(ws))
 
-            sweep(name, k, time_tile)
+            sweep(name, k, time_tile, args.top)
         ws.clear()  # free the copies before the next shape
 
 
