@@ -143,7 +143,7 @@ def _sm_count(device: torch.device) -> int:
 
 
 def tile(num_tokens: int) -> GemmTile:
-    if num_tokens <= 16:  # 4 stages, not 6: 1-2 us less at one row (BENCHMARKS.md, batch 1)
+    if num_tokens <= 16:  # 4 stages, not 6: up to 1.4 us less at one row (BENCHMARKS.md)
         return GemmTile(16, 64, 4, 4)
     if num_tokens <= 32:
         return GemmTile(32, 64, 4, 5)
