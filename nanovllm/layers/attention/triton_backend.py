@@ -57,6 +57,9 @@ def _check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor)
         raise ValueError("q must have contiguous rows (stride 1 in head_dim)")
 
 
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension (decode: the rows)
+
+
 def _fp8_args(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -202,6 +205,9 @@ class TritonAttentionBackend(AttentionBackend):
             num_seqs * num_kv_heads, width * block_size, tile.block_n, q.device
         )
         rows = m_out if quantize else num_seqs  # the program writing a row runs for padding too
+        if rows > MAX_GRID_Y:
+            msg = f"a decode of {rows} rows needs more than a launch grid's {MAX_GRID_Y}"
+            raise ValueError(f"{msg}; lower max_num_seqs")
         if num_splits == 1:
             part_acc = part_ml = counters = out  # unused
         else:
@@ -215,7 +221,7 @@ class TritonAttentionBackend(AttentionBackend):
             if rows * num_kv_heads > counters.numel():
                 msg = f"a split decode of {rows} rows x {num_kv_heads} KV heads needs more than"
                 raise ValueError(f"{msg} the {counters.numel()} arrival counters")
-        _decode_kernel[(rows, num_kv_heads, num_splits)](
+        _decode_kernel[(num_kv_heads, rows, num_splits)](
             q,
             out,
             part_acc,

@@ -102,12 +102,13 @@ def _decode_kernel(
     WARP_SPECIALIZE: tl.constexpr,
 ):
     """The GROUP query heads of one KV head over one split of one sequence's keys; grid
-    (num_seqs or m_out, num_kv_heads, NUM_SPLITS). Rows past num_seqs read nothing: zeros. Split,
-    each program leaves its partial sums, and the last of a (sequence, KV head) to arrive merges
-    them and sets its counter back to 0."""
+    (num_kv_heads, num_seqs or m_out, NUM_SPLITS): programs launched together read neighbouring
+    rows of the same tokens. Rows past num_seqs read nothing: zeros. Split, each program leaves its
+    partial sums, and the last of a (sequence, KV head) to arrive merges them and sets its counter
+    back to 0."""
     wait_for_inputs(PDL)
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(0)
+    seq = tl.program_id(1)
     split = tl.program_id(2)
     real_seq = tl.minimum(seq, num_seqs - 1)  # a padding row reads a real row's q, and no key
     context_len = tl.where(seq < num_seqs, tl.load(context_lens_ptr + real_seq), 0)
@@ -170,7 +171,7 @@ def _decode_kernel(
         # part_acc: [rows, NUM_HEADS, NUM_SPLITS, HEAD_DIM]; part_ml: [2, rows, NUM_HEADS,
         # NUM_SPLITS], rows = the grid's
         first = (seq * NUM_HEADS + heads).to(tl.int64) * NUM_SPLITS
-        l_offset = tl.num_programs(0) * NUM_HEADS * NUM_SPLITS
+        l_offset = tl.num_programs(1) * NUM_HEADS * NUM_SPLITS
         part = first + split
         tl.store(
             part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None]
@@ -178,7 +179,7 @@ def _decode_kernel(
         tl.store(part_ml_ptr + part, m_i, mask=g_mask)
         tl.store(part_ml_ptr + l_offset + part, l_i, mask=g_mask)
         tl.debug_barrier()  # every partial sum is written before the count releases them
-        counter = counter_ptr + seq * tl.num_programs(1) + kv_head
+        counter = counter_ptr + seq * tl.num_programs(0) + kv_head
         last = tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1
     if last:
         if NUM_SPLITS > 1:

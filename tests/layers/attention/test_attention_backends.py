@@ -363,6 +363,22 @@ def test_triton_rejects_bad_split_count():
         TritonAttentionBackend(num_splits=3)
 
 
+def test_triton_decode_rejects_more_rows_than_a_grid_holds():
+    """The decode grid's second dimension is the rows (CUDA allows 65535): a clear error, no
+    launch."""
+    from nanovllm.layers.attention.triton_backend import MAX_GRID_Y, TritonAttentionBackend
+
+    rows = MAX_GRID_Y + 1
+    q = torch.zeros(rows, 2, 16)
+    cache = torch.zeros(1, 16, 1, 16)
+    context = Context(
+        context_lens=torch.zeros(rows, dtype=torch.int32),
+        block_tables=torch.zeros(rows, 1, dtype=torch.int32),
+    )
+    with pytest.raises(ValueError, match=f"{rows} rows.*{MAX_GRID_Y}.*max_num_seqs"):
+        TritonAttentionBackend(num_splits=1).decode(q, cache, cache, context, 1.0)
+
+
 H100_SHARED_MEMORY = 232448  # bytes per block, also the H200's
 
 
