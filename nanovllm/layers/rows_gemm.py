@@ -9,9 +9,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from nanovllm.layers import small_batch
-from nanovllm.utils import split_k
 from nanovllm.utils.dependent_launch import launch_options, pdl, prefetch_l2, wait_for_inputs
-from nanovllm.utils.split_k import sum_ranges
+from nanovllm.utils.split_k import MAX_TILES, counters, sum_ranges
 
 BLOCK_M, BLOCK_K = 16, 128  # rows padded to BLOCK_M for the tensor cores
 _BLOCK_M, _BLOCK_K = tl.constexpr(BLOCK_M), tl.constexpr(BLOCK_K)
@@ -135,7 +134,7 @@ def rows_linear(
     auto = choose(n, k)
     block_n, splits, num_stages = block_n or auto[0], splits or auto[1], num_stages or auto[2]
     tiles = triton.cdiv(n, block_n)
-    if splits > 1 and tiles > split_k.MAX_TILES:
+    if splits > 1 and tiles > MAX_TILES:
         splits = 1
     partials = (
         torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else out
@@ -158,7 +157,7 @@ def rows_linear(
         bias if bias is not None else out,
         out,
         partials,
-        split_k.counters(x.device),
+        counters(x.device),
         m,
         n,
         k,
