@@ -5,7 +5,8 @@ weights of a named shape, drawn on the device; CUDA graphs unless --enforce-eage
     python benchmarks/bench_latency.py --random qwen3-0.6b
     python benchmarks/bench_latency.py --random qwen3.5-9b --repeats 5 --steps 256
     python benchmarks/bench_latency.py --random qwen3-8b --profile   # GPU time per kernel
-        # category of one long call (its prefill included), and the GPU idle share
+        # category of one long call (its prefill included), the GPU idle share, and what each
+        # kernel of a decode step adds to its time (bench_step.py)
 """
 
 import argparse
@@ -73,11 +74,28 @@ def main(argv=None) -> None:
                 short, long = seconds(1), seconds(args.steps + 1)
                 ms.append((long - short) / args.steps * 1e3)
             if args.profile:
-                from benchmarks.bench_profile import GpuProfiler, format_notes, format_table
+                from benchmarks.bench_profile import (
+                    GpuProfiler,
+                    category,
+                    device_events,
+                    format_notes,
+                    format_table,
+                )
+                from benchmarks.bench_step import (
+                    added_by_label,
+                    added_times,
+                    format_positions,
+                    position_medians,
+                    split_steps,
+                )
 
                 with GpuProfiler() as profiler:
                     wall = seconds(args.steps + 1)
                 summary = profiler.summary(wall)
+                raw = profiler.raw_events()
+                rows = added_times(device_events(raw, torch.cuda.current_device()))
+                steps = split_steps(rows, lambda name: category(name) == "sampler")
+                positions, num_steps = position_medians(steps)
     spread = f"{min(ms):.3f}-{max(ms):.3f}"
     print(
         f"{args.random} decode at batch 1: {statistics.median(ms):.3f} ms/step "
@@ -87,6 +105,12 @@ def main(argv=None) -> None:
         print(f"GPU time by kernel category, one call of {args.steps + 1} tokens ({wall:.3f} s):")
         print(format_table(summary))
         print(format_notes(summary, profiler.window))
+        print(format_positions(positions, num_steps))
+        by_category = added_by_label(positions, category)
+        print(
+            "added per step by category: "
+            + ", ".join(f"{label} {seconds * 1e6:.1f} us" for label, seconds in by_category.items())
+        )
 
 
 if __name__ == "__main__":

@@ -43,9 +43,9 @@ CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
     # its name contains theirs)
     ("collectives", ("nccl", "_one_shot")),
     # torch.compile'd RMSNorm and SiLU-and-mul (Inductor's Triton kernels; with FP8 weights our
-    # kernels that also quantize for the next linear); the fused QK-norm, RoPE and KV-cache store of
-    # the new tokens (attention.kv_store.rope_and_store: the only KV store on the GPU, so there is
-    # no category of its own)
+    # kernels that also quantize for the next linear; at a few rows those of layers/few_rows.py);
+    # the fused QK-norm, RoPE and KV-cache store of the new tokens
+    # (attention.kv_store.rope_and_store: the only KV store on the GPU, so no category of its own)
     (
         "norms / rotary / activation",
         (
@@ -55,7 +55,8 @@ CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
             "_rope_store",
             "_rms_norm_quant_kernel",
             "_silu_mul_quant_kernel",
-            "_add_rms_norm_kernel",
+            "_rms_norm_kernel",  # also _add_rms_norm_kernel
+            "_silu_mul_kernel",
         ),
     ),
     # the fused Gumbel-max draw (its chunks, then the best of them); greedy argmax;
@@ -349,9 +350,12 @@ class GpuProfiler:
         if self.trace_path and exc[0] is None:
             self._prof.export_chrome_trace(self.trace_path)
 
+    def raw_events(self):
+        """The profiler's records, for ``device_events``."""
+        return self._prof.profiler.kineto_results.events()
+
     def summary(self, wall: float) -> GpuProfile:
         """The profiled region's kernels summarised against its measured ``wall`` seconds."""
         import torch
 
-        raw = self._prof.profiler.kineto_results.events()
-        return summarize(device_events(raw, torch.cuda.current_device()), wall)
+        return summarize(device_events(self.raw_events(), torch.cuda.current_device()), wall)

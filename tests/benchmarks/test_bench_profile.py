@@ -92,6 +92,8 @@ FLASH_PREFILL = (
         ("_one_shot_kernel", "collectives"),
         ("_one_shot_add_rms_norm_kernel", "collectives"),
         ("_add_rms_norm_kernel", "norms / rotary / activation"),
+        ("_rms_norm_kernel", "norms / rotary / activation"),  # layers/few_rows.py
+        ("_silu_mul_kernel", "norms / rotary / activation"),
         (
             "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, "
             "at::native::ArgMaxOps<float>, unsigned int, long, 4> >(...)",
