@@ -13,7 +13,7 @@ CHOICES = {
 }
 INTS = {  # name: (lowest, highest)
     "max_num_batched_tokens": (1, None),
-    "max_num_seqs": (1, None),
+    "max_num_seqs": (1, 65535),  # a decode's rows are a CUDA grid's second dimension
     "max_model_len": (2, None),
     "tensor_parallel_size": (1, 8),
     "data_parallel_size": (1, None),

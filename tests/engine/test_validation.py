@@ -59,6 +59,7 @@ def test_unknown_keyword_is_a_type_error(ckpt_tied):
         ("max_num_batched_tokens", 0, ValueError),
         ("max_num_batched_tokens", 1.5, TypeError),
         ("max_num_seqs", 0, ValueError),
+        ("max_num_seqs", 65536, ValueError),  # past the Triton decode grid's rows
         ("max_model_len", 0, ValueError),
         ("max_model_len", -5, ValueError),
         ("max_model_len", "4096", TypeError),
