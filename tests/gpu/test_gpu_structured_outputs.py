@@ -47,7 +47,10 @@ def in_language(so: StructuredOutputsParams, text: str) -> bool:
 def test_constrained_completions_under_cuda_graphs(tmp_path, tp):
     if torch.cuda.device_count() < tp:
         pytest.skip(f"needs {tp} GPUs")
-    path = make_random_checkpoint(str(tmp_path / "qwen3"), dtype=torch.bfloat16, seed=3, std=0.3)
+    # head_dim 128: the only one a minimal flash-attn build has, which "auto" picks where present
+    path = make_random_checkpoint(
+        str(tmp_path / "qwen3"), dtype=torch.bfloat16, seed=3, std=0.3, head_dim=128
+    )
     tokenizer = AutoTokenizer.from_pretrained(path)
     params = [
         SamplingParams(temperature=1.0, max_tokens=64, seed=i, structured_outputs=SPECS[i % 3])
