@@ -15,8 +15,9 @@ PACKAGE = os.path.join(ROOT, "nanovllm")
 # 3,500 before hybrid models (state slots, registry rows, multimodal configs) and the scheduler
 # letting requests pass one that a processor holds back; one kv_layers for every "is it hybrid";
 # layers/small_batch.py, where the linears, norms, activation and LM head hand a few rows on a GPU
-# to their own kernels
-PLAIN_PATH_LINES = 3571
+# to their own kernels; the flag by which o_proj and down_proj leave a split few-rows GEMM's ranges
+# to the norm behind
+PLAIN_PATH_LINES = 3580
 FEATURES = (
     "nanovllm.features",
     "nanovllm.quantization",

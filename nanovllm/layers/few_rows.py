@@ -7,6 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.layers.rows_gemm import RangeSums
 from nanovllm.utils.dependent_launch import launch_options, pdl, wait_for_inputs
 
 
@@ -20,18 +21,27 @@ def _rms_norm_kernel(
     eps,
     stride_x,
     stride_r,
+    stride_part,
     N: tl.constexpr,
     N_PAD: tl.constexpr,
+    PARTS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """One row: ``sum = x + residual`` (stored), then ``w * norm(sum)``."""
+    """One row: ``sum = x + residual`` (stored), then ``w * norm(sum)``; with PARTS, x is that
+    many float32 parts ``stride_part`` apart, added in order and rounded first."""
     wait_for_inputs(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, N_PAD)
     mask = cols < N
     dtype = out_ptr.dtype.element_ty
-    h = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if PARTS:
+        h = tl.zeros([N_PAD], tl.float32)
+        for s in tl.static_range(PARTS):
+            h += tl.load(x_ptr + s * stride_part + row * stride_x + cols, mask=mask, other=0.0)
+        h = h.to(dtype)
+    else:
+        h = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
         h = (h.to(tl.float32) + r.to(tl.float32)).to(dtype)
@@ -59,12 +69,19 @@ def _silu_mul_kernel(x_ptr, out_ptr, stride_x, N, BLOCK: tl.constexpr, PDL: tl.c
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor | RangeSums,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
 ):
-    """``layernorm.rms_norm`` (``add_rms_norm`` with a residual: the pair it returns)."""
-    rows, n = x.shape
-    out = torch.empty_like(x)
-    total = torch.empty_like(x) if residual is not None else out
+    """``layernorm.rms_norm`` (``add_rms_norm`` with a residual: the pair it returns); x may be a
+    split GEMM's ranges, added up here as the GEMM would have."""
+    parts, dtype = 0, x.dtype
+    if isinstance(x, RangeSums):  # [splits, rows, n] float32
+        x, parts = x.parts, x.parts.shape[0]
+    rows, n = x.shape[-2:]
+    out = torch.empty(rows, n, dtype=dtype, device=x.device)
+    total = torch.empty_like(out) if residual is not None else out
     _rms_norm_kernel[(rows,)](
         x,
         residual if residual is not None else x,
@@ -72,10 +89,12 @@ def rms_norm(
         out,
         total,
         eps,
-        x.stride(0),
+        x.stride(-2),
         residual.stride(0) if residual is not None else 0,
+        x.stride(0) if parts else 0,
         N=n,
         N_PAD=triton.next_power_of_2(n),
+        PARTS=parts,
         HAS_RESIDUAL=residual is not None,
         PDL=pdl(x.device),
         num_warps=4 if n <= 4096 else 8,

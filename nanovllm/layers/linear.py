@@ -24,7 +24,7 @@ class LinearMethod:
         if small_batch.takes(x):
             from nanovllm.layers.rows_gemm import linear
 
-            return linear(x, layer.weight, bias)
+            return linear(x, layer.weight, bias, leave_ranges=layer.leaves_ranges)
         return F.linear(x, layer.weight, bias)
 
     def missing(self, layer: "LinearBase") -> list[str]:  # unloaded after load_model
@@ -33,6 +33,8 @@ class LinearMethod:
 
 class LinearBase(nn.Module):
     """``tp_dim``: the weight dimension split across ranks (0: output, 1: input, None: none)."""
+
+    leaves_ranges = False  # True where an RMSNorm reads the output (rows_gemm.RangeSums)
 
     def __init__(self, input_size, output_size, bias: bool, tp_dim: int | None, quant_method=None):
         super().__init__()

@@ -3,6 +3,8 @@ weight with TMA in narrow tiles, splits K where the weight is too narrow to fill
 the ranges in its last program (no second kernel). cuBLAS's choices at one row leave SMs idle on
 narrow weights (BENCHMARKS.md, "Decode at batch 1")."""
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -14,6 +16,14 @@ from nanovllm.utils.split_k import MAX_TILES, counters, sum_ranges
 
 BLOCK_M, BLOCK_K = 16, 128  # rows padded to BLOCK_M for the tensor cores
 _BLOCK_M, _BLOCK_K = tl.constexpr(BLOCK_M), tl.constexpr(BLOCK_K)
+
+
+class RangeSums(NamedTuple):
+    """A split call's output left for the norm behind it to add up: ``parts [splits, rows, N]``
+    float32, summed in order and rounded to ``dtype`` (what the call would have stored)."""
+
+    parts: torch.Tensor
+    dtype: torch.dtype
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -36,11 +46,13 @@ def _rows_gemm_kernel(
     DOT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    LEAVE_RANGES: tl.constexpr,
     PDL: tl.constexpr,
     PREFETCH: tl.constexpr,
 ):
     """Program (n tile, k range); with SPLIT_K > 1 a tile's last program to arrive adds the
-    ranges' float32 sums in order and sets its counter back to 0."""
+    ranges' float32 sums in order and sets its counter back to 0, or, with LEAVE_RANGES, each
+    program stores its range's sum for the kernel behind to add."""
     pid_n, split = tl.program_id(0), tl.program_id(1)
     rm = tl.arange(0, _BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -64,10 +76,12 @@ def _rows_gemm_kernel(
             w = tl.load(w_src + rn[:, None] * stride_wn + k[None, :], mask=w_mask, other=0.0)
         acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
     mask = (rm < M)[:, None] & n_ok[None, :]
+    tile = rm[:, None] * N + rn[None, :]
     if SPLIT_K == 1:
         _store(acc, bias_ptr, out_ptr, rm, rn, n_ok, mask, stride_om, HAS_BIAS)
+    elif LEAVE_RANGES:
+        tl.store(partial_ptr + split * M * N + tile, acc, mask=mask)
     else:
-        tile = rm[:, None] * N + rn[None, :]
         last, acc = sum_ranges(
             acc, partial_ptr, counter_ptr + pid_n, tile, mask, split, M * N, SPLIT_K
         )
@@ -95,16 +109,16 @@ def choose(n: int, k: int) -> tuple[int, int, int]:
     return block_n, splits, stages
 
 
-def linear(x, weight, bias=None, out: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x, weight, bias=None, out: torch.Tensor | None = None, leave_ranges: bool = False):
     """``F.linear`` (into ``out`` if given, without a bias), by ``rows_linear`` where it takes the
-    call (``small_batch.takes`` rows of bf16/fp16)."""
+    call (``small_batch.takes`` rows of bf16/fp16); ``leave_ranges``: see ``rows_linear``."""
     if (
         small_batch.takes(x)
         and x.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == x.dtype
         and weight.stride(-1) == 1
     ):
-        return rows_linear(x, weight, bias, out=out)
+        return rows_linear(x, weight, bias, out=out, leave_ranges=leave_ranges)
     if out is not None:
         return torch.mm(x, weight.t(), out=out)
     return torch.nn.functional.linear(x, weight, bias)
@@ -118,15 +132,19 @@ def rows_linear(
     splits: int | None = None,
     num_stages: int | None = None,
     out: torch.Tensor | None = None,
-) -> torch.Tensor:
+    leave_ranges: bool = False,
+) -> torch.Tensor | RangeSums:
     """``x [M <= 16, K] @ weight [N, K].T (+ bias)``, into ``out`` if given (rows of unit
-    stride); ``block_n``, ``splits`` and ``num_stages`` override ``choose``."""
+    stride); ``block_n``, ``splits`` and ``num_stages`` override ``choose``. ``leave_ranges``
+    (no bias, no ``out``): a call that splits K returns its ranges' sums unsummed
+    (``RangeSums``), for the norm behind to add."""
     (m, k), n = x.shape, weight.shape[0]
     if m > 16 or weight.shape[1] != k or x.stride(-1) != 1 or weight.stride(-1) != 1:
         raise ValueError(
             "rows_linear takes x [M <= 16, K] and weight [N, K], both with contiguous rows; "
             f"got {tuple(x.shape)} and {tuple(weight.shape)}"
         )
+    given = out is not None
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
@@ -139,6 +157,7 @@ def rows_linear(
     partials = (
         torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else out
     )
+    leave_ranges = leave_ranges and splits > 1 and bias is None and not given
     tma = (  # Hopper or newer, 16-byte aligned rows, a box no larger than the weight
         x.is_cuda
         and torch.cuda.get_device_capability(x.device) >= (9, 0)
@@ -169,10 +188,11 @@ def rows_linear(
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_N=block_n,
         SPLIT_K=splits,
+        LEAVE_RANGES=leave_ranges,
         PDL=dependent,
         PREFETCH=dependent and tma and k % BLOCK_K == 0 and k >= 2 * BLOCK_K,
         num_warps=4,
         num_stages=num_stages,
         **launch_options(x.device),
     )
-    return out
+    return RangeSums(partials, x.dtype) if leave_ranges else out

@@ -53,6 +53,7 @@ def wrap_model(model: nn.Module, max_loras: int, max_rank: int, batch: AdapterBa
                 b = torch.zeros(max_loras, n_out, width, **kind)
                 layer.register_buffer("lora_b", b, persistent=False)
                 layer.quant_method = LoRAMethod(layer.quant_method, batch)
+                layer.leaves_ranges = False  # the adapters' products are added to its output
                 layers[(i, name)] = layer
     return layers
 

@@ -135,7 +135,8 @@ class LlamaForCausalLM(nn.Module):
         qkv_bias, o_bias = self.attention_biases(config)
         # under tensor parallelism each row-parallel output is summed by the norm behind it
         # (parallel/reduce_norm.py), unless a bias must be added after the sum
-        defer = get_tp_size() > 1 and not (o_bias or getattr(config, "mlp_bias", False))
+        mlp_bias = getattr(config, "mlp_bias", False)
+        defer = get_tp_size() > 1 and not (o_bias or mlp_bias)
         layers = [
             DecoderLayer(
                 config,
@@ -147,6 +148,11 @@ class LlamaForCausalLM(nn.Module):
             for i in range(config.num_hidden_layers)
         ]
         self.model = DecoderModel(config, layers, defer)
+        if get_tp_size() == 1 and quant_config is None and not (o_bias or mlp_bias):
+            for layer in layers:  # the norm behind adds up a split few-rows GEMM's K ranges
+                layer.self_attn.o_proj.leaves_ranges = True
+                if isinstance(layer.mlp, GatedMLP):
+                    layer.mlp.down_proj.leaves_ranges = True
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -1,7 +1,9 @@
 """The few-rows linear kernel (``layers/rows_gemm.py``) against torch under the Triton interpreter
 (one subprocess: this file run as a script): one row and sixteen, N and K that are not multiples of
 the tiles, a bias, K cut into ranges (uneven and empty ones; each case runs twice, so the arrival
-counters must have been set back), float32, bf16 and fp16.
+counters must have been set back), float32, bf16 and fp16; a split call asked to leave its
+ranges to the norm behind (``leave_ranges``) hands parts that add up, in order, to the very output
+the kernel stores.
 
 Float32 differs from the float64 product only by the order of the sums (a few ulps of the sums'
 magnitude); bf16/fp16 results by one rounding step of the result (the products are exact in
@@ -21,8 +23,8 @@ from triton_interpreter import (
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 
 
-def check(m: int, n: int, k: int, dtype=F32, bias=False, into=False, **choice) -> dict:
-    from nanovllm.layers.rows_gemm import rows_linear
+def check(m: int, n: int, k: int, dtype=F32, bias=False, into=False, ranges=False, **choice):
+    from nanovllm.layers.rows_gemm import RangeSums, rows_linear
 
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(m, k, generator=g).to(dtype)
@@ -33,7 +35,15 @@ def check(m: int, n: int, k: int, dtype=F32, bias=False, into=False, **choice) -
     out = buffer[:, :n] if into else None
     got = rows_linear(x, w, b, out=out, **choice)
     again = rows_linear(x, w, b, **choice)
+    given = torch.empty(m, n, dtype=dtype) if into else None
+    left, total = rows_linear(x, w, b, out=given, leave_ranges=ranges, **choice), None
+    if isinstance(left, RangeSums):
+        total = torch.zeros(m, n)
+        for part in left.parts:  # in order, in float32, as the norm adds them
+            total += part
     return {
+        "ranges_left": list(left.parts.shape) if total is not None else None,
+        "ranges_add_up": total is None or bool(torch.equal(total.to(left.dtype), got)),
         "repeatable": bool(torch.equal(got, again)),
         "into_out": bool(
             not into or (got.data_ptr() == buffer.data_ptr() and (buffer[:, n:] == 7).all())
@@ -60,7 +70,14 @@ CASES = {
     "split_narrow_tiles": dict(m=1, n=100, k=1024, splits=8, block_n=32),
     "into_given_rows": dict(m=2, n=200, k=256, dtype=BF16, into=True),
     "into_given_rows_split": dict(m=1, n=130, k=512, into=True, splits=2),
+    # leave_ranges: parts [splits, m, n] only where K is split and no bias or out is given
+    "ranges_left": dict(m=3, n=200, k=640, splits=4, dtype=BF16, ranges=True),
+    "ranges_left_f32": dict(m=1, n=64, k=512, splits=2, ranges=True),
+    "ranges_no_split": dict(m=2, n=96, k=256, splits=1, dtype=BF16, ranges=True),
+    "ranges_bias": dict(m=2, n=96, k=512, splits=2, dtype=BF16, bias=True, ranges=True),
+    "ranges_into_out": dict(m=1, n=130, k=512, into=True, splits=2, ranges=True),
 }
+LEFT = {"ranges_left": [4, 3, 200], "ranges_left_f32": [2, 1, 64]}
 
 
 def run_interpreter_cases() -> dict:
@@ -83,6 +100,7 @@ def test_kernel_matches_torch(results, case):
     dtype = c.get("dtype", F32)
     assert r["shape"] == [c["m"], c["n"]] and r["dtype"] == str(dtype) and r["repeatable"], r
     assert r["into_out"], r
+    assert r["ranges_left"] == LEFT.get(case) and r["ranges_add_up"], r
     if dtype == F32:
         assert r["max_diff"] <= 2**-23 * 16 * r["max_terms"], r
     else:  # one rounding step of the result, plus the float32 sums' order

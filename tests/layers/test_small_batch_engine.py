@@ -2,7 +2,8 @@
 without them, under the Triton interpreter on the CPU (one subprocess: this file run as a script;
 ``small_batch.takes`` is widened to CPU tensors there). Decode steps of at most 8 sequences then
 run the linears, the LM head, the norms and SiLU-and-mul through the few-rows kernels, also with a
-LoRA adapter on every row. Greedy tokens must be equal, and each kernel must have been called."""
+LoRA adapter on every row. Greedy tokens must be equal, and each kernel must have been called; the
+down projection (K of 512: two ranges) leaves its ranges to the norm behind, except under LoRA."""
 
 import pytest
 import torch
@@ -23,7 +24,9 @@ def engine_tokens(tmp: str, lora: bool) -> dict:
     from nanovllm.lora.request import LoRARequest
     from nanovllm.utils.checkpoint import make_random_checkpoint
 
-    path = make_random_checkpoint(tmp, "tiny", dtype=torch.bfloat16, vocab_size=512, std=0.3)
+    path = make_random_checkpoint(
+        tmp, "tiny", dtype=torch.bfloat16, vocab_size=512, std=0.3, intermediate_size=512
+    )
     request, options = None, {}
     if lora:
         tensors, config = random_adapter(AutoConfig.from_pretrained(path), rank=8, std=0.5)
@@ -36,7 +39,10 @@ def engine_tokens(tmp: str, lora: bool) -> dict:
 
         def counted(*args, _kernel=kernel, _name=name, **kwargs):
             calls[_name] = calls.get(_name, 0) + 1
-            return _kernel(*args, **kwargs)
+            result = _kernel(*args, **kwargs)
+            if isinstance(result, rows_gemm.RangeSums):
+                calls["ranges_left"] = calls.get("ranges_left", 0) + 1
+            return result
 
         setattr(module, name, counted)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -82,6 +88,8 @@ def test_tokens_with_the_few_rows_kernels_equal_those_without(results, case):
     # 7 decode steps x 2 layers: 4 linears (with an adapter: the base's product), 2 norms,
     # SiLU-and-mul; and the final norm and the LM head (also after the prefill: 3 rows)
     want = {"rows_linear": 7 * (2 * 4 + 1) + 1, "rms_norm": 7 * (2 * 2 + 1), "silu_and_mul": 7 * 2}
+    if case == "plain":  # each layer's down projection; under LoRA the adapters add to it
+        want["ranges_left"] = 7 * 2
     assert r["calls"] == want, r["calls"]
     assert r["with"] == r["without"], r
     assert len({t for seq in r["without"] for t in seq}) > 6, r  # not one repeated token
