@@ -63,5 +63,5 @@ class GraphPair:
     def padded_batch(self, n: int) -> int | None:
         return self.base.padded_batch(n)
 
-    def replay(self, n: int, batch: int):
-        return (self.with_lora if self.lora else self.base).replay(n, batch)
+    def replay(self, n: int, batch: int, turn: int):
+        return (self.with_lora if self.lora else self.base).replay(n, batch, turn)

@@ -1,4 +1,6 @@
-"""Decode steps as CUDA graphs, one per batch size, ending with the LM head and the draw."""
+"""Decode steps as CUDA graphs, one per batch size and input turn: each copies its turn's host
+inputs in (``DecodeBuffer.stage``), ends with the LM head and the draw, and writes the drawn tokens
+to the runner's pinned ``host_tokens[turn]``, so that a step queues no copy of its own."""
 
 import torch
 
@@ -19,27 +21,31 @@ class DecodeGraphs:
     def __init__(self, runner, largest_only: bool = False):
         model, sampled = runner.model, runner.sampled
         self.model, self.inputs, self.sampled = model, runner.decode_buffer, sampled
+        self.host_tokens = runner.host_tokens  # [turns, max_num_seqs] int64, pinned
         self.head = model.lm_head  # this rank's share of the vocabulary
         max_batch = min(runner.config.max_num_seqs, 512)
         with runner.device:
             shape = (max_batch, self.head.num_embeddings_per_rank)
             self.out = torch.empty(*shape, dtype=runner.dtype)
         self.batch_sizes = graph_batch_sizes(max_batch)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         pool = None
         for batch in self.batch_sizes[-1:] if largest_only else reversed(self.batch_sizes):
-            graph = torch.cuda.CUDAGraph()
-            self._forward(batch)  # warm-up
-            with torch.cuda.graph(graph, pool):
-                self._forward(batch)
-            if pool is None:
-                pool = graph.pool()
-            self.graphs[batch] = graph
-            runner.sync()
+            for turn in range(len(self.inputs.staging)):
+                graph = torch.cuda.CUDAGraph()
+                self._forward(batch, turn)  # warm-up
+                with torch.cuda.graph(graph, pool):
+                    self._forward(batch, turn)
+                if pool is None:
+                    pool = graph.pool()
+                self.graphs[batch, turn] = graph
+                runner.sync()
 
-    def _forward(self, batch: int) -> None:
+    def _forward(self, batch: int, turn: int) -> None:
+        from nanovllm.runner.host_copy import copy_words
         from nanovllm.sampling.triton_draw import gumbel_argmax, sharded_gumbel_argmax
 
+        self.inputs.stage(turn, batch)
         v = self.inputs.fields
         input_ids, positions, context = decode_inputs(v, self.sampled, batch)
         with step_context(context):
@@ -52,11 +58,13 @@ class DecodeGraphs:
         else:
             vocab = (self.head.vocab_start, self.head.num_embeddings)
             sharded_gumbel_argmax(logits, temperatures, seeds, *vocab, out)
+        copy_words(out, self.host_tokens[turn], out.nbytes)
 
     def padded_batch(self, n: int) -> int | None:
         """The smallest graph batch that fits ``n`` rows, or None."""
         return next((b for b in self.batch_sizes if b >= n), None)
 
-    def replay(self, n: int, batch: int) -> torch.Tensor:
-        self.graphs[batch].replay()
+    def replay(self, n: int, batch: int, turn: int) -> torch.Tensor:
+        self.graphs[batch, turn].replay()
+        self.inputs.done()
         return self.out[:n]

@@ -124,6 +124,10 @@ class ModelRunner:
         self.sampled = torch.zeros(self.config.max_num_seqs, dtype=torch.int64, device=self.device)
         max_blocks = -(-self.config.max_model_len // self.block_size)
         self.decode_buffer = DecodeBuffer(self.config.max_num_seqs, max_blocks, self.device)
+        turns, rows = len(self.decode_buffer.staging), self.config.max_num_seqs
+        pinned = self.device.type == "cuda"  # a decode graph of turn k draws into host_tokens[k]
+        self.host_tokens = torch.zeros(turns, rows, dtype=torch.int64, pin_memory=pinned)
+        self.host_outputs: list[StepOutput | None] = [None] * turns  # holding host_tokens[k]
 
     def bind_kv_cache(self, num_blocks: int) -> torch.Tensor:
         shape = (num_blocks, self.num_kv_heads, self.head_dim)
@@ -153,8 +157,10 @@ class ModelRunner:
                 input_ids, positions, context = prefill_inputs(step, self.block_size, self._tensor)
             else:
                 graph_batch = self.graphs.padded_batch(n) if self.graphs is not None else None
-                fields = self.decode_buffer.send(step, graph_batch or n, self.block_size)
+                graphed = graph_batch is not None
+                turn = self.decode_buffer.send(step, graph_batch or n, self.block_size, graphed)
                 if graph_batch is None:
+                    fields = self.decode_buffer.fields
                     input_ids, positions, context = decode_inputs(fields, self.sampled, n)
                 else:
                     context = Context(is_prefill=False)
@@ -165,7 +171,10 @@ class ModelRunner:
                 hidden_states = self.model(input_ids, positions)
                 logits = self.model.compute_logits(hidden_states)
             else:
-                logits = self.graphs.replay(n, graph_batch)  # its rows drawn into sampled[:n]
+                held = self.host_outputs[turn]  # the step before last's tokens, rewritten now
+                if held is not None:
+                    held.keep()
+                logits = self.graphs.replay(n, graph_batch, turn)  # drawn into sampled[:n] too
                 if not drawn:  # the whole vocabulary's logits on rank 0 (None elsewhere)
                     logits = self.model.lm_head.gather(logits)
         prompt = None  # prompt log-probabilities (rank 0)
@@ -178,7 +187,8 @@ class ModelRunner:
         output = None
         if self.rank == 0 and step.sampling is not None:
             if drawn:
-                output = StepOutput(self.sampled[:n], self.sync)
+                output = StepOutput(self.sampled[:n], self.sync, host=self.host_tokens[turn, :n])
+                self.host_outputs[turn] = output
             else:
                 output = self.sample(logits, step.sampling, step.prompt_scoring, prompt)
                 if self.config.async_scheduling:

@@ -128,32 +128,48 @@ def decode_inputs(v: dict[str, torch.Tensor], sampled: torch.Tensor, rows: int) 
 
 
 class DecodeBuffer:
-    """Decode inputs in one buffer of fixed layout, filled in a host copy and sent with one copy;
-    the CUDA graphs read the device buffer in place."""
+    """Decode inputs in one buffer of fixed layout, filled in a host copy, in turn one of two on a
+    GPU; the CUDA graphs read the device buffer in place. A graph of turn ``k`` copies host copy
+    ``k`` in itself (``stage``); any other step has it sent with one copy. A host copy is refilled
+    once the work queued after its last fill (``done``) has passed."""
 
     def __init__(self, max_rows: int, max_blocks: int, device: torch.device):
         self.layout = DecodeLayout(max_rows, max_blocks)
         self.buffer = torch.zeros(self.layout.nbytes, dtype=torch.uint8, device=device)
         self.fields = self.layout.fields(self.buffer, lambda p, dtype: p.view(TORCH_DTYPES[dtype]))
-        for name, _, pad in DECODE_FIELDS:  # all padding: a graph captured over it writes no slot
-            self.fields[name].fill_(pad)
         self.staging = [self.buffer]  # the CPU: the buffer itself; a GPU: two pinned, in turn
         if device.type != "cpu":
             size, u8 = self.layout.nbytes, torch.uint8
             self.staging = [torch.zeros(size, dtype=u8, pin_memory=True) for _ in range(2)]
         self.staged = [self.layout.fields(s.numpy(), lambda p, t: p.view(t)) for s in self.staging]
+        for name, _, pad in DECODE_FIELDS:  # all padding: a graph captured over it writes no slot
+            self.fields[name].fill_(pad)
+            for staged in self.staged:
+                staged[name][:] = pad
         self.copied: list[torch.cuda.Event | None] = [None] * len(self.staging)
         self.turn = 0
 
-    def send(self, step: Step, rows: int, block_size: int) -> dict[str, torch.Tensor]:
-        """Fill the next host copy with ``step`` (``rows``, padded) and queue its copy."""
+    def send(self, step: Step, rows: int, block_size: int, staged: bool = False) -> int:
+        """Fill the next host copy with ``step`` (``rows``, padded) and queue its copy, unless a
+        graph will ``stage`` it; returns its turn."""
         k = self.turn = (self.turn + 1) % len(self.staging)
         if self.copied[k] is not None:
             self.copied[k].synchronize()
         fill_decode(self.staged[k], step, rows, block_size)
-        if self.staging[k] is not self.buffer:
+        if self.staging[k] is not self.buffer and not staged:
             used = self.layout.used_bytes(rows)
             self.buffer[:used].copy_(self.staging[k][:used], non_blocking=True)
-            self.copied[k] = torch.cuda.Event()
-            self.copied[k].record()
-        return self.fields
+            self.done()
+        return k
+
+    def stage(self, turn: int, rows: int) -> None:
+        """Queue host copy ``turn``'s first ``rows`` rows into the buffer, read by a kernel."""
+        from nanovllm.runner.host_copy import copy_words
+
+        copy_words(self.staging[turn], self.buffer, self.layout.used_bytes(rows))
+
+    def done(self) -> None:
+        """The current host copy is read by the work queued so far."""
+        if self.staging[self.turn] is not self.buffer:
+            self.copied[self.turn] = torch.cuda.Event()
+            self.copied[self.turn].record()

@@ -209,7 +209,8 @@ def test_decode_inputs_match_token_by_token_reference():
         seqs.append(decode_seq(n, blocks, pending_row=i if i % 3 == 0 else None))
     max_blocks = max(len(s.block_table) for s in seqs)
     buffer = DecodeBuffer(max_rows=48, max_blocks=max_blocks, device=torch.device("cpu"))
-    fields = buffer.send(decode_step(seqs), 48, BLOCK_SIZE)
+    assert buffer.send(decode_step(seqs), 48, BLOCK_SIZE) == 0  # one turn: its own host copy
+    fields = buffer.fields
     sampled = torch.arange(500, 548)
     input_ids, positions, context = decode_inputs(fields, sampled, 40)
     want_ids = [500 + s.pending_row if s.num_pending else s.last_token for s in seqs]
