@@ -17,7 +17,7 @@ PACKAGE = os.path.join(ROOT, "nanovllm")
 # layers/small_batch.py, where the linears, norms, activation and LM head hand a few rows on a GPU
 # to their own kernels; the flag by which o_proj and down_proj leave a split few-rows GEMM's ranges
 # to the norm behind; the decode graphs copying their inputs in and their tokens out themselves
-PLAIN_PATH_LINES = 3615
+PLAIN_PATH_LINES = 3607
 FEATURES = (
     "nanovllm.features",
     "nanovllm.quantization",

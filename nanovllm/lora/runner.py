@@ -65,3 +65,6 @@ class GraphPair:
 
     def replay(self, n: int, batch: int, turn: int):
         return (self.with_lora if self.lora else self.base).replay(n, batch, turn)
+
+    def output(self, n: int, turn: int, wait):
+        return (self.with_lora if self.lora else self.base).output(n, turn, wait)

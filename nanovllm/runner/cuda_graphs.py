@@ -1,10 +1,11 @@
 """Decode steps as CUDA graphs, one per batch size and input turn: each copies its turn's host
 inputs in (``DecodeBuffer.stage``), ends with the LM head and the draw, and writes the drawn tokens
-to the runner's pinned ``host_tokens[turn]``, so that a step queues no copy of its own."""
+to the pinned ``host_tokens[turn]``, so that a step queues no copy of its own."""
 
 import torch
 
 from nanovllm.runner.step_inputs import decode_inputs
+from nanovllm.runner.step_output import StepOutput
 from nanovllm.utils.context import step_context
 
 
@@ -21,9 +22,11 @@ class DecodeGraphs:
     def __init__(self, runner, largest_only: bool = False):
         model, sampled = runner.model, runner.sampled
         self.model, self.inputs, self.sampled = model, runner.decode_buffer, sampled
-        self.host_tokens = runner.host_tokens  # [turns, max_num_seqs] int64, pinned
         self.head = model.lm_head  # this rank's share of the vocabulary
         max_batch = min(runner.config.max_num_seqs, 512)
+        turns = len(self.inputs.staging)
+        self.host_tokens = torch.zeros(turns, max_batch, dtype=torch.int64, pin_memory=True)
+        self.held: list[StepOutput | None] = [None] * turns  # the output reading host_tokens[k]
         with runner.device:
             shape = (max_batch, self.head.num_embeddings_per_rank)
             self.out = torch.empty(*shape, dtype=runner.dtype)
@@ -31,7 +34,7 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         pool = None
         for batch in self.batch_sizes[-1:] if largest_only else reversed(self.batch_sizes):
-            for turn in range(len(self.inputs.staging)):
+            for turn in range(turns):
                 graph = torch.cuda.CUDAGraph()
                 self._forward(batch, turn)  # warm-up
                 with torch.cuda.graph(graph, pool):
@@ -65,6 +68,15 @@ class DecodeGraphs:
         return next((b for b in self.batch_sizes if b >= n), None)
 
     def replay(self, n: int, batch: int, turn: int) -> torch.Tensor:
+        """Logits of the first ``n`` rows; their tokens are drawn into ``sampled[:n]`` too."""
+        if self.held[turn] is not None:  # the step before last's tokens, about to be rewritten
+            self.held[turn].keep()
+            self.held[turn] = None
         self.graphs[batch, turn].replay()
         self.inputs.done()
         return self.out[:n]
+
+    def output(self, n: int, turn: int, wait) -> StepOutput:
+        """The drawn tokens of the step just replayed, read from ``host_tokens[turn]``."""
+        self.held[turn] = StepOutput(self.sampled[:n], wait, host=self.host_tokens[turn, :n])
+        return self.held[turn]

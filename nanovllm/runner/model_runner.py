@@ -124,10 +124,6 @@ class ModelRunner:
         self.sampled = torch.zeros(self.config.max_num_seqs, dtype=torch.int64, device=self.device)
         max_blocks = -(-self.config.max_model_len // self.block_size)
         self.decode_buffer = DecodeBuffer(self.config.max_num_seqs, max_blocks, self.device)
-        turns, rows = len(self.decode_buffer.staging), self.config.max_num_seqs
-        pinned = self.device.type == "cuda"  # a decode graph of turn k draws into host_tokens[k]
-        self.host_tokens = torch.zeros(turns, rows, dtype=torch.int64, pin_memory=pinned)
-        self.host_outputs: list[StepOutput | None] = [None] * turns  # holding host_tokens[k]
 
     def bind_kv_cache(self, num_blocks: int) -> torch.Tensor:
         shape = (num_blocks, self.num_kv_heads, self.head_dim)
@@ -171,10 +167,7 @@ class ModelRunner:
                 hidden_states = self.model(input_ids, positions)
                 logits = self.model.compute_logits(hidden_states)
             else:
-                held = self.host_outputs[turn]  # the step before last's tokens, rewritten now
-                if held is not None:
-                    held.keep()
-                logits = self.graphs.replay(n, graph_batch, turn)  # drawn into sampled[:n] too
+                logits = self.graphs.replay(n, graph_batch, turn)
                 if not drawn:  # the whole vocabulary's logits on rank 0 (None elsewhere)
                     logits = self.model.lm_head.gather(logits)
         prompt = None  # prompt log-probabilities (rank 0)
@@ -187,8 +180,7 @@ class ModelRunner:
         output = None
         if self.rank == 0 and step.sampling is not None:
             if drawn:
-                output = StepOutput(self.sampled[:n], self.sync, host=self.host_tokens[turn, :n])
-                self.host_outputs[turn] = output
+                output = self.graphs.output(n, turn, self.sync)
             else:
                 output = self.sample(logits, step.sampling, step.prompt_scoring, prompt)
                 if self.config.async_scheduling:

@@ -3,7 +3,8 @@
 dependent launch, K cut into ranges) within one bf16 rounding step, also replayed in a CUDA graph
 (the arrival counters set back); the few-rows RMSNorm and SiLU-and-mul against the compiled torch
 path; a bf16 engine's tokens with all of them and without. The flash-attn
-backend's decode of a few sequences (the Triton kernel) against flash-attn's own."""
+backend's decode of a few sequences (the Triton kernel) against flash-attn's own. A decode graph's
+drawn tokens read back after a later replay of the same input turn."""
 
 import importlib.util
 
@@ -116,3 +117,30 @@ def test_small_decode_matches_flash_attn(lens):
     ).squeeze(1)
     assert got.shape == want.shape
     assert (got.float() - want.float()).abs().max().item() <= 2**-7
+
+
+def test_drawn_tokens_outlive_their_turn_coming_round(tmp_path):
+    """A graphed step's tokens are still its own when a later replay of its input turn rewrites
+    the pinned host copy they were drawn into before they were read."""
+    from nanovllm import LLM
+    from nanovllm.utils.checkpoint import make_random_checkpoint
+
+    shape = dict(hidden_size=256, intermediate_size=512, head_dim=128, num_hidden_layers=2)
+    path = make_random_checkpoint(str(tmp_path), "tiny", dtype=torch.bfloat16, **shape)
+    with LLM(path, max_model_len=256, max_num_seqs=4) as llm:
+        runner = llm.core.executor.runner
+        graphs, staged = runner.graphs, runner.decode_buffer.staged[0]
+        row = dict(input_ids=5, positions=0, slot_mapping=0, context_lens=1, temperatures=1.0)
+
+        def replay(seed: int):  # one sequence's first decode step, drawn at temperature 1
+            torch.cuda.synchronize()  # nothing queued reads the host inputs while they change
+            for name, value in dict(row, seeds=seed).items():
+                staged[name][0] = value
+            staged["block_tables"][0, 0] = 0
+            graphs.replay(1, 1, 0)
+            return graphs.output(1, 0, runner.sync)
+
+        alone = {seed: replay(seed).result()[0] for seed in range(8)}
+        a, b = next((a, b) for a in alone for b in alone if alone[a] != alone[b])
+        first, second = replay(a), replay(b)  # the same turn: the second rewrites the first's copy
+        assert (first.result()[0], second.result()[0]) == (alone[a], alone[b])
