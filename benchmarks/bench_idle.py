@@ -31,25 +31,25 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: bench.py
 
-from bench_profile import NOT_WORK, format_table, summarize  # noqa: E402
+from bench_profile import NOT_WORK, format_table, summarize, work_and_calls  # noqa: E402
 
 MIN_GAP = 100e-6  # seconds: shorter gaps are kernel boundaries inside graphs and launch queues
 
 
 def host_late_idle(
-    gpu: list[tuple[float, float, int]],
+    gpu: list[tuple],
     launches: dict[int, float],
     labels: list[tuple[float, float, str]],
     min_gap: float = MIN_GAP,
 ):
-    """``gpu``: device work as (start, end, correlation id); ``launches``: correlation id ->
+    """``gpu``: device work as (start, end, correlation id, ...); ``launches``: correlation id ->
     start of the CUDA call that queued it; ``labels``: host ranges (start, end, name). Returns the
     number of host-late gaps of at least ``min_gap``, their seconds (until the queuing call) by the
     stack of labels open meanwhile, outermost first and " > "-joined ("(unlabelled)" where none
     is), and the seconds of the other such gaps (their work was queued in time, or its call is
     unknown)."""
     busy: list[list] = []  # merged intervals, each with the correlation id of its first work
-    for start, end, corr in sorted(gpu):
+    for start, end, corr, *_ in sorted(gpu):
         if busy and start <= busy[-1][1]:
             busy[-1][1] = max(busy[-1][1], end)
         else:
@@ -95,7 +95,6 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=15, help="label stacks to print")
     args = parser.parse_args()
     import torch
-    from torch.autograd import DeviceType
     from torch.autograd.profiler import record_function
     from torch.profiler import ProfilerActivity, profile
 
@@ -133,17 +132,9 @@ def main() -> None:
                 wall = time.perf_counter() - wall
         finally:
             gc.callbacks.remove(on_gc)
-    gpu, names, launches, labels = [], [], {}, []
-    for e in prof.profiler.kineto_results.events():
-        start, end = e.start_ns() * 1e-9, e.end_ns() * 1e-9
-        if e.device_type() == DeviceType.CUDA:
-            if e.name() not in NOT_WORK and not getattr(e, "is_user_annotation", lambda: False)():
-                gpu.append((start, end, e.correlation_id()))
-                names.append((e.name(), start, end))
-        elif e.name().startswith("cuda"):
-            launches[e.correlation_id()] = start
-        elif e.name().startswith("@"):
-            labels.append((start, end, e.name()))
+    gpu, calls, labels = work_and_calls(prof.profiler.kineto_results.events(), skip=NOT_WORK)
+    names = [(name, start, end) for start, end, _, name in gpu]
+    launches = {corr: start for corr, (start, _) in calls.items()}
     total = sum(p.max_tokens for p in params)
     print(f"profiled run (CPU and CUDA activity): {wall:.2f} s, {total / wall:,.0f} tok/s")
     print(format_table(summarize(names, wall)))

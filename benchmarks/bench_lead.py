@@ -59,7 +59,7 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=300, help="output tokens of the call")
     args = parser.parse_args(argv)
     import torch
-    from torch.autograd import DeviceType
+    from bench_profile import work_and_calls
     from torch.profiler import ProfilerActivity, profile
 
     from nanovllm import LLM, SamplingParams
@@ -76,14 +76,7 @@ def main(argv=None) -> None:
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 llm.generate(prompt, params, use_tqdm=False)
                 torch.cuda.synchronize()
-    gpu, calls = [], {}
-    for e in prof.profiler.kineto_results.events():
-        start, end = e.start_ns() * 1e-3, e.end_ns() * 1e-3
-        if e.device_type() == DeviceType.CUDA:
-            if not getattr(e, "is_user_annotation", lambda: False)():
-                gpu.append((start, end, e.correlation_id(), e.name()))
-        elif e.name().startswith("cuda"):
-            calls[e.correlation_id()] = (start, e.name())
+    gpu, calls, _ = work_and_calls(prof.profiler.kineto_results.events(), unit=1e-3)  # us
     print(f"{args.random}, one request of {args.steps} tokens, {args.backend} backend:")
     print(format_starts(step_starts(gpu, calls)))
 

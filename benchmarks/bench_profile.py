@@ -315,6 +315,26 @@ def device_events(kineto_events, device_index: int) -> list[tuple[str, float, fl
     return [event for events in by_device.values() for event in events]
 
 
+def work_and_calls(kineto_events, unit: float = 1e-9, skip=()) -> tuple[list, dict, list]:
+    """One pass over ``prof.profiler.kineto_results.events()`` (times: nanoseconds × ``unit``):
+    the device's work as (start, end, correlation id, name), leaving out user annotations projected
+    onto the GPU and names in ``skip``; the CUDA runtime calls as correlation id -> (start, name);
+    the host ranges named "@..." (phase labels) as (start, end, name)."""
+    from torch.autograd import DeviceType
+
+    gpu, calls, labels = [], {}, []
+    for e in kineto_events:
+        start, end, name = e.start_ns() * unit, e.end_ns() * unit, e.name()
+        if e.device_type() == DeviceType.CUDA:
+            if name not in skip and not getattr(e, "is_user_annotation", lambda: False)():
+                gpu.append((start, end, e.correlation_id(), name))
+        elif name.startswith("cuda"):
+            calls[e.correlation_id()] = (start, name)
+        elif name.startswith("@"):
+            labels.append((start, end, name))
+    return gpu, calls, labels
+
+
 class GpuProfiler:
     """``with GpuProfiler(trace_path) as p: <timed region>``; then ``p.summary(wall)``. Records
     kineto's CUDA activity of this process, summarised for its current GPU (with tensor

@@ -25,6 +25,7 @@ from bench_profile import (  # noqa: E402
     idle_gaps,
     merged,
     summarize,
+    work_and_calls,
 )
 
 FLASH_DECODE = (
@@ -300,8 +301,11 @@ def test_format_notes_lists_other_kernels_and_warns_on_sparse_coverage():
 
 
 class FakeKinetoEvent:
-    def __init__(self, name, device_type, device_index, start_ns, end_ns, annotation=False):
-        self._v = (name, device_type, device_index, start_ns, end_ns, annotation)
+    def __init__(self, name, device_type, device_index, start_ns, end_ns, annotation=False, corr=0):
+        self._v = (name, device_type, device_index, start_ns, end_ns, annotation, corr)
+
+    def correlation_id(self):
+        return self._v[6]
 
     def is_user_annotation(self):
         return self._v[5]
@@ -335,6 +339,25 @@ def test_device_events_keeps_one_gpus_records():
     assert device_events(raw, 1) == [("nvjet", 2.0, 3.0)]
     assert sorted(device_events(raw, 7)) == [("_decode_kernel", 1.0, 1.5), ("nvjet", 2.0, 3.0)]
     assert device_events(raw[:1], 0) == []
+
+
+def test_work_and_calls_sorts_one_pass_of_events():
+    from torch.autograd import DeviceType
+
+    cpu, cuda = DeviceType.CPU, DeviceType.CUDA
+    raw = [
+        FakeKinetoEvent("cudaGraphLaunch", cpu, 0, 1_000, 2_000, corr=7),
+        FakeKinetoEvent("@forward", cpu, 0, 500, 9_000),
+        FakeKinetoEvent("aten::mm", cpu, 0, 600, 700),  # neither a call nor a label
+        FakeKinetoEvent("_decode_kernel", cuda, 0, 3_000, 4_500, corr=7),
+        FakeKinetoEvent("Memset (Device)", cuda, 0, 5_000, 5_100, corr=8),
+        FakeKinetoEvent("@forward", cuda, 0, 500, 9_000, annotation=True),
+    ]
+    gpu, calls, labels = work_and_calls(raw, unit=1e-3, skip=("Memset (Device)",))
+    assert gpu == [(3.0, 4.5, 7, "_decode_kernel")]
+    assert calls == {7: (1.0, "cudaGraphLaunch")}
+    assert labels == [(0.5, 9.0, "@forward")]
+    assert work_and_calls(raw)[0][0][:2] == (3e-6, 4.5e-6)  # seconds by default
 
 
 @pytest.mark.gpu  # skipped without a CUDA GPU (tests/conftest.py)
