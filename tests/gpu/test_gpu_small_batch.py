@@ -143,4 +143,5 @@ def test_drawn_tokens_outlive_their_turn_coming_round(tmp_path):
         alone = {seed: replay(seed).result()[0] for seed in range(8)}
         a, b = next((a, b) for a in alone for b in alone if alone[a] != alone[b])
         first, second = replay(a), replay(b)  # the same turn: the second rewrites the first's copy
+        torch.cuda.synchronize()  # it has, before the first's tokens are read
         assert (first.result()[0], second.result()[0]) == (alone[a], alone[b])
