@@ -66,15 +66,14 @@ def check_lora_linear(num_rows, k, n, width, num_slots, used=None, *, tile=None,
     slots = random_slots(num_rows, num_slots, num_rows if used is None else used)
     case = make_case(num_rows, k, n, width, slots, num_slots, **kw)
     out = lora_linear(**case) if tile is None else launch_lora(**case, tile=tile)
-    as64 = {name: None if t is None else t.double().cpu() for name, t in case.items()}
-    ref = lora_linear_reference(
-        as64["x"], as64["ext"], as64["lora_b"], as64["bias"], row_slots(slots, num_rows)
-    )
+    as64 = {name: None if t is None else t.double() for name, t in case.items()}  # on its device
+    per_row = row_slots(slots, num_rows).to(out.device)
+    ref = lora_linear_reference(as64["x"], as64["ext"], as64["lora_b"], as64["bias"], per_row)
     err = lambda a, b: ((a - b).norm() / b.norm()).item() if b.norm() > 0 else 0.0  # noqa: E731
-    base = row_slots(slots, num_rows) < 0
+    base = per_row < 0
     return {
-        "rel_err": err(out.double().cpu(), ref),
-        "base_err": err(out.double().cpu()[base], ref[base]),
+        "rel_err": err(out.double(), ref),
+        "base_err": err(out.double()[base], ref[base]),
         "rows_with_slot": int((~base).sum()),
     }
 
