@@ -8,28 +8,13 @@ project: BENCHMARKS.md, "The FP8 decode attention", says what it took to install
     python benchmarks/bench_flashinfer_decode.py
 """
 
-import statistics
 import time
 
 import torch
+from bench_attention import median_ms  # the engine's kernels are timed the same way
 
 NUM_SEQS, HEADS, KV_HEADS, HEAD_DIM = 256, 16, 8, 128
 LAYOUTS = [(16, "NHD", False), (256, "NHD", False), (16, "HND", False), (16, "NHD", True)]
-
-
-def graph_median_ms(fn, iters: int = 30) -> float:
-    for _ in range(3):
-        fn()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    events = [[torch.cuda.Event(enable_timing=True) for _ in range(2)] for _ in range(iters)]
-    for start, end in events:
-        start.record()
-        graph.replay()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(start.elapsed_time(end) for start, end in events)
 
 
 def reference_error(out, q, k8, v8, ks, vs, ids, indptr, lens, layout) -> float:
@@ -74,7 +59,7 @@ def measure(flashinfer, q, lens, page, layout, tensor_cores, gen) -> str:
     torch.cuda.synchronize()
     built = time.time() - started
     err = reference_error(out, q, k8, v8, ks, vs, ids, indptr, lens, layout)
-    ms = graph_median_ms(lambda: wrapper.run(q, (k8, v8), k_scale=ks, v_scale=vs, out=out))
+    ms = median_ms(lambda: wrapper.run(q, (k8, v8), k_scale=ks, v_scale=vs, out=out), 30)
     nbytes = int(lens.sum()) * KV_HEADS * HEAD_DIM * 2
     return (
         f"page {page} {layout} tensor_cores={tensor_cores}: {ms * 1e3:.1f} us, "
